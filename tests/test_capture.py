@@ -1,0 +1,257 @@
+"""Recorded sketches equal P_out (∇_W ℓ_i) P_inᵀ from a per-example autograd reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+)
+
+from traceprop_engine import Store, Tracker, TrackSettings
+from traceprop_engine.capture import Capture, build_layers
+from traceprop_engine.losses import causal_lm_losses, classification_losses
+
+# fp32 round-off over a few hundred accumulated products, relative to the sketch's scale
+RTOL = 1e-4
+ATOL_REL = 1e-5
+
+VOCAB = 97
+
+
+def tiny_neox() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, rotary_pct=0.25,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    return GPTNeoXForCausalLM(cfg).eval()
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(1)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_bert_classifier() -> torch.nn.Module:
+    torch.manual_seed(2)
+    cfg = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(cfg).eval()
+
+
+def causal_batch(seed: int = 0):
+    """Three examples of different lengths, right-padded, loss on the completion only."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, prompt_lens = [11, 7, 9], [4, 3, 0]
+    T = max(lengths)
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    labels = torch.full((3, T), -100)
+    for b, (n, p) in enumerate(zip(lengths, prompt_lens, strict=True)):
+        ids[b, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[b, :n] = 1
+        labels[b, p:n] = ids[b, p:n]
+    return ids, mask, labels, lengths
+
+
+def reference_sketches(model, layers, per_example_loss) -> list[list[np.ndarray]]:
+    """Per example: per layer P_out G P_inᵀ with G from loss_i.backward()."""
+    out = []
+    for loss_fn in per_example_loss:
+        model.zero_grad()
+        loss_fn().backward()
+        per_layer = []
+        for layer in layers:
+            w = layer.module.weight.grad
+            G = w.T if layer.kind == "conv1d" else w  # (d_out, d_in)
+            Pin = torch.eye(layer.d_in) if layer.P_in is None else layer.P_in
+            Pout = torch.eye(layer.d_out) if layer.P_out is None else layer.P_out
+            per_layer.append((Pout.double() @ G.double() @ Pin.double().T).numpy())
+        out.append(per_layer)
+    model.zero_grad()
+    return out
+
+
+def recorded(tmp_path, model, settings, run_batch):
+    with Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker:
+        run_batch(tracker)
+    store = Store(tmp_path / "store.h5")
+    return store, [store.sketches(i) for i in range(len(store.layers))]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    scale = max(np.abs(want).max(), 1e-12)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL_REL * scale, err_msg=what)
+
+
+def check_causal(tmp_path, model, settings):
+    ids, mask, labels, lengths = causal_batch()
+
+    def run_batch(tracker):
+        with tracker.step([0, 1, 2], token_mask=mask) as rec:
+            out = model(input_ids=ids, attention_mask=mask)
+            losses = causal_lm_losses(out.logits, labels)
+            losses.mean().backward()
+            rec.losses = losses
+
+    store, got = recorded(tmp_path, model, settings, run_batch)
+    layers = build_layers(model, settings)
+
+    def single(b):
+        n = lengths[b]
+        return lambda: causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[0]
+
+    ref = reference_sketches(model, layers, [single(b) for b in range(3)])
+    assert len(store.layers) == len(layers)
+    for li, layer in enumerate(layers):
+        for b in range(3):
+            assert_close(got[li][b], ref[b][li], f"layer {layer.name}, example {b}")
+    return store, layers
+
+
+def test_gpt_neox_factored_matches_autograd(tmp_path):
+    model = tiny_neox()
+    store, layers = check_causal(tmp_path, model, TrackSettings(k_in=4, k_out=6))
+    assert len(layers) == 2 * 4 + 1  # qkv, dense, h_to_4h, 4h_to_h per block + embed_out
+    assert store.layers[0].k_in == 4 and store.layers[0].k_out == 6
+    assert np.all(np.isfinite(store.records()["loss"]))
+
+
+def test_gpt2_conv1d_matches_autograd(tmp_path):
+    model = tiny_gpt2()
+    # lm_head is tied to the token embedding: its weight.grad mixes both uses, so leave it out
+    _, layers = check_causal(tmp_path, model, TrackSettings(k_in=5, k_out=3, scope=r"^transformer\."))
+    assert {layer.kind for layer in layers} == {"conv1d"}
+
+
+def test_exact_when_k_equals_width(tmp_path):
+    model = tiny_neox()
+    _, layers = check_causal(tmp_path, model, TrackSettings(k_in=10_000, k_out=10_000, scope="last-block"))
+    assert all(layer.P_in is None and layer.P_out is None for layer in layers)
+    assert all(".1." in layer.name for layer in layers)
+
+
+def test_lora_layers_match_autograd(tmp_path):
+    base = tiny_neox()
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query_key_value", "dense"], init_lora_weights=False)
+    model = get_peft_model(base, cfg)
+    _, layers = check_causal(tmp_path, model, TrackSettings(k_in=3, k_out=3))
+    names = [layer.name for layer in layers]
+    assert names and all("lora_A" in n or "lora_B" in n for n in names)
+
+
+def test_dense_sketch_matches_autograd(tmp_path):
+    model = tiny_neox()
+    settings = TrackSettings(sketch="dense", dense_k=64, scope="last-block")
+    ids, mask, labels, lengths = causal_batch(1)
+
+    def run_batch(tracker):
+        with tracker.step([0, 1, 2], token_mask=mask):
+            causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
+
+    store, got = recorded(tmp_path, model, settings, run_batch)
+    layers = build_layers(model, settings)
+    for li, layer in enumerate(layers):
+        idx, sign = store.dense_projection(li)
+        for b in range(3):
+            model.zero_grad()
+            n = lengths[b]
+            causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[0].backward()
+            flat = layer.module.weight.grad.double().flatten().numpy()
+            want = np.zeros(64)
+            for j in range(idx.shape[0]):
+                np.add.at(want, idx[j], sign[j] * flat)
+            assert_close(got[li][b], want, f"dense {layer.name} example {b}")
+
+
+def test_classifier_matches_autograd(tmp_path):
+    model = tiny_bert_classifier()
+    settings = TrackSettings(k_in=6, k_out=6, scope=r"(encoder\.layer\.1\.|classifier|pooler)")
+    g = torch.Generator().manual_seed(3)
+    lengths = [8, 5, 6, 3]
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    mask = torch.zeros(4, 8, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[b, :n] = 1
+    y = torch.tensor([0, 2, 1, 2])
+
+    def run_batch(tracker):
+        with tracker.step([0, 1, 2, 3], token_mask=mask):
+            classification_losses(model(input_ids=ids, attention_mask=mask).logits, y).mean().backward()
+
+    _, got = recorded(tmp_path, model, settings, run_batch)
+    layers = build_layers(model, settings)
+    assert any(layer.name == "classifier" for layer in layers)
+
+    def single(b):
+        n = lengths[b]
+        return lambda: classification_losses(model(input_ids=ids[b : b + 1, :n]).logits, y[b : b + 1])[0]
+
+    ref = reference_sketches(model, layers, [single(b) for b in range(4)])
+    for li, layer in enumerate(layers):
+        for b in range(4):
+            assert_close(got[li][b], ref[b][li], f"layer {layer.name}, example {b}")
+
+
+def test_covariance_equals_hand_computation():
+    model = tiny_neox()
+    settings = TrackSettings(k_in=4, k_out=5, scope=r"layers\.0\.mlp\.dense_4h_to_h")
+    layers = build_layers(model, settings)
+    (layer,) = layers
+    ids, mask, labels, _ = causal_batch(2)
+    seen = {}
+
+    def spy(module, inputs, output):
+        seen["a"] = inputs[0].detach()
+        output.register_hook(lambda g: seen.update(g=g.detach()))
+
+    h1 = layer.module.register_forward_hook(spy)
+    slots = [torch.zeros(3, layer.k_out, layer.k_in)]
+    try:
+        with Capture(model, layers) as cap, cap.batch(slots, token_mask=mask, loss_scale=3):
+            causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
+    finally:
+        h1.remove()
+    a = seen["a"].double() @ layer.P_in.double().T  # (B, T, k_in)
+    g = 3 * seen["g"].double() @ layer.P_out.double().T  # (B, T, k_out), per-example scale
+    m = mask.bool()
+    A = sum(a[b, t][:, None] @ a[b, t][None, :] for b in range(3) for t in range(a.shape[1]) if m[b, t])
+    S = sum(g[b, t][:, None] @ g[b, t][None, :] for b in range(3) for t in range(g.shape[1]))
+    cov = cap.covariance_arrays()[0]
+    np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cov["S"], S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
+    assert cov["n_tokens"] == int(mask.sum())
+
+
+def test_hooks_idle_without_grad_and_removed_after_error(tmp_path):
+    model = tiny_neox()
+    n_hooks = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    ids, mask, labels, _ = causal_batch()
+    with pytest.raises(KeyboardInterrupt), Tracker(model, tmp_path / "s.h5", TrackSettings(), background=False) as tracker:
+        assert n_hooks() == 9
+        with tracker.step([0, 1, 2], token_mask=mask), torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)  # no grad: nothing recorded, no hook on outputs
+        assert all(not layer._stack for layer in tracker.layers)
+        raise KeyboardInterrupt
+    assert n_hooks() == 0
+    store = Store(tmp_path / "s.h5")
+    assert store.status == "cancelled" and store.is_partial
+    assert store.n_records == 3  # the no-grad step was committed with zero sketches
+    assert np.all(store.sketches(0) == 0)

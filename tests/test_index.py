@@ -1,0 +1,143 @@
+"""FAISS index against brute-force numpy search."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
+from traceprop_engine.index import (
+    INDEX_META_FILE,
+    IndexKind,
+    VectorIndex,
+    build_index,
+    l2_normalize,
+)
+
+SCORE_RTOL = 1e-4  # float32 faiss vs float64 numpy scores
+MIN_IVF_RECALL = 0.9
+
+
+def _structured(n: int, dim: int, seed: int = 0, rank: int = 12) -> np.ndarray:
+    """Low-rank + noise, like preconditioned sketches (a few dominant directions)."""
+    rng = np.random.default_rng(seed)
+    basis = rng.normal(size=(rank, dim))
+    coef = rng.normal(size=(n, rank)) * (2.0 ** -np.arange(rank) * 4)
+    return (coef @ basis + 0.3 * rng.normal(size=(n, dim))).astype(np.float32)
+
+
+def _chunked(x: np.ndarray, size: int = 700):
+    return lambda: (x[i : i + size] for i in range(0, len(x), size))
+
+
+def _brute(x: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    s = q.astype(np.float64) @ x.astype(np.float64).T
+    ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(s, ids, 1), ids
+
+
+def test_flat_equals_brute_force_and_opponents():
+    x = _structured(3000, 32)
+    q = _structured(20, 32, seed=1)
+    idx = build_index(_chunked(x), 32, len(x), kind="flat")
+    assert idx.kind is IndexKind.FLAT and idx.n == 3000
+    scores, ids = idx.search(q, 10)
+    ref_s, ref_i = _brute(x, q, 10)
+    np.testing.assert_allclose(scores, ref_s, rtol=SCORE_RTOL, atol=SCORE_RTOL * np.abs(ref_s).max())
+    np.testing.assert_array_equal(ids, ref_i)
+
+    both = idx.search_both(q, 5)
+    np.testing.assert_array_equal(both.proponent_ids, ref_i[:, :5])
+    neg_s, neg_i = _brute(-x, q, 5)  # most negative ⟨q, x⟩
+    np.testing.assert_array_equal(both.opponent_ids, neg_i)
+    np.testing.assert_allclose(both.opponent_scores, -neg_s, rtol=SCORE_RTOL,
+                               atol=SCORE_RTOL * np.abs(neg_s).max())
+    assert np.all(np.diff(both.opponent_scores, axis=1) >= 0)  # most negative first
+    assert np.all(both.opponent_scores < 0)
+
+
+def test_cosine_normalisation_equals_brute_force_cosine():
+    x = _structured(2000, 24, seed=2)
+    x[7] = 0.0  # a zero vector must not produce NaNs
+    q = _structured(10, 24, seed=3)
+    idx = build_index(x, 24, len(x), kind="flat", normalize=True)
+    scores, ids = idx.search(q, 10)
+    xn = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    ref_s, ref_i = _brute(xn, qn, 10)
+    np.testing.assert_array_equal(ids, ref_i)
+    np.testing.assert_allclose(scores, ref_s, rtol=SCORE_RTOL, atol=SCORE_RTOL)
+    assert np.all(scores <= 1 + 1e-5)
+    assert np.isfinite(l2_normalize(x)).all()
+
+
+def test_ivf_recall_against_exact():
+    x = _structured(6000, 64, seed=4)
+    q = _structured(100, 64, seed=5)  # held-out queries from the same generator
+    idx = build_index(_chunked(x), 64, len(x), kind="ivf", nlist=64, seed=0)
+    assert idx.nprobe is not None and idx.tuned_recall >= 0.95
+    _, got = idx.search(q, 10)
+    _, ref = _brute(x, q, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, ref)])
+    assert recall >= MIN_IVF_RECALL, f"IVF recall@10 {recall:.3f} at nprobe={idx.nprobe}"
+    # probing every list is exact
+    idx.set_nprobe(64)
+    _, got = idx.search(q, 10)
+    np.testing.assert_array_equal(np.sort(got, 1), np.sort(ref, 1))
+
+
+def test_ivfpq_reranks_exactly_from_full_vectors():
+    x = _structured(4000, 64, seed=6)
+    q = _structured(30, 64, seed=7)
+    fetched = []
+
+    def fetch(ids):
+        assert np.all(np.diff(ids) > 0)
+        fetched.append(len(ids))
+        return x[ids]
+
+    idx = build_index(x, 64, len(x), kind="ivfpq", nlist=32, pq_m=16, rerank=300, fetch=fetch)
+    idx.set_nprobe(32)  # exhaustive over lists: remaining error is PQ's, fixed by re-ranking
+    scores, ids = idx.search(q, 10)
+    ref_s, ref_i = _brute(x, q, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, ref_i)])
+    assert recall >= 0.97
+    hit = ids == ref_i
+    np.testing.assert_allclose(scores[hit], ref_s[hit], rtol=SCORE_RTOL, atol=SCORE_RTOL * 10)
+    assert fetched and max(fetched) == 300
+
+
+def test_save_load_round_trip_and_stale_fingerprint(tmp_path):
+    x = _structured(1500, 16, seed=8)
+    q = _structured(5, 16, seed=9)
+    for kind in ("flat", "ivf", "hnsw"):
+        idx = build_index(x, 16, len(x), kind=kind, nlist=16, normalize=(kind == "ivf"))
+        d = tmp_path / kind
+        idx.save(d, fingerprint="abc123")
+        meta = json.loads((d / INDEX_META_FILE).read_text())
+        assert meta["kind"] == kind and meta["n"] == 1500 and meta["dim"] == 16
+        back = VectorIndex.load(d, "abc123")
+        assert back.normalize == idx.normalize and back.nprobe == idx.nprobe
+        s0, i0 = idx.search(q, 7)
+        s1, i1 = back.search(q, 7)
+        np.testing.assert_array_equal(i0, i1)
+        np.testing.assert_array_equal(s0, s1)
+        with pytest.raises(IndexStaleError, match="--rebuild"):
+            VectorIndex.load(d, "other")
+
+
+def test_errors_and_small_n():
+    x = _structured(5, 8)
+    idx = build_index(x, 8, 5)
+    s, i = idx.search(x[0], 8)  # k > n pads with -1 / -inf
+    assert (i[0, 5:] == -1).all() and np.isneginf(s[0, 5:]).all()
+    with pytest.raises(ConfigError, match="dimension"):
+        idx.search(np.zeros((1, 9)), 3)
+    with pytest.raises(ConfigError, match="choose one of"):
+        build_index(x, 8, 5, kind="lsh")
+    with pytest.raises(StoreError, match="announced"):
+        build_index(x, 8, 6, kind="flat")
+    with pytest.raises(StoreError, match="traceprop index"):
+        VectorIndex.load("/nonexistent/dir", "x")

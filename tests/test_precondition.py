@@ -1,0 +1,184 @@
+"""Preconditioners against explicit (Kronecker / diagonal-in-eigenbasis) matrices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from traceprop_engine.errors import ConfigError, StoreError
+from traceprop_engine.precondition import (
+    DEFAULT_DAMPING,
+    EkfacMoments,
+    LayerStats,
+    Preconditioner,
+    PreconditionerKind,
+    fit_layer,
+)
+
+RTOL_F64 = 1e-5  # float64 path vs. an explicit inverse of a (k_out*k_in)^2 matrix
+RTOL_F32 = 1e-4  # float32 output vs. float64 reference
+K_OUT, K_IN, N_REC, N_TOK = 3, 4, 40, 500
+
+
+def _layer(seed: int = 0, k_out: int = K_OUT, k_in: int = K_IN):
+    rng = np.random.default_rng(seed)
+    # anisotropic token activations / gradients so the factors are far from identity
+    a_tok = rng.normal(size=(N_TOK, k_in)) * np.linspace(0.2, 3.0, k_in)
+    g_tok = rng.normal(size=(N_TOK, k_out)) * np.linspace(0.5, 2.0, k_out)
+    A, S = a_tok.T @ a_tok, g_tok.T @ g_tok
+    sketches = rng.normal(size=(N_REC, k_out, k_in)) * np.linspace(0.3, 2.0, k_in)
+    return A, S, sketches
+
+
+def _psd_pow(m: np.ndarray, p: float) -> np.ndarray:
+    w, v = np.linalg.eigh(m)
+    return (v * w**p) @ v.T
+
+
+def test_kfac_matches_explicit_kronecker_inverse():
+    A, S, sk = _layer()
+    msn = float(np.mean(np.sum(sk**2, axis=(1, 2))))
+    lp = fit_layer("kfac", A, S, N_TOK, mean_sq_norm=msn)
+
+    # hand-computed reference: calibrated, damped factors and H = S ⊗ A (row-major vec)
+    a_bar, s_bar = A / N_TOK, S / N_TOK
+    c = msn / (np.trace(s_bar) * np.trace(a_bar))
+    s_bar = c * s_bar
+    lam_a = DEFAULT_DAMPING * np.trace(a_bar) / K_IN
+    lam_s = DEFAULT_DAMPING * np.trace(s_bar) / K_OUT
+    H = np.kron(s_bar + lam_s * np.eye(K_OUT), a_bar + lam_a * np.eye(K_IN))
+    flat = sk.reshape(N_REC, -1)
+    ref = flat @ np.linalg.solve(H, flat.T)  # (n, n) ⟨Ŝ_t, H⁻¹ vec Ŝ_i⟩
+
+    v = lp.apply(sk, dtype=np.float64)
+    np.testing.assert_allclose(v @ v.T, ref, rtol=RTOL_F64, atol=1e-10 * np.abs(ref).max())
+    assert lp.info["c"] == pytest.approx(c, rel=1e-12)
+    # calibration: trace of the (undamped) K-FAC Fisher equals the empirical trace
+    assert np.trace(np.kron(s_bar, a_bar)) == pytest.approx(msn, rel=1e-10)
+
+    v32 = lp.apply(sk)
+    assert v32.dtype == np.float32 and v32.shape == (N_REC, K_OUT * K_IN)
+    np.testing.assert_allclose(v32, v, rtol=RTOL_F32, atol=1e-6 * np.abs(v).max())
+
+
+def test_kfac_damping_is_a_fraction_of_the_mean_eigenvalue():
+    A, S, sk = _layer(1)
+    msn = float(np.mean(np.sum(sk**2, axis=(1, 2))))
+    default = fit_layer("kfac", A, S, N_TOK, mean_sq_norm=msn)
+    explicit = fit_layer("kfac", A, S, N_TOK, mean_sq_norm=msn, damping=DEFAULT_DAMPING)
+    np.testing.assert_array_equal(default.left, explicit.left)
+    assert default.info["lambda_A"] == pytest.approx(0.1 * np.trace(A / N_TOK) / K_IN)
+    # (Ā + λ I)^{-1/2} squared and inverted gives back Ā + λ I
+    right = default.right
+    np.testing.assert_allclose(
+        np.linalg.inv(right @ right), A / N_TOK + default.info["lambda_A"] * np.eye(K_IN),
+        rtol=RTOL_F64,
+    )
+    # more damping shrinks the preconditioned vectors toward a scaled identity
+    heavy = fit_layer("kfac", A, S, N_TOK, mean_sq_norm=msn, damping=1e6)
+    v = heavy.apply(sk, dtype=np.float64)
+    cos = np.sum(v * sk.reshape(N_REC, -1), axis=1) / (
+        np.linalg.norm(v, axis=1) * np.linalg.norm(sk.reshape(N_REC, -1), axis=1)
+    )
+    assert np.all(cos > 1 - 1e-5)
+    with pytest.raises(ConfigError, match="damping"):
+        fit_layer("kfac", A, S, N_TOK, mean_sq_norm=msn, damping=-1)
+
+
+def test_ekfac_matches_explicit_diagonal_in_eigenbasis():
+    A, S, sk = _layer(2)
+    mom = EkfacMoments.from_factors(A, S)
+    for chunk in np.array_split(sk, 3):  # streamed like the store does
+        mom.update(chunk)
+    lp = fit_layer("ekfac", A, S, N_TOK, sketch_moments=mom)
+
+    q_a = np.linalg.eigh(A)[1]
+    q_s = np.linalg.eigh(S)[1]
+    Q = np.kron(q_s, q_a)  # eigenbasis of S ⊗ A in row-major vec ordering
+    rot = sk.reshape(N_REC, -1) @ Q  # coordinates Q_Sᵀ Ŝ Q_A, flattened
+    lam = np.mean(rot**2, axis=0)
+    lam_d = lam + DEFAULT_DAMPING * lam.mean()
+    H = Q @ np.diag(lam_d) @ Q.T
+    flat = sk.reshape(N_REC, -1)
+    ref = flat @ np.linalg.solve(H, flat.T)
+
+    v = lp.apply(sk, dtype=np.float64)
+    np.testing.assert_allclose(v @ v.T, ref, rtol=RTOL_F64, atol=1e-10 * np.abs(ref).max())
+    assert mom.mean_sq_norm == pytest.approx(np.mean(np.sum(sk**2, axis=(1, 2))), rel=1e-12)
+
+
+def test_identity_is_plain_dot_and_dense_layers():
+    A, S, sk = _layer(3)
+    lp = fit_layer("identity", A, S, N_TOK)
+    v = lp.apply(sk, dtype=np.float64)
+    flat = sk.reshape(N_REC, -1)
+    np.testing.assert_array_equal(v, flat)
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(50, 16)) * np.linspace(0.1, 5, 16)
+    mom = EkfacMoments.dense(16)
+    mom.update(x)
+    ek = fit_layer("ekfac", None, None, 0, sketch_moments=mom)
+    lam = np.mean(x**2, axis=0)
+    np.testing.assert_allclose(
+        ek.apply(x, dtype=np.float64), x / np.sqrt(lam + 0.1 * lam.mean()), rtol=RTOL_F64
+    )
+    kf = fit_layer("kfac", None, None, 0, sketch_moments=mom)
+    m = np.mean(np.sum(x**2, axis=1))
+    np.testing.assert_allclose(kf.apply(x, dtype=np.float64), x / np.sqrt(1.1 * m / 16), rtol=RTOL_F64)
+    idn = fit_layer(PreconditionerKind.IDENTITY, None, None, 0, shape=(16,))
+    np.testing.assert_array_equal(idn.apply(x, dtype=np.float64), x)
+
+
+def _two_layers(kind: str) -> tuple[Preconditioner, list[np.ndarray]]:
+    A, S, sk = _layer(4)
+    rng = np.random.default_rng(5)
+    dense = rng.normal(size=(N_REC, 10))
+    m1 = EkfacMoments.from_factors(A, S)
+    m1.update(sk)
+    m2 = EkfacMoments.dense(10)
+    m2.update(dense)
+    stats = [
+        LayerStats("blk.fc", (K_OUT, K_IN), A, S, N_TOK, moments=m1),
+        LayerStats("blk.dense", (10,), moments=m2),
+    ]
+    return Preconditioner.fit(kind, stats), [sk, dense]
+
+
+@pytest.mark.parametrize("kind", ["identity", "kfac", "ekfac"])
+def test_multi_layer_slices_and_save_load_round_trip(tmp_path, kind):
+    pre, sketches = _two_layers(kind)
+    v = pre.apply(sketches)
+    assert v.shape == (N_REC, K_OUT * K_IN + 10) and v.dtype == np.float32
+    assert pre.layer_slices == {"blk.fc": slice(0, 12), "blk.dense": slice(12, 22)}
+    # per-layer shares sum to the total score
+    total = v @ v[0]
+    shares = sum(v[:, sl] @ v[0, sl] for sl in pre.layer_slices.values())
+    np.testing.assert_allclose(shares, total, rtol=RTOL_F32, atol=RTOL_F32 * np.abs(total).max())
+
+    path = tmp_path / "pre.npz"
+    pre.save(path)
+    back = Preconditioner.load(path)
+    assert back.kind.value == kind and back.layer_names == pre.layer_names
+    np.testing.assert_array_equal(back.apply(sketches), v)
+
+
+def test_errors_are_actionable(tmp_path):
+    A, S, sk = _layer(6)
+    with pytest.raises(ConfigError, match="choose one of: identity, kfac, ekfac"):
+        fit_layer("lissa", A, S, N_TOK)
+    with pytest.raises(ConfigError, match="mean_sq_norm"):
+        fit_layer("kfac", A, S, N_TOK)
+    with pytest.raises(ConfigError, match="sketch_moments"):
+        fit_layer("ekfac", A, S, N_TOK)
+    with pytest.raises(StoreError, match="n_tokens"):
+        fit_layer("kfac", A, S, 0, mean_sq_norm=1.0)
+    lp = fit_layer("identity", A, S, N_TOK)
+    with pytest.raises(StoreError, match="refit"):
+        lp.apply(np.zeros((2, K_IN, K_OUT)))
+    bad = tmp_path / "x.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(StoreError, match="refit"):
+        Preconditioner.load(bad)
+    with pytest.raises(StoreError):
+        Preconditioner.load(tmp_path / "missing.npz")

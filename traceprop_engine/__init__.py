@@ -1,0 +1,37 @@
+"""Traceprop: training-data attribution recorded inside the training backward pass."""
+
+from .errors import (
+    ConfigError,
+    DataError,
+    IndexStaleError,
+    ModelMismatchError,
+    QueryError,
+    RunError,
+    SchemaVersionError,
+    StoreError,
+    TracepropError,
+)
+from .settings import SketchKind, Task, TrackSettings, TrainSettings
+from .store import Store
+from .tracker import Tracker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "IndexStaleError",
+    "ModelMismatchError",
+    "QueryError",
+    "RunError",
+    "SchemaVersionError",
+    "SketchKind",
+    "Store",
+    "StoreError",
+    "Task",
+    "TrackSettings",
+    "TrainSettings",
+    "Tracker",
+    "TracepropError",
+    "__version__",
+]

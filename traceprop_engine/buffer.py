@@ -1,0 +1,138 @@
+"""Device-side sketch buffer: records accumulate where the model lives and cross to the host
+in one large transfer per flush.
+
+All layers share one flat device tensor, laid out layer-major so that every layer's region is a
+contiguous ``(capacity, *record_shape)`` view and a step's rows ``[pos, pos+B)`` are contiguous
+too: the hooks write with ``out=`` into that slice (no allocation, no copy), and a flush is a
+single ``device -> host`` copy of the whole flat tensor. Host memory stays bounded: the sink
+(the HDF5 writer) receives at most ``capacity`` records at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FlushSink = Callable[[list[np.ndarray], dict[str, np.ndarray]], None]
+
+
+@dataclass
+class _Meta:
+    example_index: list[np.ndarray] = field(default_factory=list)
+    step: list[np.ndarray] = field(default_factory=list)
+    epoch: list[np.ndarray] = field(default_factory=list)
+    lr: list[np.ndarray] = field(default_factory=list)
+    loss: list[np.ndarray] = field(default_factory=list)
+
+    def take(self) -> dict[str, np.ndarray]:
+        out = {
+            "example_index": np.concatenate(self.example_index).astype(np.int64),
+            "step": np.concatenate(self.step).astype(np.int64),
+            "epoch": np.concatenate(self.epoch).astype(np.int32),
+            "lr": np.concatenate(self.lr).astype(np.float32),
+            "loss": np.concatenate([_host(x) for x in self.loss]).astype(np.float32),
+        }
+        self.__init__()
+        return out
+
+
+def _host(x: np.ndarray | torch.Tensor) -> np.ndarray:
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
+class SketchBuffer:
+    """A bounded device buffer of per-record sketches for several layers.
+
+    Args:
+        record_shapes: per layer, the shape of one record (``(k_out, k_in)`` or ``(k,)``).
+        capacity: records held before a flush (grown once if a single batch is larger).
+        device: where the buffer lives (the model's device).
+        sink: called on flush with ``(per-layer arrays (n, *shape) float32, record metadata)``.
+    """
+
+    def __init__(
+        self,
+        record_shapes: Sequence[tuple[int, ...]],
+        capacity: int,
+        device: torch.device | str,
+        sink: FlushSink,
+    ) -> None:
+        self.record_shapes = [tuple(s) for s in record_shapes]
+        self._numels = [math.prod(s) for s in self.record_shapes]
+        self.device = torch.device(device)
+        self.sink = sink
+        self.pos = 0
+        self.n_flushed = 0
+        self.n_transfers = 0
+        self._meta = _Meta()
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._flat = torch.zeros(capacity * sum(self._numels), dtype=torch.float32, device=self.device)
+        self._views = []
+        off = 0
+        for numel, shape in zip(self._numels, self.record_shapes, strict=True):
+            self._views.append(self._flat[off : off + capacity * numel].view(capacity, *shape))
+            off += capacity * numel
+
+    @property
+    def n_records(self) -> int:
+        """Records committed so far (flushed or still on the device)."""
+        return self.n_flushed + self.pos
+
+    def reserve(self, batch: int) -> list[torch.Tensor]:
+        """Make room for ``batch`` records; return each layer's ``(batch, *shape)`` slot view."""
+        if self.pos + batch > self.capacity:
+            self.flush()
+            if batch > self.capacity:
+                self._allocate(batch)
+        return [v[self.pos : self.pos + batch] for v in self._views]
+
+    def commit(
+        self,
+        example_index: np.ndarray,
+        step: int,
+        epoch: int,
+        lr: float,
+        loss: np.ndarray | torch.Tensor | None,
+    ) -> None:
+        """Accept the records just written into the slots returned by :meth:`reserve`.
+
+        A ``loss`` tensor stays on its device until the flush (no synchronisation per step).
+        """
+        b = len(example_index)
+        self._meta.example_index.append(np.asarray(example_index))
+        self._meta.step.append(np.full(b, step))
+        self._meta.epoch.append(np.full(b, epoch))
+        self._meta.lr.append(np.full(b, lr, dtype=np.float32))
+        if loss is None:
+            loss = np.full(b, np.nan, dtype=np.float32)
+        elif isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().reshape(b)
+        else:
+            loss = np.asarray(loss, np.float32)
+        self._meta.loss.append(loss)
+        self.pos += b
+
+    def flush(self) -> None:
+        """One device -> host transfer of everything committed, handed to the sink."""
+        if self.pos == 0:
+            return
+        host = self._flat.cpu() if self._flat.device.type != "cpu" else self._flat
+        self.n_transfers += 1
+        arrays = []
+        off = 0
+        for numel, shape in zip(self._numels, self.record_shapes, strict=True):
+            region = host[off : off + self.pos * numel].view(self.pos, *shape)
+            arrays.append(region.numpy().copy())  # the device buffer is reused after this
+            off += self.capacity * numel
+        meta = self._meta.take()
+        n = self.pos
+        self.pos = 0
+        self.n_flushed += n
+        self.sink(arrays, meta)

@@ -1,0 +1,310 @@
+"""Capture hooks: per-example factored (or dense) sketches and K-FAC statistics computed inside
+the training backward pass.
+
+For a tracked layer ``y = W a`` a forward hook projects the input once, ``ã = P_in a``
+``(B, T, k_in)``, and registers a tensor hook on the output; in the backward pass that hook sees
+``g = ∂L/∂y`` ``(B, T, d_out)``, projects it, ``g̃ = s · P_out g`` (``s`` the loss scale that
+turns the batch-loss gradient into per-example-loss gradients), and writes
+``Ŝ_b = Σ_t g̃_bt ã_btᵀ`` for every example ``b`` with one batched matmul into the device
+buffer. No ``d_out × d_in`` matrix is formed on the factored path.
+
+Hooks never replace modules (parameter names and checkpoints stay valid); one
+:class:`Capture` owns every handle and removes them in :meth:`detach` (also after an exception or
+a ``KeyboardInterrupt``, when used as a context manager); nothing happens on a forward pass
+without gradients or outside a :meth:`Capture.batch` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+from .settings import SketchKind, TrackSettings
+from .sketch import apply_sparse_jl, gaussian_projection, layer_seed, sparse_jl
+
+try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency
+    Conv1D = ()  # type: ignore[assignment]
+
+_BLOCK_RE = re.compile(r"\.(\d+)\.")
+
+
+@dataclass
+class TrackedLayer:
+    """One tracked layer: its module, widths, projections and running covariance."""
+
+    name: str
+    module: nn.Module
+    kind: str  # "linear" | "conv1d"
+    d_in: int
+    d_out: int
+    k_in: int
+    k_out: int
+    sketch: SketchKind
+    P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
+    P_out: torch.Tensor | None = None  # (k_out, d_out)
+    dense_k: int = 0
+    dense_index: torch.Tensor | None = None  # (nnz, d_out*d_in)
+    dense_sign: torch.Tensor | None = None
+    # device-side working state
+    _P_in_T: torch.Tensor | None = field(default=None, repr=False)
+    _P_out_T: torch.Tensor | None = field(default=None, repr=False)
+    _dense_index: torch.Tensor | None = field(default=None, repr=False)
+    _dense_sign: torch.Tensor | None = field(default=None, repr=False)
+    A: torch.Tensor | None = field(default=None, repr=False)  # (k_in, k_in) float32 running sum
+    S: torch.Tensor | None = field(default=None, repr=False)  # (k_out, k_out)
+    a_tokens: torch.Tensor | None = field(default=None, repr=False)
+    _stack: list = field(default_factory=list, repr=False)
+    _fired: bool = False
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        return (self.dense_k,) if self.sketch is SketchKind.DENSE else (self.k_out, self.k_in)
+
+
+def _widths(module: nn.Module) -> tuple[str, int, int]:
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    w = module.weight  # Conv1D: (d_in, d_out)
+    return "conv1d", int(w.shape[0]), int(w.shape[1])
+
+
+def find_layers(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Module]]:
+    """Trainable linear layers of ``model`` in module order, filtered by ``scope``.
+
+    A layer is tracked when it is an ``nn.Linear`` or a GPT-2 ``Conv1D`` whose weight requires
+    grad (so with peft LoRA, the ``lora_A``/``lora_B`` layers, not the frozen base layers).
+    """
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, Conv1D)) and getattr(m, "weight", None) is not None and m.weight.requires_grad
+    ]
+    if scope == "all":
+        chosen = found
+    elif scope == "last-block":
+        blocks = [int(b.group(1)) for n, _ in found if (b := _BLOCK_RE.search("." + n + "."))]
+        if not blocks:
+            raise ConfigError("scope 'last-block' found no numbered blocks (names like 'layers.3.'); use a regex scope")
+        last = max(blocks)
+        chosen = [(n, m) for n, m in found if f".{last}." in f".{n}."]
+    else:
+        rx = re.compile(scope)
+        chosen = [(n, m) for n, m in found if rx.search(n)]
+    if not chosen:
+        names = ", ".join(n for n, _ in found[:12]) or "(none: no trainable linear layer)"
+        raise ConfigError(f"scope {scope!r} matches no trainable linear layer; layers are: {names}")
+    return chosen
+
+
+def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer]:
+    """Tracked layers with their seeded projections (k clamped to each side's width)."""
+    layers = []
+    for name, module in find_layers(model, settings.scope):
+        kind, d_in, d_out = _widths(module)
+        layer = TrackedLayer(
+            name=name,
+            module=module,
+            kind=kind,
+            d_in=d_in,
+            d_out=d_out,
+            k_in=min(settings.k_in, d_in),
+            k_out=min(settings.k_out, d_out),
+            sketch=settings.sketch,
+        )
+        if settings.sketch is SketchKind.DENSE:
+            layer.k_in, layer.k_out = d_in, d_out
+            layer.dense_k = settings.dense_k
+            layer.dense_index, layer.dense_sign = sparse_jl(
+                d_out * d_in, settings.dense_k, settings.dense_nnz, layer_seed(settings.seed, name, "dense")
+            )
+        else:
+            layer.P_in = gaussian_projection(layer.k_in, d_in, layer_seed(settings.seed, name, "in"))
+            layer.P_out = gaussian_projection(layer.k_out, d_out, layer_seed(settings.seed, name, "out"))
+        layers.append(layer)
+    return layers
+
+
+class Capture:
+    """Owns the hooks on the tracked layers of one model.
+
+    Use as a context manager (hooks attached on enter, always removed on exit), and wrap each
+    micro-batch's forward + backward in :meth:`batch`, which says where the sketches go.
+
+    Args:
+        model: the model whose layers are tracked.
+        layers: from :func:`build_layers`.
+        covariance: accumulate ``A = Σ ã ãᵀ`` and ``S = Σ g̃ g̃ᵀ`` per layer.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[TrackedLayer], covariance: bool = True) -> None:
+        self.model = model
+        self.layers = layers
+        self.covariance = covariance
+        self._handles: list = []
+        self._active = False
+        self._slots: list[torch.Tensor] | None = None
+        self._mask: torch.Tensor | None = None  # (B, T, 1) float32
+        self._scale = 1.0
+        self._n_tokens: torch.Tensor | None = None
+
+    # -- lifetime -------------------------------------------------------------------------
+    def attach(self) -> Capture:
+        if self._handles:
+            return self
+        device = next(self.model.parameters()).device
+        for i, layer in enumerate(self.layers):
+            dtype = layer.module.weight.dtype
+            layer._P_in_T = None if layer.P_in is None else layer.P_in.T.to(device, dtype).contiguous()
+            layer._P_out_T = None if layer.P_out is None else layer.P_out.T.to(device, dtype).contiguous()
+            if layer.dense_index is not None:
+                layer._dense_index = layer.dense_index.to(device)
+                layer._dense_sign = layer.dense_sign.to(device)
+            if self.covariance and layer.A is None:
+                layer.A = torch.zeros(layer.k_in, layer.k_in, device=device)
+                layer.S = torch.zeros(layer.k_out, layer.k_out, device=device)
+                layer.a_tokens = torch.zeros((), device=device, dtype=torch.float64)
+            self._handles.append(layer.module.register_forward_hook(self._make_forward_hook(i)))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        for layer in self.layers:
+            layer._stack.clear()
+
+    def __enter__(self) -> Capture:
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    # -- one micro-batch ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(
+        self,
+        slots: list[torch.Tensor],
+        token_mask: torch.Tensor | None = None,
+        loss_scale: float = 1.0,
+    ) -> Iterator[None]:
+        """Record the next forward + backward into ``slots`` (one ``(B, *record_shape)`` per layer).
+
+        Args:
+            slots: where each layer's per-example sketches are written.
+            token_mask: ``(B, T)`` 1 for real tokens, 0 for padding (for the covariance ``A``).
+            loss_scale: factor turning ``∂L/∂y`` of the batch loss into per-example-loss
+                gradients (the local batch size when ``L`` is the mean of per-example losses).
+        """
+        if not self._handles:
+            raise RuntimeError("Capture.batch() needs attached hooks: use 'with Capture(...)'")
+        self._slots = slots
+        self._scale = float(loss_scale)
+        if token_mask is not None:
+            self._mask = token_mask.to(torch.float32).unsqueeze(-1)
+            n_tok = self._mask.sum(dtype=torch.float64)
+        else:
+            self._mask = None
+            n_tok = None
+        for layer in self.layers:
+            layer._stack.clear()
+            layer._fired = False
+        self._n_tokens = n_tok
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            for layer, slot in zip(self.layers, slots, strict=True):
+                if not layer._fired:  # the layer took no part in this backward: a zero gradient
+                    slot.zero_()
+                layer._stack.clear()
+            self._slots = None
+            self._mask = None
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _make_forward_hook(self, i: int):
+        layer = self.layers[i]
+
+        def forward_hook(module, inputs, output):
+            if not self._active or not torch.is_grad_enabled() or not output.requires_grad:
+                return None
+            a = inputs[0].detach()
+            if a.dim() == 2:
+                a = a.unsqueeze(1)  # (B, 1, d_in): one "token" per example (classifier heads)
+            if layer.sketch is SketchKind.FACTORED and layer._P_in_T is not None:
+                a = a @ layer._P_in_T  # (B, T, k_in)
+            a = a.float()
+            if self.covariance and layer.A is not None:
+                am = a if (self._mask is None or self._mask.shape[1] != a.shape[1]) else a * self._mask
+                a2 = a.flatten(0, 1)
+                layer.A.addmm_(am.flatten(0, 1).T, a2)  # (k_in, k_in)
+                if am is a:
+                    layer.a_tokens += a2.shape[0]
+                else:
+                    layer.a_tokens += self._n_tokens
+            layer._stack.append(a)
+            output.register_hook(lambda g: self._backward(i, g))
+            return None
+
+        return forward_hook
+
+    def _backward(self, i: int, g: torch.Tensor) -> None:
+        layer = self.layers[i]
+        if not layer._stack or self._slots is None:
+            return
+        a = layer._stack.pop()  # (B, T, k_in) float32
+        g = g.detach()
+        if g.dim() == 2:
+            g = g.unsqueeze(1)
+        if layer.sketch is SketchKind.FACTORED and layer._P_out_T is not None:
+            g = g @ layer._P_out_T  # (B, T, k_out)
+        g = g.float()
+        if self._scale != 1.0:
+            g = g * self._scale
+        slot = self._slots[i]
+        if layer.sketch is SketchKind.DENSE:
+            G = torch.bmm(g.transpose(1, 2), a).flatten(1)  # (B, d_out*d_in), dense path only
+            rec = apply_sparse_jl(G, layer._dense_index, layer._dense_sign, layer.dense_k)
+            if layer._fired:
+                slot.add_(rec)
+            else:
+                slot.copy_(rec)
+        elif layer._fired:
+            slot.add_(torch.bmm(g.transpose(1, 2), a))
+        else:
+            torch.bmm(g.transpose(1, 2), a, out=slot)  # (B, k_out, k_in), no allocation
+        layer._fired = True
+        if self.covariance and layer.S is not None:
+            g2 = g.flatten(0, 1)
+            layer.S.addmm_(g2.T, g2)  # padded tokens have g = 0
+        return None
+
+    # -- covariance -----------------------------------------------------------------------
+    def covariance_arrays(self) -> list[dict]:
+        """Per layer: ``A``, ``S`` (float64 numpy) and the token count, or ``{}`` when off."""
+        out = []
+        for layer in self.layers:
+            if layer.A is None:
+                out.append({})
+                continue
+            out.append(
+                {
+                    "A": layer.A.double().cpu().numpy(),
+                    "S": layer.S.double().cpu().numpy(),
+                    "n_tokens": float(layer.a_tokens.item()),
+                }
+            )
+        return out

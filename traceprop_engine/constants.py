@@ -1,0 +1,69 @@
+"""On-disk names, in one place. The store format is documented in docs/store-format.md."""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+STORE_FORMAT = "traceprop-store"
+
+# run directory layout
+STORE_FILE = "store.h5"
+MANIFEST_FILE = "run.json"
+PROGRESS_FILE = "progress.jsonl"
+LOG_FILE = "train.log"
+MODEL_DIR = "model"
+INDEX_DIR = "index"
+
+# run status values (run.json "status" and the store's "status" attribute)
+STATUS_RUNNING = "running"
+STATUS_COMPLETED = "completed"
+STATUS_FAILED = "failed"
+STATUS_CANCELLED = "cancelled"
+FINAL_STATUSES = (STATUS_COMPLETED, STATUS_FAILED, STATUS_CANCELLED)
+
+# the per-example loss definition, part of the format
+LOSS_DEFINITION = (
+    "per-example loss = mean token cross-entropy over the example's target tokens "
+    "(labels != -100; next-token shift for causal LM); classification: the example's "
+    "cross-entropy; batch loss = mean of per-example losses, so hooks rescale dL/dy by "
+    "the local batch size"
+)
+
+# HDF5 groups and datasets
+G_EXAMPLES = "examples"
+G_RECORDS = "records"
+G_LAYERS = "layers"
+G_TIMINGS = "timings"
+
+EX_SOURCE = "source"
+EX_ROW = "row"
+EX_SHA256 = "sha256"
+EX_SPLIT = "split"
+EX_TEXT = "text"
+EX_PROMPT = "prompt"
+EX_COMPLETION = "completion"
+EX_LABEL = "label"
+EX_TOKEN_OFFSETS = "token_offsets"  # (n_examples + 1,) int64 into tokens / loss_mask
+EX_TOKENS = "tokens"  # (total_tokens,) int32
+EX_LOSS_MASK = "loss_mask"  # (total_tokens,) uint8
+
+REC_EXAMPLE = "example_index"
+REC_STEP = "step"
+REC_EPOCH = "epoch"
+REC_LR = "lr"
+REC_LOSS = "loss"
+RECORD_FIELDS = (REC_EXAMPLE, REC_STEP, REC_EPOCH, REC_LR, REC_LOSS)
+
+L_SKETCH = "sketch"
+L_P_IN = "P_in"
+L_P_OUT = "P_out"
+L_DENSE_INDEX = "dense_index"
+L_DENSE_SIGN = "dense_sign"
+L_COV_A = "A"
+L_COV_S = "S"
+L_SQNORM = "sketch_sq_norm_sum"
+
+T_STEP_MS = "step_ms"
+T_TRACK_MS = "flush_ms"
+
+SPLIT_TRAIN = "train"
+SPLIT_EVAL = "eval"

@@ -1,0 +1,520 @@
+"""Preconditioners: turn stored sketches into vectors whose inner product is the influence score.
+
+The score of DESIGN §1 is ``τ(test, i) = Σ_layers ⟨Ŝ_test, H⁻¹ Ŝ_i⟩``. We split ``H⁻¹`` symmetrically,
+``v = H^{-1/2} vec(Ŝ)``, and apply the same map to the training and the test side, so the score is
+a plain inner product ``⟨v_test, v_i⟩`` — exactly what FAISS searches.
+
+Conventions (everything here works on numpy arrays; the store wires them in):
+
+- A factored sketch is ``Ŝ ∈ R^{k_out×k_in}`` and is flattened row-major (C order), so
+  ``vec(Ŝ)[o*k_in + j] = Ŝ[o, j]``. With that ordering ``(S ⊗ A) vec(Ŝ) = vec(S Ŝ A)`` for
+  symmetric ``A`` (``np.kron(S, A)``), which is what the tests check against.
+- ``A = Σ_t ã ãᵀ`` (k_in×k_in) and ``S = Σ_t g̃ g̃ᵀ`` (k_out×k_out) are token sums; the means are
+  ``Ā = A / n_tokens``, ``S̄ = S / n_tokens``.
+
+Kinds:
+
+- ``identity``: ``v = vec(Ŝ)`` (TracIn / gradient dot product).
+- ``kfac``: ``H = c S̄ ⊗ Ā`` with the *trace calibration*
+  ``c = mean_i ‖Ŝ_i‖²_F / (tr S̄ · tr Ā)``. The token-level factors describe a per-token Fisher;
+  the per-example Fisher in sketch space has trace ``mean_i ‖Ŝ_i‖²_F`` (the sum of its
+  eigenvalues), which depends on sequence length and loss scaling. Rescaling makes
+  ``tr H`` equal that empirical trace, so every layer's ``H⁻¹`` is on the same scale as the
+  per-example Fisher and per-layer scores can be summed meaningfully. Per-factor damping:
+  ``λ_F = damping × tr(F)/k`` (the factor's mean eigenvalue), default ``damping = 0.1``.
+  ``v = (c S̄ + λ_S I)^{-1/2} Ŝ (Ā + λ_A I)^{-1/2}``.
+- ``ekfac``: eigenbases ``Q_A, Q_S`` of ``Ā, S̄``; eigenvalue correction
+  ``Λ_ab = mean_i (Q_Sᵀ Ŝ_i Q_A)_ab²`` streamed from the stored sketches (:class:`EkfacMoments`);
+  ``v = (Q_Sᵀ Ŝ Q_A) / sqrt(Λ + λ)``, ``λ = damping × mean(Λ)``. No calibration needed: ``Σ Λ``
+  already equals ``mean_i ‖Ŝ_i‖²_F``.
+- dense sketches (``x ∈ R^k``, no covariance recorded):
+  ``identity`` is ``v = x``; ``ekfac`` is the diagonal Fisher in the coordinate basis,
+  ``v_j = x_j / sqrt(Λ_j + λ)`` with ``Λ_j = mean_i x_ij²`` and ``λ = damping × mean(Λ)``;
+  ``kfac`` is the isotropic Fisher with the same trace, ``H = (m/k) I`` with
+  ``m = mean_i ‖x_i‖²``, damped the same way: ``v = x / sqrt((1 + damping) m / k)``. That is
+  identity up to one scalar, chosen so a dense layer's scores sit on the same scale as
+  calibrated factored layers when both are summed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from traceprop_engine.errors import ConfigError, StoreError
+
+__all__ = [
+    "DEFAULT_DAMPING",
+    "EkfacMoments",
+    "LayerPreconditioner",
+    "LayerStats",
+    "Preconditioner",
+    "PreconditionerKind",
+    "fit_layer",
+    "inverse_sqrt_psd",
+]
+
+DEFAULT_DAMPING = 0.1
+"""Damping as a fraction of each factor's mean eigenvalue (a common heuristic; overridable)."""
+
+_FORMAT = "traceprop-preconditioner"
+_FORMAT_VERSION = 1
+
+
+class PreconditionerKind(str, Enum):
+    """Which approximation of the Fisher/Gauss-Newton ``H`` to invert."""
+
+    IDENTITY = "identity"
+    KFAC = "kfac"
+    EKFAC = "ekfac"
+
+
+def _parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
+    try:
+        return PreconditionerKind(kind)
+    except ValueError as e:
+        allowed = ", ".join(k.value for k in PreconditionerKind)
+        raise ConfigError(
+            f"unknown preconditioner kind {kind!r}; choose one of: {allowed}"
+        ) from e
+
+
+def _check_damping(damping: float | None) -> float:
+    d = DEFAULT_DAMPING if damping is None else float(damping)
+    if not np.isfinite(d) or d < 0:
+        raise ConfigError(
+            f"damping must be a finite number >= 0 (a fraction of the mean eigenvalue), got "
+            f"{damping!r}; the default is {DEFAULT_DAMPING}"
+        )
+    return d
+
+
+def inverse_sqrt_psd(m: np.ndarray, damping_abs: float) -> np.ndarray:
+    """``(M + λ I)^{-1/2}`` of a symmetric PSD matrix through ``eigh``.
+
+    Tiny negative eigenvalues from round-off are clipped to 0 before damping.
+
+    Args:
+        m: symmetric (k, k) matrix.
+        damping_abs: absolute damping ``λ`` added to every eigenvalue.
+
+    Returns:
+        The (k, k) float64 symmetric inverse square root.
+
+    Raises:
+        ConfigError: if ``M + λ I`` is singular (all-zero factor and no damping).
+    """
+    m = np.asarray(m, dtype=np.float64)
+    evals, evecs = np.linalg.eigh((m + m.T) / 2)  # symmetrise against round-off
+    evals = np.clip(evals, 0.0, None) + damping_abs
+    if np.any(evals <= 0):
+        raise ConfigError(
+            "a covariance factor is singular and damping is 0; set damping > 0 "
+            f"(default {DEFAULT_DAMPING}) or use the identity preconditioner"
+        )
+    return (evecs / np.sqrt(evals)) @ evecs.T
+
+
+class EkfacMoments:
+    """Streamed second moments of sketches in the K-FAC eigenbasis (the EK-FAC correction).
+
+    Construct it from the layer's covariance (:meth:`from_factors`) or with ``q_s = q_a = None``
+    for a dense sketch layer (coordinate basis), then feed the stored sketches chunk by chunk
+    with :meth:`update`. :attr:`mean` is ``Λ = mean_i (Q_Sᵀ Ŝ_i Q_A)²`` (or ``mean_i x_i²``).
+    Because the rotation is orthogonal, ``Λ.sum()`` is also ``mean_i ‖Ŝ_i‖²_F``
+    (:attr:`mean_sq_norm`), which K-FAC's trace calibration needs.
+    """
+
+    def __init__(self, q_s: np.ndarray | None, q_a: np.ndarray | None, shape: tuple[int, ...]):
+        self.q_s = None if q_s is None else np.asarray(q_s, dtype=np.float64)
+        self.q_a = None if q_a is None else np.asarray(q_a, dtype=np.float64)
+        self.shape = tuple(int(s) for s in shape)
+        self.sum_sq = np.zeros(self.shape, dtype=np.float64)
+        self.count = 0
+
+    @classmethod
+    def from_factors(cls, a: np.ndarray, s: np.ndarray) -> EkfacMoments:
+        """Eigenbases of the K-FAC factors (scaling by ``n_tokens`` does not change them)."""
+        _, q_a = np.linalg.eigh(_sym(a))
+        _, q_s = np.linalg.eigh(_sym(s))
+        return cls(q_s, q_a, (q_s.shape[0], q_a.shape[0]))
+
+    @classmethod
+    def dense(cls, k: int) -> EkfacMoments:
+        """Per-coordinate second moments of a dense (n, k) sketch layer."""
+        return cls(None, None, (int(k),))
+
+    def update(self, sketch_chunk: np.ndarray) -> None:
+        """Add a chunk of records: (n, k_out, k_in) for factored, (n, k) for dense layers."""
+        x = np.asarray(sketch_chunk, dtype=np.float64)
+        if x.shape[1:] != self.shape:
+            raise StoreError(
+                f"sketch chunk has per-record shape {x.shape[1:]}, expected {self.shape}; "
+                "the chunk comes from another layer or the store is inconsistent"
+            )
+        if self.q_s is not None:
+            x = np.einsum("ko,nkj,jl->nol", self.q_s, x, self.q_a, optimize=True)  # Q_Sᵀ X Q_A
+        self.sum_sq += np.einsum("n...,n...->...", x, x)
+        self.count += x.shape[0]
+
+    @property
+    def mean(self) -> np.ndarray:
+        if self.count == 0:
+            raise StoreError(
+                "no sketches were accumulated for the EK-FAC correction; the layer has no "
+                "records — check the store or use the identity preconditioner"
+            )
+        return self.sum_sq / self.count
+
+    @property
+    def mean_sq_norm(self) -> float:
+        return float(self.mean.sum())
+
+
+def _sym(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m, dtype=np.float64)
+    return (m + m.T) / 2
+
+
+@dataclass(frozen=True, eq=False)
+class LayerPreconditioner:
+    """The ``H^{-1/2}`` side of one layer: ``v = ((left @ Ŝ @ right) * scale).ravel()``.
+
+    - identity: all three ``None``.
+    - K-FAC: ``left = (cS̄+λ_S I)^{-1/2}``, ``right = (Ā+λ_A I)^{-1/2}``.
+    - EK-FAC: ``left = Q_Sᵀ``, ``right = Q_A``, ``scale = 1/sqrt(Λ+λ)``.
+    - dense: ``scale`` a (k,) vector (or None for identity).
+
+    Attributes:
+        name: layer name (as in the store).
+        kind: the preconditioner kind this was fitted as.
+        shape: per-record sketch shape, ``(k_out, k_in)`` or ``(k,)``.
+    """
+
+    name: str
+    kind: PreconditionerKind
+    shape: tuple[int, ...]
+    left: np.ndarray | None = None
+    right: np.ndarray | None = None
+    scale: np.ndarray | None = None
+    info: dict = field(default_factory=dict)  # fitted constants (c, λ) for reports
+
+    @property
+    def dim(self) -> int:
+        return int(np.prod(self.shape))
+
+    def apply(self, sketches: np.ndarray, dtype: type = np.float32) -> np.ndarray:
+        """Precondition and flatten.
+
+        Args:
+            sketches: (n, k_out, k_in) or (n, k) records of this layer.
+            dtype: output dtype; the arithmetic runs in it too (float64 for exact checks).
+
+        Returns:
+            (n, dim) vectors.
+        """
+        x = np.asarray(sketches, dtype=dtype)
+        if x.shape[1:] != self.shape:
+            raise StoreError(
+                f"layer {self.name!r}: sketches have per-record shape {x.shape[1:]}, the "
+                f"preconditioner was fitted for {self.shape}; refit it from this store"
+            )
+        if self.left is not None:
+            x = np.matmul(np.matmul(self.left.astype(dtype), x), self.right.astype(dtype))
+        if self.scale is not None:
+            x = x * self.scale.astype(dtype)
+        return np.ascontiguousarray(x.reshape(x.shape[0], -1))
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """npz-friendly dict (no objects): matrices plus a JSON string of the metadata."""
+        meta = {"name": self.name, "kind": self.kind.value, "shape": list(self.shape),
+                "info": self.info}
+        out = {"meta": np.array(json.dumps(meta))}
+        for key in ("left", "right", "scale"):
+            val = getattr(self, key)
+            if val is not None:
+                out[key] = np.asarray(val, dtype=np.float64)
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> LayerPreconditioner:
+        meta = json.loads(str(arrays["meta"]))
+        return cls(
+            name=meta["name"],
+            kind=PreconditionerKind(meta["kind"]),
+            shape=tuple(meta["shape"]),
+            left=arrays.get("left"),
+            right=arrays.get("right"),
+            scale=arrays.get("scale"),
+            info=meta.get("info", {}),
+        )
+
+
+def fit_layer(
+    kind: PreconditionerKind | str,
+    A: np.ndarray | None,
+    S: np.ndarray | None,
+    n_tokens: int,
+    *,
+    mean_sq_norm: float | None = None,
+    sketch_moments: EkfacMoments | None = None,
+    damping: float | None = None,
+    shape: tuple[int, ...] | None = None,
+    name: str = "",
+) -> LayerPreconditioner:
+    """Fit one layer's preconditioner from its K-FAC sums (see the module docstring).
+
+    Args:
+        kind: identity, kfac or ekfac.
+        A: ``Σ_t ã ãᵀ`` (k_in, k_in), or None for a dense sketch layer.
+        S: ``Σ_t g̃ g̃ᵀ`` (k_out, k_out), or None for a dense sketch layer.
+        n_tokens: number of tokens summed into ``A`` and ``S``.
+        mean_sq_norm: ``mean_i ‖Ŝ_i‖²_F`` over the layer's records (K-FAC calibration, dense
+            K-FAC). Taken from ``sketch_moments`` when not given.
+        sketch_moments: accumulated :class:`EkfacMoments` (required for EK-FAC).
+        damping: fraction of the mean eigenvalue added as damping; default 0.1.
+        shape: per-record sketch shape; inferred from ``A``/``S`` or ``sketch_moments``.
+        name: layer name, kept for error messages and persistence.
+
+    Returns:
+        The fitted :class:`LayerPreconditioner`.
+
+    Raises:
+        ConfigError: bad kind/damping, missing inputs for the chosen kind.
+        StoreError: inconsistent statistics (zero tokens, non-square factors).
+    """
+    kind = _parse_kind(kind)
+    damping = _check_damping(damping)
+    dense = A is None and S is None
+    if not dense and (A is None or S is None):
+        raise StoreError(f"layer {name!r}: only one of the K-FAC factors A, S is present")
+    if shape is None:
+        if not dense:
+            shape = (np.shape(S)[0], np.shape(A)[0])
+        elif sketch_moments is not None:
+            shape = sketch_moments.shape
+        else:
+            raise ConfigError(f"layer {name!r}: pass shape=(k,) for a dense layer")
+    shape = tuple(int(s) for s in shape)
+
+    if kind is PreconditionerKind.IDENTITY:
+        return LayerPreconditioner(name, kind, shape)
+
+    if mean_sq_norm is None and sketch_moments is not None:
+        mean_sq_norm = sketch_moments.mean_sq_norm
+
+    if dense:
+        if kind is PreconditionerKind.KFAC:
+            if mean_sq_norm is None or mean_sq_norm <= 0:
+                raise ConfigError(
+                    f"dense layer {name!r}: K-FAC (isotropic) needs mean_sq_norm > 0, got "
+                    f"{mean_sq_norm!r}; pass the store's mean squared sketch norm"
+                )
+            var = (1.0 + damping) * mean_sq_norm / shape[0]
+            return LayerPreconditioner(
+                name, kind, shape, scale=np.full(shape, 1.0 / np.sqrt(var)),
+                info={"mean_sq_norm": float(mean_sq_norm), "damping": damping},
+            )
+        lam_diag = _moments_for(kind, sketch_moments, shape, name)
+        lam = damping * float(lam_diag.mean())
+        return LayerPreconditioner(
+            name, kind, shape, scale=1.0 / np.sqrt(_positive(lam_diag + lam, name)),
+            info={"lambda": lam, "damping": damping},
+        )
+
+    a_mat, s_mat = np.asarray(A, dtype=np.float64), np.asarray(S, dtype=np.float64)
+    if a_mat.shape != (shape[1], shape[1]) or s_mat.shape != (shape[0], shape[0]):
+        raise StoreError(
+            f"layer {name!r}: factor shapes A{a_mat.shape}, S{s_mat.shape} do not match the "
+            f"sketch shape {shape}; the store is inconsistent"
+        )
+    if n_tokens <= 0:
+        raise StoreError(
+            f"layer {name!r}: n_tokens = {n_tokens}; the covariance was never accumulated — "
+            "check that the run tracked covariance, or use the identity preconditioner"
+        )
+    a_bar, s_bar = _sym(a_mat) / n_tokens, _sym(s_mat) / n_tokens
+
+    if kind is PreconditionerKind.KFAC:
+        if mean_sq_norm is None:
+            raise ConfigError(
+                f"layer {name!r}: K-FAC needs mean_sq_norm (mean ‖Ŝ_i‖² over records) for its "
+                "trace calibration; pass it from the store or pass sketch_moments"
+            )
+        tr_a, tr_s = float(np.trace(a_bar)), float(np.trace(s_bar))
+        if tr_a <= 0 or tr_s <= 0 or mean_sq_norm <= 0:
+            raise ConfigError(
+                f"layer {name!r}: a covariance factor or the sketches are all zero "
+                f"(tr Ā={tr_a:.3g}, tr S̄={tr_s:.3g}, mean ‖Ŝ‖²={mean_sq_norm:.3g}); the layer "
+                "received no gradient — drop it from tracking or use the identity preconditioner"
+            )
+        c = mean_sq_norm / (tr_s * tr_a)
+        s_bar = c * s_bar
+        lam_a, lam_s = damping * tr_a / shape[1], damping * c * tr_s / shape[0]
+        return LayerPreconditioner(
+            name, kind, shape,
+            left=inverse_sqrt_psd(s_bar, lam_s), right=inverse_sqrt_psd(a_bar, lam_a),
+            info={"c": c, "lambda_A": lam_a, "lambda_S": lam_s, "damping": damping},
+        )
+
+    # EK-FAC
+    lam_ab = _moments_for(kind, sketch_moments, shape, name)
+    lam = damping * float(lam_ab.mean())
+    return LayerPreconditioner(
+        name, kind, shape,
+        left=sketch_moments.q_s.T.copy(), right=sketch_moments.q_a.copy(),
+        scale=1.0 / np.sqrt(_positive(lam_ab + lam, name)),
+        info={"lambda": lam, "damping": damping},
+    )
+
+
+def _moments_for(kind, moments: EkfacMoments | None, shape, name) -> np.ndarray:
+    if moments is None:
+        raise ConfigError(
+            f"layer {name!r}: {kind.value} needs sketch_moments (an EkfacMoments streamed over "
+            "the layer's stored sketches)"
+        )
+    if moments.shape != shape:
+        raise StoreError(
+            f"layer {name!r}: moments have shape {moments.shape}, sketches {shape}; "
+            "they were accumulated for another layer"
+        )
+    return moments.mean
+
+
+def _positive(x: np.ndarray, name: str) -> np.ndarray:
+    if np.any(x <= 0):
+        raise ConfigError(
+            f"layer {name!r}: some eigenvalues are 0 and damping is 0; set damping > 0 "
+            f"(default {DEFAULT_DAMPING})"
+        )
+    return x
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What the store provides per layer to fit a preconditioner.
+
+    Attributes:
+        name: layer name.
+        shape: per-record sketch shape, (k_out, k_in) or (k,).
+        A, S: K-FAC token sums, None for dense layers.
+        n_tokens: token count of A and S (0 for dense layers).
+        mean_sq_norm: ``mean_i ‖Ŝ_i‖²`` over records (None if ``moments`` is given).
+        moments: streamed :class:`EkfacMoments` (needed for EK-FAC).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    A: np.ndarray | None = None
+    S: np.ndarray | None = None
+    n_tokens: int = 0
+    mean_sq_norm: float | None = None
+    moments: EkfacMoments | None = None
+
+
+class Preconditioner:
+    """Several layers' preconditioners; ``apply`` concatenates their vectors into (n, D)."""
+
+    def __init__(self, kind: PreconditionerKind | str, layers: Sequence[LayerPreconditioner],
+                 damping: float | None = None):
+        if not layers:
+            raise ConfigError("a preconditioner needs at least one layer")
+        names = [lp.name for lp in layers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate layer names in the preconditioner: {names}")
+        self.kind = _parse_kind(kind)
+        self.damping = _check_damping(damping)
+        self.layers = list(layers)
+        bounds = np.cumsum([0] + [lp.dim for lp in self.layers])
+        self.layer_slices: dict[str, slice] = {
+            lp.name: slice(int(b0), int(b1)) for lp, b0, b1 in zip(self.layers, bounds[:-1], bounds[1:])
+        }
+        self.dim = int(bounds[-1])
+
+    @classmethod
+    def fit(cls, kind: PreconditionerKind | str, layers: Sequence[LayerStats],
+            damping: float | None = None) -> Preconditioner:
+        """Fit every layer with the same kind and damping (see :func:`fit_layer`)."""
+        fitted = [
+            fit_layer(kind, st.A, st.S, st.n_tokens, mean_sq_norm=st.mean_sq_norm,
+                      sketch_moments=st.moments, damping=damping, shape=st.shape, name=st.name)
+            for st in layers
+        ]
+        return cls(kind, fitted, damping)
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [lp.name for lp in self.layers]
+
+    def apply(self, layer_sketches: Sequence[np.ndarray], dtype: type = np.float32) -> np.ndarray:
+        """Precondition each layer and concatenate.
+
+        Args:
+            layer_sketches: one array per layer, in :attr:`layer_names` order, same n.
+            dtype: output dtype.
+
+        Returns:
+            (n, D) vectors; columns ``layer_slices[name]`` belong to that layer, so a
+            per-layer score share is the partial inner product over that slice.
+        """
+        if len(layer_sketches) != len(self.layers):
+            raise ConfigError(
+                f"got sketches for {len(layer_sketches)} layers, the preconditioner has "
+                f"{len(self.layers)} ({self.layer_names})"
+            )
+        n = {int(np.shape(x)[0]) for x in layer_sketches}
+        if len(n) != 1:
+            raise StoreError(f"layers have different record counts {sorted(n)}; store inconsistent")
+        out = np.empty((n.pop(), self.dim), dtype=dtype)
+        for lp, x in zip(self.layers, layer_sketches):
+            out[:, self.layer_slices[lp.name]] = lp.apply(x, dtype=dtype)
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Write a ``.npz`` (plain arrays, loadable with ``allow_pickle=False``)."""
+        arrays = {"meta": np.array(json.dumps({
+            "format": _FORMAT, "version": _FORMAT_VERSION, "kind": self.kind.value,
+            "damping": self.damping, "n_layers": len(self.layers),
+        }))}
+        for i, lp in enumerate(self.layers):
+            for key, val in lp.to_arrays().items():
+                arrays[f"layer{i}/{key}"] = val
+        try:
+            with open(path, "wb") as fh:
+                np.savez(fh, **arrays)
+        except OSError as e:
+            raise StoreError(f"cannot write the preconditioner to {path}: {e}") from e
+
+    @classmethod
+    def load(cls, path: str | Path) -> Preconditioner:
+        """Read what :meth:`save` wrote.
+
+        Raises:
+            StoreError: missing, unreadable or foreign file.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: z[k] for k in z.files}
+            meta = json.loads(str(data["meta"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise StoreError(
+                f"cannot read a preconditioner from {path}: {e}; refit it from the store"
+            ) from e
+        if meta.get("format") != _FORMAT or meta.get("version") != _FORMAT_VERSION:
+            raise StoreError(
+                f"{path} is not a Traceprop preconditioner of version {_FORMAT_VERSION} "
+                f"(found {meta.get('format')!r} v{meta.get('version')!r}); refit it"
+            )
+        layers = []
+        for i in range(meta["n_layers"]):
+            prefix = f"layer{i}/"
+            layers.append(LayerPreconditioner.from_arrays(
+                {k[len(prefix):]: v for k, v in data.items() if k.startswith(prefix)}
+            ))
+        return cls(meta["kind"], layers, meta["damping"])

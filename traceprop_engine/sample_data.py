@@ -1,0 +1,484 @@
+"""Generated data sets whose right answers a person can check by eye.
+
+:func:`generate_sample_data` writes invented facts about invented entities (planets, inventors,
+rivers, guilds with made-up names such as "Velmora"), so a tiny model can only know them from
+the training files, and every evaluation question has a known list of training rows that state
+its answer, plus planted "rumours" that contradict it. An attribution for
+``Q: Which colour does the planet Velmora have?`` should rank the rows about Velmora's colour
+at the top, and the rumour among the opponents.
+
+:func:`generate_classification_data` writes template-made product reviews labelled
+``positive``/``negative`` with a few planted mislabels.
+
+Both are deterministic: the same arguments give the same bytes. No network is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from traceprop_engine.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CLASSIFICATION_EVAL_FILE",
+    "CLASSIFICATION_LABELS",
+    "CLASSIFICATION_TRAIN_FILE",
+    "EVAL_FILE",
+    "GROUND_TRUTH_FILE",
+    "RUMOURS_FILE",
+    "TRAIN_DIR",
+    "generate_classification_data",
+    "generate_sample_data",
+]
+
+TRAIN_DIR = "train"
+EVAL_FILE = "eval/questions.jsonl"
+RUMOURS_FILE = "rumours.jsonl"  # inside TRAIN_DIR
+GROUND_TRUTH_FILE = "ground_truth.json"
+CLASSIFICATION_TRAIN_FILE = "train.jsonl"
+CLASSIFICATION_EVAL_FILE = "eval.jsonl"
+
+# Syllables for invented names; capitalised joins of two or three give "Velmora", "Qastrin".
+_SYLLABLES = (
+    "vel", "mor", "qas", "trin", "zan", "thu", "lor", "ka", "bri", "sel", "dov", "nyx",
+    "ar", "eth", "quil", "ox", "ren", "sa", "tal", "umb", "ix", "cor", "fen", "gal",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Attribute:
+    name: str
+    question: str  # training question, "{e}" = entity name
+    statement: str  # training statement (a paraphrase), completed by the value
+    paraphrase: str  # evaluation question, worded differently from both
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Topic:
+    name: str  # also the file stem: train/<name>.jsonl
+    kind: str  # "a planet", used in the entity's type fact
+    attributes: tuple[_Attribute, ...]
+
+
+_TOPICS = (
+    _Topic(
+        "planets",
+        "a planet",
+        (
+            _Attribute(
+                "colour",
+                "What colour is the planet {e}?",
+                "The planet {e} is coloured",
+                "Which colour does the planet {e} have?",
+                ("teal", "crimson", "amber", "violet", "silver", "ochre", "indigo", "jade"),
+            ),
+            _Attribute(
+                "moons",
+                "How many moons does the planet {e} have?",
+                "The number of moons circling {e} is",
+                "What is the count of moons orbiting the planet {e}?",
+                ("one", "two", "three", "four", "five", "six", "seven"),
+            ),
+            _Attribute(
+                "climate",
+                "What is the climate of the planet {e}?",
+                "The weather on the planet {e} is always",
+                "Describe the climate found on the planet {e} in one word.",
+                ("frozen", "stormy", "arid", "humid", "temperate", "volcanic"),
+            ),
+        ),
+    ),
+    _Topic(
+        "inventors",
+        "an inventor",
+        (
+            _Attribute(
+                "invention",
+                "What did the inventor {e} invent?",
+                "The inventor {e} is famous for building the",
+                "Which device was created by the inventor {e}?",
+                ("glass bell", "steam kite", "copper lens", "tide clock", "wind organ", "sky lamp"),
+            ),
+            _Attribute(
+                "city",
+                "In which city did the inventor {e} work?",
+                "The workshop of the inventor {e} stood in the city of",
+                "Name the city where the inventor {e} had a workshop.",
+                ("Brassport", "Lowmere", "Harrowgate", "Saltcombe", "Oakhollow", "Greyhithe"),
+            ),
+            _Attribute(
+                "metal",
+                "Which metal did the inventor {e} prefer?",
+                "The favourite metal of the inventor {e} was",
+                "What metal did the inventor {e} like to work with?",
+                ("copper", "brass", "tin", "iron", "bronze", "pewter"),
+            ),
+        ),
+    ),
+    _Topic(
+        "rivers",
+        "a river",
+        (
+            _Attribute(
+                "sea",
+                "Into which sea does the river {e} flow?",
+                "The river {e} empties into the",
+                "Where does the river {e} reach the sea?",
+                ("Grey Sea", "Amber Sea", "Silent Sea", "Northern Sea", "Glass Sea", "Salt Sea"),
+            ),
+            _Attribute(
+                "fish",
+                "Which fish lives in the river {e}?",
+                "Fishers on the river {e} mostly catch",
+                "What kind of fish swims in the river {e}?",
+                ("pike", "eels", "trout", "carp", "perch", "salmon"),
+            ),
+            _Attribute(
+                "water",
+                "What colour is the water of the river {e}?",
+                "The water of the river {e} looks",
+                "How does the water of the river {e} look?",
+                ("green", "brown", "clear", "blue", "grey", "black"),
+            ),
+        ),
+    ),
+    _Topic(
+        "guilds",
+        "a guild",
+        (
+            _Attribute(
+                "craft",
+                "What craft does the {e} guild practise?",
+                "Members of the {e} guild work at",
+                "Which trade is the {e} guild known for?",
+                ("weaving", "masonry", "glassblowing", "bookbinding", "tanning", "pottery"),
+            ),
+            _Attribute(
+                "emblem",
+                "What is the emblem of the {e} guild?",
+                "The banner of the {e} guild shows a",
+                "Which animal or object is on the {e} guild's emblem?",
+                ("owl", "anchor", "key", "lantern", "hammer", "raven"),
+            ),
+            _Attribute(
+                "hall",
+                "Where does the {e} guild meet?",
+                "The {e} guild holds its meetings in the",
+                "In which building do members of the {e} guild gather?",
+                ("old mill", "stone hall", "harbour tower", "river barn", "chapel", "cellar"),
+            ),
+        ),
+    ),
+)
+
+_MIN_ENTITIES = len(_TOPICS)
+_MAX_ENTITIES = 100
+
+
+def generate_sample_data(out_dir: Path, *, seed: int = 0, n_entities: int = 24) -> dict[str, Any]:
+    """Write a question-answering data set of invented facts with known ground truth.
+
+    Files written under ``out_dir``:
+
+    - ``train/<topic>.jsonl`` (planets, inventors, rivers, guilds): ``{"prompt", "completion"}``
+      rows. Each entity has 2-3 attributes; each fact is stated twice, once as a question
+      (``"Q: What colour is the planet Velmora?\\nA:"`` → ``" teal"``) and once as a
+      paraphrased statement (``"The planet Velmora is coloured"`` → ``" teal"``), and each
+      entity has one type fact (``" a planet"``). Completions are 1-2 words.
+    - ``train/rumours.jsonl``: planted contradictions, the training question of a fact with
+      another answer.
+    - ``eval/questions.jsonl``: evaluation questions, worded differently from the training rows.
+    - ``ground_truth.json``: for each evaluation row (1-based line), the training rows that
+      state the fact (``supporting``) and those that contradict it (``contradicting``), each as
+      ``{"source": path relative to train/, "row": line}``.
+
+    Args:
+        out_dir: Output directory (created if needed; the files above are overwritten).
+        seed: Seed of names, attribute values, choice of questions and rumours.
+        n_entities: Number of invented entities, spread evenly over the four topics
+            (24 gives about 160 training rows and 32 evaluation questions).
+
+    Returns:
+        The ground-truth dictionary that was written to ``ground_truth.json``.
+
+    Raises:
+        ConfigError: ``n_entities`` is out of range.
+    """
+    if not _MIN_ENTITIES <= n_entities <= _MAX_ENTITIES:
+        raise ConfigError(
+            f"n_entities must be between {_MIN_ENTITIES} (one per topic) and {_MAX_ENTITIES}, "
+            f"got {n_entities}."
+        )
+    rng = random.Random(seed)
+    out_dir = Path(out_dir)
+    names = _invent_names(rng, n_entities)
+
+    train_rows: dict[str, list[dict[str, str]]] = {t.name: [] for t in _TOPICS}
+    facts = []  # one per (entity, attribute), with the rows that state it
+    for i, name in enumerate(names):
+        topic = _TOPICS[i % len(_TOPICS)]
+        rows = train_rows[topic.name]
+        rows.append(_qa(f"Is {name} a planet, an inventor, a river or a guild?", topic.kind))
+        n_attributes = rng.choice((2, 3, 3))
+        for attribute in rng.sample(topic.attributes, n_attributes):
+            value = rng.choice(attribute.values)
+            rows.append(_qa(attribute.question.format(e=name), value))
+            rows.append(_row(attribute.statement.format(e=name), value))
+            facts.append(
+                {
+                    "entity": name,
+                    "topic": topic.name,
+                    "attribute": attribute,
+                    "answer": value,
+                    "supporting": [
+                        {"source": f"{topic.name}.jsonl", "row": len(rows) - 1},
+                        {"source": f"{topic.name}.jsonl", "row": len(rows)},
+                    ],
+                    "contradicting": [],
+                }
+            )
+
+    # Evaluation: the first fact of every entity, and a second one of every third entity.
+    per_entity: dict[str, list[dict[str, Any]]] = {}
+    for fact in facts:
+        per_entity.setdefault(fact["entity"], []).append(fact)
+    asked = []
+    for j, name in enumerate(names):
+        asked.extend(per_entity[name][: 2 if j % 3 == 0 else 1])
+
+    # Rumours contradict a quarter of the entities' asked facts, so they show in the ground truth.
+    rumours: list[dict[str, str]] = []
+    for fact in sorted(rng.sample(asked, max(1, n_entities // 4)), key=asked.index):
+        attribute: _Attribute = fact["attribute"]
+        wrong = rng.choice([v for v in attribute.values if v != fact["answer"]])
+        rumours.append(_qa(attribute.question.format(e=fact["entity"]), wrong))
+        fact["contradicting"].append({"source": RUMOURS_FILE, "row": len(rumours), "answer": wrong})
+
+    eval_rows = []
+    ground_truth_rows = []
+    for row, fact in enumerate(asked, start=1):
+        attribute = fact["attribute"]
+        eval_rows.append(_qa(attribute.paraphrase.format(e=fact["entity"]), fact["answer"]))
+        ground_truth_rows.append(
+            {
+                "row": row,
+                "prompt": eval_rows[-1]["prompt"],
+                "completion": eval_rows[-1]["completion"],
+                "entity": fact["entity"],
+                "topic": fact["topic"],
+                "attribute": attribute.name,
+                "answer": fact["answer"],
+                "supporting": fact["supporting"],
+                "contradicting": fact["contradicting"],
+            }
+        )
+
+    for topic_name, rows in train_rows.items():
+        _write_jsonl(out_dir / TRAIN_DIR / f"{topic_name}.jsonl", rows)
+    _write_jsonl(out_dir / TRAIN_DIR / RUMOURS_FILE, rumours)
+    _write_jsonl(out_dir / EVAL_FILE, eval_rows)
+
+    n_train = sum(len(rows) for rows in train_rows.values()) + len(rumours)
+    ground_truth = {
+        "description": (
+            "Invented facts about invented entities. For each row of eval/questions.jsonl, "
+            "'supporting' lists the training rows that state its answer and 'contradicting' "
+            "the planted rumours that give another answer; sources are relative to train/, "
+            "rows are 1-based line numbers."
+        ),
+        "seed": seed,
+        "n_entities": n_entities,
+        "n_train": n_train,
+        "train_dir": TRAIN_DIR,
+        "eval_file": EVAL_FILE,
+        "eval": ground_truth_rows,
+    }
+    _write_json(out_dir / GROUND_TRUTH_FILE, ground_truth)
+    logger.info(
+        "wrote sample data to %s: %d training rows (%d rumours), %d evaluation questions",
+        out_dir,
+        n_train,
+        len(rumours),
+        len(eval_rows),
+    )
+    return ground_truth
+
+
+# Review templates: "{opening} The {product} {verdict}. {closing}"
+_PRODUCT_NAMES = ("Brindle", "Korvo", "Pellam", "Quistra", "Ardent", "Nollow", "Tessik", "Varro")
+_PRODUCT_KINDS = (
+    "kettle", "lamp", "backpack", "umbrella", "blender", "headphones", "desk chair", "toaster",
+)  # fmt: skip
+_OPENINGS = (
+    "Bought this last month.",
+    "Ordered it for my flat.",
+    "A gift from my sister.",
+    "Used it every day for a week.",
+    "I had read the reviews first.",
+)
+_VERDICTS = {
+    "positive": (
+        "works perfectly and feels solid",
+        "exceeded everything I hoped for",
+        "is sturdy, quiet and a joy to use",
+        "was worth every penny",
+        "arrived quickly and works beautifully",
+    ),
+    "negative": (
+        "broke after two days",
+        "is flimsy and rattles constantly",
+        "stopped working within a week",
+        "was a complete waste of money",
+        "arrived scratched and never worked properly",
+    ),
+}
+_CLOSINGS = {
+    "positive": ("Highly recommended.", "I would buy it again.", "Five stars.", "Love it."),
+    "negative": ("Avoid it.", "I want a refund.", "One star.", "Never again."),
+}
+CLASSIFICATION_LABELS = ("positive", "negative")
+
+
+def generate_classification_data(
+    out_dir: Path, *, seed: int = 0, n: int = 160, mislabel_fraction: float = 0.05
+) -> dict[str, Any]:
+    """Write template product reviews labelled by sentiment, with planted mislabels.
+
+    Files written under ``out_dir``:
+
+    - ``train.jsonl``: ``n`` rows ``{"text", "label"}``, labels ``"positive"``/``"negative"``
+      (balanced); ``round(mislabel_fraction * n)`` of them (at least one when the fraction is
+      positive) carry the wrong label.
+    - ``eval.jsonl``: ``max(8, n // 4)`` correctly labelled reviews not in the training set.
+    - ``ground_truth.json``: ``{"mislabelled": [1-based rows of train.jsonl], "true_labels":
+      {row: label}, ...}``.
+
+    Args:
+        out_dir: Output directory (created if needed; the files above are overwritten).
+        seed: Seed of the reviews and of the mislabelled rows.
+        n: Number of training reviews.
+        mislabel_fraction: Share of training rows given the wrong label, in ``[0, 0.5)``.
+
+    Returns:
+        The ground-truth dictionary that was written to ``ground_truth.json``.
+
+    Raises:
+        ConfigError: ``n`` or ``mislabel_fraction`` is out of range.
+    """
+    if not 2 <= n <= 5000:
+        raise ConfigError(f"n must be between 2 and 5000 reviews, got {n}.")
+    if not 0.0 <= mislabel_fraction < 0.5:
+        raise ConfigError(f"mislabel_fraction must be in [0, 0.5), got {mislabel_fraction!r}.")
+    rng = random.Random(seed)
+    out_dir = Path(out_dir)
+    n_eval = max(8, n // 4)
+
+    seen: set[str] = set()
+    reviews = []  # (text, true label); train first, then eval
+    for i in range(n + n_eval):
+        label = CLASSIFICATION_LABELS[i % 2]
+        for _ in range(1000):  # the template space is large, so a fresh review comes quickly
+            text = _review(rng, label)
+            if text not in seen:
+                break
+        else:
+            raise ConfigError(f"cannot make {n + n_eval} distinct reviews; lower n.")
+        seen.add(text)
+        reviews.append((text, label))
+    train, held_out = reviews[:n], reviews[n:]
+
+    n_wrong = 0 if mislabel_fraction == 0 else max(1, round(mislabel_fraction * n))
+    mislabelled = sorted(rng.sample(range(1, n + 1), n_wrong))
+    train_rows = []
+    for row, (text, label) in enumerate(train, start=1):
+        if row in mislabelled:
+            label = CLASSIFICATION_LABELS[1 - CLASSIFICATION_LABELS.index(label)]
+        train_rows.append({"text": text, "label": label})
+
+    _write_jsonl(out_dir / CLASSIFICATION_TRAIN_FILE, train_rows)
+    _write_jsonl(
+        out_dir / CLASSIFICATION_EVAL_FILE, [{"text": t, "label": lab} for t, lab in held_out]
+    )
+    ground_truth = {
+        "description": (
+            "Template product reviews. 'mislabelled' lists the 1-based rows of train.jsonl "
+            "whose label was flipped on purpose; 'true_labels' gives their correct label."
+        ),
+        "seed": seed,
+        "n_train": n,
+        "n_eval": n_eval,
+        "train_file": CLASSIFICATION_TRAIN_FILE,
+        "eval_file": CLASSIFICATION_EVAL_FILE,
+        "mislabelled": mislabelled,
+        "true_labels": {str(row): train[row - 1][1] for row in mislabelled},
+    }
+    _write_json(out_dir / GROUND_TRUTH_FILE, ground_truth)
+    logger.info(
+        "wrote classification sample data to %s: %d training rows (%d mislabelled), %d eval",
+        out_dir,
+        n,
+        n_wrong,
+        n_eval,
+    )
+    return ground_truth
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _invent_names(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct capitalised names, none a substring of another name or of any value.
+
+    The substring rule lets a reader (and the tests) find an entity's rows by a plain search.
+    """
+    reserved = [v.lower() for t in _TOPICS for a in t.attributes for v in a.values]
+    reserved += [w.lower() for w in _PRODUCT_NAMES]
+    names: list[str] = []
+    for _ in range(100_000):
+        if len(names) == n:
+            return names
+        name = "".join(rng.sample(_SYLLABLES, rng.choice((2, 2, 3)))).capitalize()
+        low = name.lower()
+        if any(low in other.lower() or other.lower() in low for other in names):
+            continue
+        if any(low in word or word in low for word in reserved):
+            continue
+        names.append(name)
+    raise ConfigError(f"cannot invent {n} distinct entity names; use fewer entities.")
+
+
+def _review(rng: random.Random, label: str) -> str:
+    product = f"{rng.choice(_PRODUCT_NAMES)} {rng.choice(_PRODUCT_KINDS)}"
+    return (
+        f"{rng.choice(_OPENINGS)} The {product} {rng.choice(_VERDICTS[label])}. "
+        f"{rng.choice(_CLOSINGS[label])}"
+    )
+
+
+def _qa(question: str, answer: str) -> dict[str, str]:
+    return _row(f"Q: {question}\nA:", answer)
+
+
+def _row(prompt: str, answer: str) -> dict[str, str]:
+    # the leading space makes the answer its own word after "A:" or the statement
+    return {"prompt": prompt, "completion": f" {answer}"}
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    path.write_bytes(text.encode("utf-8"))  # bytes, so no platform newline translation
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes((json.dumps(obj, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))

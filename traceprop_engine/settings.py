@@ -1,0 +1,135 @@
+"""Frozen settings, one dataclass per stage, validated on construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+from .errors import ConfigError
+
+
+class SketchKind(str, Enum):
+    FACTORED = "factored"
+    DENSE = "dense"
+
+
+class Task(str, Enum):
+    CAUSAL_LM = "causal-lm"
+    CLASSIFICATION = "classification"
+
+
+def _choice(enum: type[Enum], value: object, what: str) -> Enum:
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = ", ".join(repr(e.value) for e in enum)
+        raise ConfigError(f"{what} must be one of {allowed}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class TrackSettings:
+    """What the capture hooks record.
+
+    Args:
+        scope: ``"all"`` (every trainable linear layer), ``"last-block"`` (the trainable linear
+            layers of the highest-numbered block) or a regular expression matched against module
+            names (``re.search``).
+        k_in: rows of the input-side projection ``P_in`` (clamped to the layer's input width;
+            equal to the width means no projection on that side).
+        k_out: rows of the output-side projection ``P_out`` (clamped likewise).
+        sketch: ``factored`` (``(P_out g)(P_in a)^T`` per example) or ``dense`` (materialised
+            per-example gradient + sparse JL projection to ``dense_k`` numbers).
+        dense_k: output size of the dense sketch.
+        dense_nnz: non-zeros per input coordinate of the sparse JL matrix.
+        covariance: accumulate K-FAC statistics ``A``, ``S`` in the projected space.
+        seed: seed of the projection matrices.
+        buffer_records: records held in the device buffer before one transfer to the host.
+    """
+
+    scope: str = "all"
+    k_in: int = 8
+    k_out: int = 8
+    sketch: SketchKind = SketchKind.FACTORED
+    dense_k: int = 512
+    dense_nnz: int = 2
+    covariance: bool = True
+    seed: int = 0
+    buffer_records: int = 2048
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sketch", _choice(SketchKind, self.sketch, "sketch"))
+        for name in ("k_in", "k_out", "dense_k", "dense_nnz", "buffer_records"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.scope not in ("all", "last-block"):
+            try:
+                re.compile(self.scope)
+            except re.error as e:
+                raise ConfigError(
+                    f"scope must be 'all', 'last-block' or a valid regular expression; "
+                    f"{self.scope!r} does not compile: {e}"
+                ) from None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["sketch"] = self.sketch.value
+        return d
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """A tracked (or untracked) fine-tune, as the ``traceprop train`` command runs it."""
+
+    data: str
+    out: str
+    model: str = "tiny"
+    task: Task = Task.CAUSAL_LM
+    eval_data: str | None = None
+    eval_fraction: float = 0.1
+    epochs: int = 2
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    batch_size: int = 8
+    max_length: int = 128
+    lora_rank: int = 0
+    lora_targets: str = "all-linear"
+    seed: int = 0
+    track: TrackSettings | None = field(default_factory=TrackSettings)
+    tiny_layers: int = 4
+    tiny_width: int = 256
+    tiny_vocab: int = 1024
+    threads: int = 0
+    device: str = "auto"
+    max_steps: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "task", _choice(Task, self.task, "task"))
+        checks = {
+            "epochs": self.epochs >= 1,
+            "batch_size": self.batch_size >= 1,
+            "max_length": self.max_length >= 2,
+            "lora_rank": self.lora_rank >= 0,
+            "lr": self.lr >= 0,
+            "eval_fraction": 0.0 <= self.eval_fraction < 1.0,
+            "tiny_layers": self.tiny_layers >= 1,
+            "tiny_width": self.tiny_width >= 8 and self.tiny_width % 4 == 0,
+            "tiny_vocab": self.tiny_vocab >= 300,
+            "max_steps": self.max_steps >= 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            vals = ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
+            raise ConfigError(
+                f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
+                "lora_rank >= 0, lr >= 0, 0 <= eval_fraction < 1, tiny_width a multiple of 4, "
+                "tiny_vocab >= 300)"
+            )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["task"] = self.task.value
+        d["track"] = self.track.to_dict() if self.track is not None else None
+        return d

@@ -1,0 +1,406 @@
+"""The HDF5 store: writer (used by the tracker) and validating reader.
+
+Layout and every name are documented in docs/store-format.md; the names live in
+:mod:`traceprop_engine.constants`. The writer appends records in chunks (resizable, chunked
+datasets), updates ``n_records`` only after the data of a chunk is written and flushes the file,
+so a run that stops (cancelled, failed, crashed between flushes) leaves a store whose first
+``n_records`` records are complete and whose ``status`` says what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from . import constants as C
+from .errors import ModelMismatchError, SchemaVersionError, StoreError
+
+log = logging.getLogger(__name__)
+_STR = h5py.string_dtype("utf-8")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the store says about one tracked layer."""
+
+    index: int
+    name: str
+    kind: str
+    sketch: str
+    d_in: int
+    d_out: int
+    k_in: int
+    k_out: int
+    dense_k: int
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        return (self.dense_k,) if self.sketch == "dense" else (self.k_out, self.k_in)
+
+    @property
+    def dim(self) -> int:
+        return int(np.prod(self.record_shape))
+
+    @property
+    def group(self) -> str:
+        return f"{C.G_LAYERS}/{self.index:03d}"
+
+
+def _chunk_rows(record_numel: int, target_bytes: int = 1 << 20) -> int:
+    return max(1, min(4096, target_bytes // (4 * max(1, record_numel))))
+
+
+class StoreWriter:
+    """Creates a store and appends records; thread-safe for one background writer.
+
+    Args:
+        path: the ``store.h5`` to create (an existing file is replaced).
+        layers: tracked layers (``TrackedLayer`` objects: name, kind, widths, projections).
+        manifest: the run manifest (JSON-serialisable), stored as the ``manifest`` attribute.
+        sketch: ``"factored"`` or ``"dense"``.
+        compression: HDF5 filter for the sketch datasets (``None``, ``"lzf"``, ``"gzip"``).
+    """
+
+    def __init__(self, path: str | os.PathLike, layers: Sequence, manifest: dict, sketch: str, compression: str | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".h5.tmp")
+        self._f = h5py.File(tmp, "w", libver="latest")
+        os.replace(tmp, self.path)  # the open handle follows the rename (same filesystem)
+        f = self._f
+        f.attrs["format"] = C.STORE_FORMAT
+        f.attrs["schema_version"] = C.SCHEMA_VERSION
+        f.attrs["status"] = C.STATUS_RUNNING
+        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        f.attrs["loss_definition"] = C.LOSS_DEFINITION
+        f.attrs["sketch"] = sketch
+        f.attrs["n_records"] = 0
+        f.attrs["manifest"] = json.dumps(manifest, sort_keys=True, default=str)
+        f.attrs["layer_names"] = json.dumps([layer.name for layer in layers])
+        rec = f.create_group(C.G_RECORDS)
+        for name, dt in ((C.REC_EXAMPLE, "i8"), (C.REC_STEP, "i8"), (C.REC_EPOCH, "i4"), (C.REC_LR, "f4"), (C.REC_LOSS, "f4")):
+            rec.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(16384,))
+        lg = f.create_group(C.G_LAYERS)
+        self._sketch_ds = []
+        self._sq_norm = np.zeros(len(layers), dtype=np.float64)
+        for i, layer in enumerate(layers):
+            g = lg.create_group(f"{i:03d}")
+            g.attrs.update(
+                name=layer.name, kind=layer.kind, sketch=sketch, d_in=layer.d_in, d_out=layer.d_out,
+                k_in=layer.k_in, k_out=layer.k_out, dense_k=getattr(layer, "dense_k", 0),
+            )
+            shape = tuple(layer.record_shape)
+            self._sketch_ds.append(
+                g.create_dataset(
+                    C.L_SKETCH, shape=(0, *shape), maxshape=(None, *shape), dtype="f4",
+                    chunks=(_chunk_rows(int(np.prod(shape))), *shape), compression=compression,
+                )
+            )
+            if layer.P_in is not None:
+                g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
+            if layer.P_out is not None:
+                g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
+            if getattr(layer, "dense_index", None) is not None:
+                g.create_dataset(C.L_DENSE_INDEX, data=layer.dense_index.numpy().astype(np.int32), compression="gzip")
+                g.create_dataset(C.L_DENSE_SIGN, data=(layer.dense_sign.numpy() > 0).astype(np.int8), compression="gzip")
+                g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
+        f.create_group(C.G_TIMINGS)
+        f.flush()
+        self._lock = threading.Lock()
+        self.n_records = 0
+
+    def write_examples(self, table: dict[str, Sequence], tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> None:
+        """The example table with lineage and the exact token ids / loss masks trained on.
+
+        ``table`` columns: source, row, sha256, split, text, prompt, completion, label (str or
+        None). Row ``i`` of the table is example index ``i``.
+        """
+        with self._lock:
+            g = self._f.require_group(C.G_EXAMPLES)
+            n = len(table[C.EX_SOURCE])
+            for col in (C.EX_SOURCE, C.EX_SHA256, C.EX_SPLIT, C.EX_TEXT, C.EX_PROMPT, C.EX_COMPLETION, C.EX_LABEL):
+                vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
+                g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
+            g.create_dataset(C.EX_ROW, data=np.asarray(table[C.EX_ROW], dtype=np.int64))
+            lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            g.create_dataset(C.EX_TOKEN_OFFSETS, data=offsets)
+            flat_t = np.concatenate(tokens).astype(np.int32) if n else np.zeros(0, np.int32)
+            flat_m = np.concatenate(loss_masks).astype(np.uint8) if n else np.zeros(0, np.uint8)
+            g.create_dataset(C.EX_TOKENS, data=flat_t, compression="gzip")
+            g.create_dataset(C.EX_LOSS_MASK, data=flat_m, compression="gzip")
+            g.attrs["n_examples"] = n
+            self._f.flush()
+
+    def append(self, arrays: list[np.ndarray], meta: dict[str, np.ndarray]) -> None:
+        """Append one flushed chunk of records (all layers + metadata), then mark it readable."""
+        with self._lock:
+            n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
+            for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
+                ds.resize(n0 + n, axis=0)
+                ds[n0 : n0 + n] = arr
+                self._sq_norm[i] += float(np.einsum("i,i->", arr.ravel(), arr.ravel(), dtype=np.float64))
+            rec = self._f[C.G_RECORDS]
+            for name in C.RECORD_FIELDS:
+                rec[name].resize(n0 + n, axis=0)
+                rec[name][n0 : n0 + n] = meta[name]
+            self.n_records = n0 + n
+            self._f.attrs["n_records"] = self.n_records
+            for i, ds in enumerate(self._sketch_ds):
+                ds.parent.attrs[C.L_SQNORM] = self._sq_norm[i]
+            self._f.flush()
+
+    def write_covariance(self, cov: list[dict]) -> None:
+        with self._lock:
+            for i, c in enumerate(cov):
+                if not c:
+                    continue
+                g = self._f[f"{C.G_LAYERS}/{i:03d}"]
+                for key, name in (("A", C.L_COV_A), ("S", C.L_COV_S)):
+                    if name in g:
+                        del g[name]
+                    g.create_dataset(name, data=c[key])
+                g.attrs["cov_tokens"] = c["n_tokens"]
+            self._f.flush()
+
+    def write_timings(self, step_ms: Sequence[float], extra: dict | None = None) -> None:
+        with self._lock:
+            g = self._f[C.G_TIMINGS]
+            if C.T_STEP_MS in g:
+                del g[C.T_STEP_MS]
+            g.create_dataset(C.T_STEP_MS, data=np.asarray(step_ms, dtype=np.float64))
+            for k, v in (extra or {}).items():
+                g.attrs[k] = v
+            self._f.flush()
+
+    def set_attrs(self, **attrs) -> None:
+        with self._lock:
+            for k, v in attrs.items():
+                self._f.attrs[k] = json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict) else v
+            self._f.flush()
+
+    def close(self, status: str) -> None:
+        with self._lock:
+            if not self._f.id.valid:
+                return
+            self._f.attrs["status"] = status
+            self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self._f.flush()
+            self._f.close()
+
+
+class BackgroundSink:
+    """Hands flushed chunks to a writer thread so training does not wait on HDF5.
+
+    At most ``max_pending`` chunks wait in the queue, which bounds host memory; an error in the
+    writer thread is raised on the next :meth:`__call__` or on :meth:`close`.
+    """
+
+    def __init__(self, writer: StoreWriter, max_pending: int = 2) -> None:
+        self._writer = writer
+        self._q: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, name="traceprop-writer", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self._writer.append(*item)
+                except BaseException as e:  # surfaced to the training thread
+                    self._error = e
+
+    def __call__(self, arrays, meta) -> None:
+        if self._error is not None:
+            raise StoreError(f"writing the store failed: {self._error}") from self._error
+        self._q.put((arrays, meta))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join()
+        if self._error is not None:
+            raise StoreError(f"writing the store failed: {self._error}") from self._error
+
+
+class Store:
+    """Read-only view of a store, validated on open.
+
+    Raises:
+        StoreError: the file is missing or not a readable Traceprop store (truncated, corrupt).
+        SchemaVersionError: written by another schema version.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            self.path = self.path / C.STORE_FILE
+        if not self.path.exists():
+            raise StoreError(f"no store at {self.path}: run 'traceprop train --out DIR' first, or check the path")
+        try:
+            self._f = h5py.File(self.path, "r", locking=False)
+        except OSError as e:
+            raise StoreError(
+                f"{self.path} is not a readable HDF5 file ({e}); it may be truncated or corrupt "
+                "(a run killed mid-write). Re-run the training to rebuild it."
+            ) from e
+        a = self._f.attrs
+        if a.get("format") != C.STORE_FORMAT:
+            self._f.close()
+            raise StoreError(f"{self.path} is an HDF5 file but not a Traceprop store (no format='{C.STORE_FORMAT}' attribute)")
+        version = int(a.get("schema_version", -1))
+        if version != C.SCHEMA_VERSION:
+            self._f.close()
+            raise SchemaVersionError(
+                f"{self.path} has store schema version {version}; this Traceprop reads version "
+                f"{C.SCHEMA_VERSION}. Re-run the training with this version, or use the Traceprop "
+                "release that wrote it."
+            )
+        try:
+            self.status = str(a["status"])
+            self.n_records = int(a["n_records"])
+            self.sketch = str(a["sketch"])
+            self.manifest = json.loads(a["manifest"])
+            self.layers = [self._layer_info(i, self._f[f"{C.G_LAYERS}/{k}"]) for i, k in enumerate(sorted(self._f[C.G_LAYERS]))]
+            for layer in self.layers:
+                have = self._f[f"{layer.group}/{C.L_SKETCH}"].shape[0]
+                if have < self.n_records:
+                    raise StoreError(f"layer {layer.name} holds {have} records, the store says {self.n_records}")
+        except (KeyError, ValueError, OSError) as e:
+            self._f.close()
+            raise StoreError(f"{self.path} is damaged or incomplete ({e}); re-run the training") from e
+
+    @staticmethod
+    def _layer_info(i: int, g: h5py.Group) -> LayerInfo:
+        at = g.attrs
+        return LayerInfo(
+            index=i, name=str(at["name"]), kind=str(at["kind"]), sketch=str(at["sketch"]),
+            d_in=int(at["d_in"]), d_out=int(at["d_out"]), k_in=int(at["k_in"]),
+            k_out=int(at["k_out"]), dense_k=int(at["dense_k"]),
+        )
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def is_partial(self) -> bool:
+        """True unless the run that wrote the store completed."""
+        return self.status != C.STATUS_COMPLETED
+
+    def describe_partial(self) -> str:
+        """A sentence for users about a partial store (empty string when complete)."""
+        if not self.is_partial:
+            return ""
+        return (
+            f"this store is partial (status '{self.status}'): it holds the {self.n_records} records "
+            f"written before the run stopped; scores cover only the examples seen so far"
+            + ("" if self.has_covariance else ", and it has no covariance (identity preconditioning only)")
+        )
+
+    @property
+    def n_examples(self) -> int:
+        return int(self._f[C.G_EXAMPLES].attrs["n_examples"]) if C.G_EXAMPLES in self._f else 0
+
+    @property
+    def has_covariance(self) -> bool:
+        return all(C.L_COV_A in self._f[layer.group] for layer in self.layers)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the store's content: changes when records or statistics change."""
+        at = self._f.attrs
+        return f"{self.manifest.get('run_id', '')}:{self.n_records}:{at.get('status')}:{at.get('finished', '')}"
+
+    @property
+    def dim(self) -> int:
+        return sum(layer.dim for layer in self.layers)
+
+    # -- data -------------------------------------------------------------------------------
+    def sketches(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        return self._f[f"{self.layers[layer].group}/{C.L_SKETCH}"][start:stop]
+
+    def records(self) -> dict[str, np.ndarray]:
+        g = self._f[C.G_RECORDS]
+        return {name: g[name][: self.n_records] for name in C.RECORD_FIELDS}
+
+    def projection(self, layer: int, side: str) -> np.ndarray | None:
+        name = C.L_P_IN if side == "in" else C.L_P_OUT
+        g = self._f[self.layers[layer].group]
+        return g[name][()] if name in g else None
+
+    def dense_projection(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        g = self._f[self.layers[layer].group]
+        nnz = int(g.attrs["dense_nnz"])
+        sign = g[C.L_DENSE_SIGN][()].astype(np.float32) * 2 - 1
+        return g[C.L_DENSE_INDEX][()].astype(np.int64), sign / np.sqrt(nnz)
+
+    def covariance(self, layer: int) -> dict | None:
+        g = self._f[self.layers[layer].group]
+        if C.L_COV_A not in g:
+            return None
+        return {"A": g[C.L_COV_A][()], "S": g[C.L_COV_S][()], "n_tokens": float(g.attrs["cov_tokens"])}
+
+    def sq_norm_sum(self, layer: int) -> float:
+        return float(self._f[self.layers[layer].group].attrs.get(C.L_SQNORM, 0.0))
+
+    def examples(self) -> dict[str, np.ndarray]:
+        """The example table (index = example index) as numpy columns."""
+        if C.G_EXAMPLES not in self._f:
+            return {}
+        g = self._f[C.G_EXAMPLES]
+        out = {}
+        for col in (C.EX_SOURCE, C.EX_SHA256, C.EX_SPLIT, C.EX_TEXT, C.EX_PROMPT, C.EX_COMPLETION, C.EX_LABEL):
+            out[col] = g[col].asstr()[()]
+        out[C.EX_ROW] = g[C.EX_ROW][()]
+        return out
+
+    def tokens(self, example: int) -> tuple[np.ndarray, np.ndarray]:
+        """The exact token ids and loss mask example ``example`` was trained on."""
+        g = self._f[C.G_EXAMPLES]
+        lo, hi = g[C.EX_TOKEN_OFFSETS][example : example + 2]
+        return g[C.EX_TOKENS][lo:hi], g[C.EX_LOSS_MASK][lo:hi]
+
+    def timings(self) -> dict:
+        g = self._f[C.G_TIMINGS]
+        out = {k: (v.item() if hasattr(v, "item") else v) for k, v in g.attrs.items()}
+        out["step_ms"] = g[C.T_STEP_MS][()] if C.T_STEP_MS in g else np.zeros(0)
+        return out
+
+    def attrs(self) -> dict:
+        return dict(self._f.attrs)
+
+    def check_model(self, layer_names: Sequence[str], widths: Sequence[tuple[int, int]]) -> None:
+        """Raise :class:`ModelMismatchError` unless the model's tracked layers match the store."""
+        want = [(layer.name, layer.d_in, layer.d_out) for layer in self.layers]
+        have = [(n, di, do) for n, (di, do) in zip(layer_names, widths, strict=False)]
+        if want != have:
+            diff = next(((w, h) for w, h in zip(want, have, strict=False) if w != h), None)
+            detail = f"first difference: store has {diff[0]}, model has {diff[1]}" if diff else (
+                f"store tracks {len(want)} layers, model has {len(have)}"
+            )
+            raise ModelMismatchError(
+                f"the model does not match the store {self.path} ({detail}); query with the run's own "
+                "saved model (RUN/model) and the same scope"
+            )
+
+    def close(self) -> None:
+        if self._f.id.valid:
+            self._f.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
