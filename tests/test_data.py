@@ -216,7 +216,12 @@ def test_hash_files_missing_file_is_a_data_error(tmp_path):
         ),
         ("data.csv", "text\nok\nx,y\n", "causal-lm", "data.csv:3: the row has 2 field(s)"),
         ("data.csv", "\n", "causal-lm", "data.csv:1: a CSV file needs a header row"),
-        ("data.csv", 'text\n"unterminated\n', "causal-lm", "data.csv:3: malformed CSV"),
+        (
+            "data.csv",
+            'text\n"unterminated\n',
+            "causal-lm",
+            "data.csv:2: malformed CSV (unexpected end of data)",
+        ),
         ("notes.txt", "hello\n", "classification", "notes.txt: a .txt file holds text only"),
     ],
 )

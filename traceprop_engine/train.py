@@ -1,0 +1,319 @@
+"""The fine-tune loop behind ``traceprop train``: data -> model -> tracked steps -> run directory.
+
+A plain PyTorch loop (AdamW, linear decay) whose every micro-batch runs inside
+:meth:`Tracker.step`, so the store holds one record per example per epoch. SIGTERM or Ctrl-C
+stop the loop at the next step boundary: the records so far, the covariance and the model are
+saved and the status says ``cancelled``. Any error marks the run ``failed`` (the store stays
+readable) and is re-raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import constants as C
+from .data import Example, hash_files, load_examples, split_eval
+from .errors import ConfigError, RunError
+from .losses import example_losses
+from .models import apply_lora, build_model, collate, count_parameters, encode_example, model_inputs, save_model
+from .run import library_versions, new_run_id, now, read_manifest, write_manifest
+from .settings import TrainSettings
+from .tracker import Tracker
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[dict], None]
+
+
+@dataclass
+class StopFlag:
+    """Set by a signal handler (or a caller) to stop at the next step boundary."""
+
+    requested: bool = False
+    reason: str = ""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"device {name!r} is not a torch device (use auto, cpu, cuda, cuda:1...)") from e
+
+
+def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
+    if (run_dir / C.MANIFEST_FILE).exists():
+        if not overwrite:
+            raise RunError(f"{run_dir} already holds a run; choose another --out or pass --overwrite")
+        status = read_manifest(run_dir).get("status")
+        if status == C.STATUS_RUNNING:
+            raise RunError(f"{run_dir} holds a run that is still running; cancel it first")
+        for name in (C.STORE_FILE, C.PROGRESS_FILE, C.MANIFEST_FILE):
+            (run_dir / name).unlink(missing_ok=True)
+        for name in (C.MODEL_DIR, C.INDEX_DIR):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _example_table(examples: list[Example], splits: list[str]) -> dict:
+    return {
+        C.EX_SOURCE: [e.source for e in examples],
+        C.EX_ROW: [e.row for e in examples],
+        C.EX_SHA256: [e.sha256 for e in examples],
+        C.EX_SPLIT: splits,
+        C.EX_TEXT: [e.text for e in examples],
+        C.EX_PROMPT: [e.prompt for e in examples],
+        C.EX_COMPLETION: [e.completion for e in examples],
+        C.EX_LABEL: [e.label for e in examples],
+    }
+
+
+class _Signals:
+    """SIGTERM / SIGINT -> stop flag (a second Ctrl-C interrupts at once). Main thread only."""
+
+    def __init__(self, flag: StopFlag) -> None:
+        self.flag = flag
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.flag.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag.requested = True
+        self.flag.reason = signal.Signals(signum).name
+        log.warning("%s received: stopping after the current step", self.flag.reason)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def train(
+    settings: TrainSettings,
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressFn | None = None,
+    stop: StopFlag | None = None,
+) -> Path:
+    """Run a (tracked) fine-tune and write the run directory ``settings.out``.
+
+    Returns:
+        The run directory.
+
+    Raises:
+        DataError, ConfigError, RunError: bad input (the run is marked failed when it got that far).
+    """
+    run_dir = Path(settings.out)
+    _prepare_dir(run_dir, overwrite)
+    stop = stop or StopFlag()
+    manifest = {
+        "run_id": new_run_id(),
+        "status": C.STATUS_RUNNING,
+        "created": now(),
+        "updated": now(),
+        "pid": __import__("os").getpid(),
+        "host": platform.node(),
+        "config": settings.to_dict(),
+        "tracked": settings.track is not None,
+        "versions": library_versions(),
+        "loss_definition": C.LOSS_DEFINITION,
+    }
+    write_manifest(run_dir, manifest)
+    progress_path = run_dir / C.PROGRESS_FILE
+    tracker: Tracker | None = None
+    status = C.STATUS_FAILED
+    loaded = None
+    try:
+        with _Signals(stop), open(progress_path, "a", buffering=1) as progress_file:
+            # -- data -----------------------------------------------------------------------
+            task = settings.task.value
+            examples, data_root = load_examples(settings.data, task=task)
+            if settings.eval_data:
+                train_ex = examples
+                eval_ex, eval_root = load_examples(settings.eval_data, task=task)
+            else:
+                train_ex, eval_ex = split_eval(examples, settings.eval_fraction, settings.seed)
+                eval_root = data_root
+            manifest["data"] = {
+                "root": str(Path(data_root).resolve()),
+                "files": hash_files(Path(data_root), sorted({e.source for e in train_ex})),
+                "eval_root": str(Path(eval_root).resolve()),
+                "eval_files": hash_files(Path(eval_root), sorted({e.source for e in eval_ex})),
+                "n_train": len(train_ex),
+                "n_eval": len(eval_ex),
+            }
+            labels = sorted({e.label for e in train_ex + eval_ex}) if task == "classification" else None
+            if labels is not None and len(labels) < 2:
+                raise ConfigError(f"classification needs at least two labels; the data has {labels}")
+            # -- model ----------------------------------------------------------------------
+            loaded = build_model(
+                settings.model, task, [e.full_text() for e in train_ex], labels=labels, seed=settings.seed,
+                tiny_vocab=settings.tiny_vocab, tiny_width=settings.tiny_width,
+                tiny_layers=settings.tiny_layers, max_length=settings.max_length,
+            )
+            if settings.lora_rank > 0:
+                apply_lora(loaded, settings.lora_rank, settings.lora_targets)
+            if settings.threads > 0:
+                torch.set_num_threads(settings.threads)
+            device = resolve_device(settings.device)
+            model = loaded.model.to(device)
+            model.train()
+            label_ids = {lab: i for i, lab in enumerate(labels)} if labels else None
+            all_ex = train_ex + eval_ex
+            encoded = [encode_example(e, loaded.tokenizer, task, settings.max_length, label_ids) for e in all_ex]
+            n_trunc = sum(e.truncated for e in encoded)
+            if n_trunc:
+                log.warning("%d examples were longer than --max-length %d and were truncated", n_trunc, settings.max_length)
+            total, trainable = count_parameters(model)
+            manifest["model"] = {"source": loaded.source, "task": task, "parameters": total, "trainable": trainable,
+                                 "lora_rank": settings.lora_rank, "labels": labels}
+            # -- tracker --------------------------------------------------------------------
+            if settings.track is not None:
+                tracker = Tracker(model, run_dir / C.STORE_FILE, settings.track, manifest=manifest)
+                tracker.write_examples(
+                    _example_table(all_ex, [C.SPLIT_TRAIN] * len(train_ex) + [C.SPLIT_EVAL] * len(eval_ex)),
+                    [e.ids for e in encoded], [e.loss_mask for e in encoded],
+                )
+                tracker.capture.attach()
+                manifest["tracking"] = {
+                    **settings.track.to_dict(),
+                    "layers": [
+                        {"name": t.name, "kind": t.kind, "d_in": t.d_in, "d_out": t.d_out, "k_in": t.k_in, "k_out": t.k_out}
+                        for t in tracker.layers
+                    ],
+                }
+            write_manifest(run_dir, manifest)
+            # -- loop -----------------------------------------------------------------------
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+            n_train = len(train_ex)
+            steps_per_epoch = math.ceil(n_train / settings.batch_size)
+            total_steps = steps_per_epoch * settings.epochs
+            if settings.max_steps:
+                total_steps = min(total_steps, settings.max_steps)
+
+            def lr_at(step: int) -> float:
+                if settings.warmup_steps and step < settings.warmup_steps:
+                    return settings.lr * (step + 1) / settings.warmup_steps
+                return settings.lr * max(0.1, 1 - step / max(1, total_steps))
+
+            rng = np.random.default_rng(settings.seed)
+            pad_id = loaded.tokenizer.pad_token_id
+            step_ms: list[float] = []
+            t_start = time.perf_counter()
+            step = 0
+            last_loss = float("nan")
+            bar = _progress_bar(total_steps)
+            try:
+                for epoch in range(settings.epochs):
+                    order = rng.permutation(n_train)
+                    for s in range(steps_per_epoch):
+                        if stop.requested or step >= total_steps:
+                            break
+                        idx = order[s * settings.batch_size : (s + 1) * settings.batch_size]
+                        batch = collate([encoded[i] for i in idx], pad_id, task, device)
+                        lr = lr_at(step)
+                        for g in opt.param_groups:
+                            g["lr"] = lr
+                        t0 = time.perf_counter()
+                        if tracker is not None:
+                            with tracker.step(idx, token_mask=batch["attention_mask"], step=step, epoch=epoch, lr=lr) as rec:
+                                losses = example_losses(model(**model_inputs(batch)), batch, task)
+                                losses.mean().backward()
+                                rec.losses = losses
+                        else:
+                            losses = example_losses(model(**model_inputs(batch)), batch, task)
+                            losses.mean().backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        step_ms.append((time.perf_counter() - t0) * 1e3)
+                        step += 1
+                        last_loss = float(losses.detach().mean())
+                        elapsed = time.perf_counter() - t_start
+                        line = {
+                            "step": step, "total": total_steps, "epoch": epoch, "loss": round(last_loss, 5),
+                            "lr": lr, "examples_per_s": round(step * settings.batch_size / elapsed, 2),
+                            "elapsed_s": round(elapsed, 2), "eta_s": round(elapsed / step * (total_steps - step), 1),
+                            "time": now(),
+                        }
+                        progress_file.write(json.dumps(line) + "\n")
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{last_loss:.4f}", epoch=epoch)
+                        if on_progress is not None:
+                            on_progress(line)
+                    if stop.requested or step >= total_steps:
+                        break
+            finally:
+                bar.close()
+            status = C.STATUS_CANCELLED if stop.requested else C.STATUS_COMPLETED
+            manifest["timings"] = {
+                "n_steps": step,
+                "total_s": round(time.perf_counter() - t_start, 3),
+                "median_step_ms": float(np.median(step_ms)) if step_ms else None,
+            }
+            manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": _eval_loss(model, encoded[n_train:], pad_id, task, device, settings.batch_size)}
+            if stop.requested:
+                manifest["cancel_reason"] = stop.reason
+            model.eval()
+            info = save_model(loaded, run_dir / C.MODEL_DIR)
+            manifest["model"]["fingerprint"] = info["fingerprint"]
+            manifest["model"]["saved"] = C.MODEL_DIR
+    except KeyboardInterrupt:
+        status = C.STATUS_CANCELLED
+        manifest["cancel_reason"] = "KeyboardInterrupt"
+        raise
+    except BaseException as e:
+        status = C.STATUS_FAILED
+        manifest["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        if tracker is not None:
+            try:
+                tracker.writer.set_attrs(manifest=manifest)
+                tracker.close(status)
+                manifest["store"] = {"file": C.STORE_FILE, "n_records": tracker.n_records}
+            except Exception as e:  # never hide the original error behind a store error
+                log.error("closing the store failed: %s", e)
+                manifest.setdefault("error", f"closing the store failed: {e}")
+                status = C.STATUS_FAILED
+        manifest["status"] = status
+        manifest["updated"] = now()
+        manifest["pid"] = None
+        write_manifest(run_dir, manifest)
+    return run_dir
+
+
+@torch.no_grad()
+def _eval_loss(model, encoded, pad_id, task, device, batch_size) -> float | None:
+    if not encoded:
+        return None
+    total = 0.0
+    for i in range(0, len(encoded), batch_size):
+        batch = collate(encoded[i : i + batch_size], pad_id, task, device)
+        total += float(example_losses(model(**model_inputs(batch)), batch, task).sum())
+    return total / len(encoded)
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=True)
