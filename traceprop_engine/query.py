@@ -1,0 +1,527 @@
+"""Queries: the test-side sketch on the final model, preconditioned, searched in the index.
+
+``AttributionRun`` is the Python API the CLI and the app share::
+
+    run = AttributionRun("runs/my-run")
+    result = run.query(prompt="Q: What colour is the planet Velmora?\\nA:", completion=" teal", top_k=10)
+    result.rows          # polars DataFrame: rank, score, kind, example_id, source, row, sha256, text, ...
+
+Scores: ``τ(test, i) = Σ_layers ⟨Ŝ_test, H⁻¹ Ŝ_i⟩`` with ``Ŝ_i`` the learning-rate-weighted sum
+of example ``i``'s records (TracIn along the real trajectory). Positive = proponent: the example
+pushed the model toward the test output (up-weighting it lowers the test loss); negative =
+opponent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from . import constants as C
+from .capture import Capture, TrackedLayer
+from .data import Example
+from .errors import IndexStaleError, QueryError, RunError, StoreError
+from .index import IndexKind, VectorIndex, build_index
+from .losses import example_losses
+from .models import collate, encode_example, load_saved_model, model_inputs
+from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
+from .run import read_manifest
+from .settings import SketchKind
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+SIGN_NOTE = (
+    "score > 0: proponent (the example pushed the model toward this output; up-weighting it "
+    "lowers the test loss); score < 0: opponent (it pushed the model away)"
+)
+CHUNK = 4096
+VECTORS_FILE = "vectors.npy"
+IDS_FILE = "ids.npy"
+PRECOND_FILE = "preconditioner.npz"
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """How the index of a run is built (part of its fingerprint)."""
+
+    preconditioner: PreconditionerKind = PreconditionerKind.KFAC
+    damping: float | None = None
+    cosine: bool = False
+    per_record: bool = False
+    kind: IndexKind = IndexKind.AUTO
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preconditioner", PreconditionerKind(self.preconditioner))
+        object.__setattr__(self, "kind", IndexKind(self.kind))
+
+    @property
+    def name(self) -> str:
+        parts = [self.preconditioner.value]
+        if self.damping is not None:
+            parts.append(f"d{self.damping:g}")
+        if self.cosine:
+            parts.append("cos")
+        if self.per_record:
+            parts.append("rec")
+        if self.kind is not IndexKind.AUTO:
+            parts.append(self.kind.value)
+        return "-".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"preconditioner": self.preconditioner.value, "damping": self.damping, "cosine": self.cosine,
+                "per_record": self.per_record, "kind": self.kind.value}
+
+
+@dataclass
+class QueryResult:
+    """A ranked answer with everything needed to show, export or audit it."""
+
+    rows: pl.DataFrame
+    query: dict
+    notes: list[str] = field(default_factory=list)
+    layer_names: list[str] = field(default_factory=list)
+    elapsed_ms: float = 0.0
+    sign_note: str = SIGN_NOTE
+
+    @property
+    def proponents(self) -> pl.DataFrame:
+        return self.rows.filter(pl.col("kind") == "proponent")
+
+    @property
+    def opponents(self) -> pl.DataFrame:
+        return self.rows.filter(pl.col("kind") == "opponent")
+
+
+class AttributionRun:
+    """One run opened for attribution: its store, manifest, saved model and indexes.
+
+    Raises:
+        RunError: not a run directory.
+        StoreError / SchemaVersionError: the store cannot be used.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, device: str = "cpu") -> None:
+        self.dir = Path(run_dir)
+        self.manifest = read_manifest(self.dir)
+        if not (self.dir / C.STORE_FILE).exists():
+            raise RunError(f"{self.dir} has no {C.STORE_FILE}: it was trained with --no-track, or it failed before tracking began")
+        self.store = Store(self.dir / C.STORE_FILE)
+        self.device = device
+        self._loaded = None
+        self._capture_layers: list[TrackedLayer] | None = None
+        self._indexes: dict[str, tuple[VectorIndex, np.ndarray, Preconditioner]] = {}
+        self._examples: pl.DataFrame | None = None
+
+    # -- description --------------------------------------------------------------------------
+    @property
+    def run_id(self) -> str:
+        return str(self.manifest.get("run_id", self.dir.name))
+
+    @property
+    def task(self) -> str:
+        return self.manifest.get("config", {}).get("task", "causal-lm")
+
+    @property
+    def notes(self) -> list[str]:
+        out = []
+        if self.store.is_partial:
+            out.append(self.store.describe_partial())
+        return out
+
+    def examples(self) -> pl.DataFrame:
+        """The example table: example_id, source, row, sha256, split, text, prompt, completion, label."""
+        if self._examples is None:
+            ex = self.store.examples()
+            n = len(ex[C.EX_SOURCE])
+            text = [
+                (p + c) if p or c else t
+                for p, c, t in zip(ex[C.EX_PROMPT], ex[C.EX_COMPLETION], ex[C.EX_TEXT], strict=True)
+            ]
+            self._examples = pl.DataFrame(
+                {
+                    "example_id": np.arange(n, dtype=np.int64),
+                    "source": ex[C.EX_SOURCE],
+                    "row": ex[C.EX_ROW],
+                    "sha256": ex[C.EX_SHA256],
+                    "split": ex[C.EX_SPLIT],
+                    "text": text,
+                    "prompt": ex[C.EX_PROMPT],
+                    "completion": ex[C.EX_COMPLETION],
+                    "label": ex[C.EX_LABEL],
+                }
+            )
+        return self._examples
+
+    def eval_examples(self) -> pl.DataFrame:
+        return self.examples().filter(pl.col("split") == C.SPLIT_EVAL)
+
+    # -- index --------------------------------------------------------------------------------
+    def _index_dir(self, s: IndexSettings) -> Path:
+        return self.dir / C.INDEX_DIR / s.name
+
+    def _fingerprint(self, s: IndexSettings) -> str:
+        blob = json.dumps({"store": self.store.fingerprint, **s.to_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def fit_preconditioner(self, s: IndexSettings, progress: Callable[[int, int], None] | None = None) -> Preconditioner:
+        """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
+        kind = s.preconditioner
+        if kind is not PreconditionerKind.IDENTITY and not self.store.has_covariance and self.store.sketch != "dense":
+            raise StoreError(
+                f"{self.store.path} has no covariance (trained with --no-covariance, or the run stopped "
+                "before it was written): use --preconditioner identity"
+            )
+        n = max(self.store.n_records, 1)
+        stats = []
+        for li, layer in enumerate(self.store.layers):
+            cov = self.store.covariance(li)
+            moments = None
+            if kind is PreconditionerKind.EKFAC:
+                moments = EkfacMoments.from_factors(cov["A"] / cov["n_tokens"], cov["S"] / cov["n_tokens"]) if cov else EkfacMoments.dense(layer.dim)
+                for start in range(0, self.store.n_records, CHUNK):
+                    moments.update(self.store.sketches(li, start, start + CHUNK))
+                    if progress:
+                        progress(li * self.store.n_records + start, len(self.store.layers) * self.store.n_records)
+            stats.append(
+                LayerStats(
+                    name=layer.name, shape=layer.record_shape,
+                    A=cov["A"] if cov else None, S=cov["S"] if cov else None,
+                    n_tokens=int(cov["n_tokens"]) if cov else 0,
+                    mean_sq_norm=None if moments is not None else self.store.sq_norm_sum(li) / n,
+                    moments=moments,
+                )
+            )
+        return Preconditioner.fit(kind, stats, s.damping)
+
+    def _vector_ids(self, s: IndexSettings) -> np.ndarray:
+        """Row -> example index (per-example vectors: the training examples with records)."""
+        rec = self.store.records()
+        if s.per_record:
+            return rec[C.REC_EXAMPLE]
+        return np.unique(rec[C.REC_EXAMPLE])
+
+    def _write_vectors(self, s: IndexSettings, pre: Preconditioner, out: Path, progress) -> np.ndarray:
+        """Preconditioned vectors of every example (or record) into ``vectors.npy`` (memory-mapped)."""
+        rec = self.store.records()
+        ids = self._vector_ids(s)
+        n_rec = self.store.n_records
+        mm = np.lib.format.open_memmap(out / VECTORS_FILE, mode="w+", dtype=np.float32, shape=(len(ids), pre.dim))
+        mm[:] = 0
+        row_of = {int(e): i for i, e in enumerate(ids)} if not s.per_record else None
+        for start in range(0, n_rec, CHUNK):
+            stop = min(start + CHUNK, n_rec)
+            vec = pre.apply([self.store.sketches(li, start, stop) for li in range(len(self.store.layers))])
+            if s.per_record:
+                mm[start:stop] = vec
+            else:
+                rows = np.fromiter((row_of[int(e)] for e in rec[C.REC_EXAMPLE][start:stop]), np.int64, stop - start)
+                w = rec[C.REC_LR][start:stop].astype(np.float32)[:, None]
+                np.add.at(mm, rows, vec * w)  # lr-weighted sum over an example's records
+            if progress:
+                progress(stop, n_rec)
+        mm.flush()
+        return ids
+
+    def build_index(self, s: IndexSettings | None = None, progress: Callable[[str, int, int], None] | None = None) -> VectorIndex:
+        """Fit the preconditioner, write the vectors, build and persist the FAISS index."""
+        s = s or IndexSettings()
+        if self.store.n_records == 0:
+            raise StoreError(f"{self.store.path} holds no records yet: nothing to index")
+        out = self._index_dir(s)
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        pre = self.fit_preconditioner(s, progress and (lambda d, n: progress("preconditioner", d, n)))
+        pre.save(out / PRECOND_FILE)
+        ids = self._write_vectors(s, pre, out, progress and (lambda d, n: progress("vectors", d, n)))
+        np.save(out / IDS_FILE, ids)
+        vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+
+        def chunks():
+            for i in range(0, len(ids), 65536):
+                yield np.ascontiguousarray(vectors[i : i + 65536])
+
+        index = build_index(
+            chunks, pre.dim, len(ids), kind=s.kind, normalize=s.cosine,
+            fetch=lambda rows: np.asarray(vectors[np.sort(rows)]),
+            progress=progress and (lambda d, n: progress("index", d, n)),
+        )
+        fp = self._fingerprint(s)
+        index.save(out, fp)
+        meta = {"settings": s.to_dict(), "fingerprint": fp, "n_vectors": int(len(ids)), "dim": pre.dim,
+                "build_s": round(time.perf_counter() - t0, 3), "store_fingerprint": self.store.fingerprint}
+        (out / "build.json").write_text(json.dumps(meta, indent=2))
+        self._indexes[s.name] = (index, ids, pre)
+        return index
+
+    def index(self, s: IndexSettings | None = None, *, rebuild: bool = False, progress=None) -> tuple[VectorIndex, np.ndarray, Preconditioner]:
+        """The persisted index for ``s``; built when missing, rebuilt when stale (never used stale)."""
+        s = s or IndexSettings()
+        if not rebuild and s.name in self._indexes:
+            return self._indexes[s.name]
+        out = self._index_dir(s)
+        if not rebuild and (out / "index.json").exists():
+            vectors = np.load(out / VECTORS_FILE, mmap_mode="r") if (out / VECTORS_FILE).exists() else None
+            try:
+                index = VectorIndex.load(out, self._fingerprint(s), fetch=None if vectors is None else (lambda rows: np.asarray(vectors[np.sort(rows)])))
+                hit = (index, np.load(out / IDS_FILE), Preconditioner.load(out / PRECOND_FILE))
+                self._indexes[s.name] = hit
+                return hit
+            except IndexStaleError as e:
+                log.warning("%s; rebuilding", e)
+            except StoreError as e:
+                log.warning("index at %s unreadable (%s); rebuilding", out, e)
+        self.build_index(s, progress)
+        return self._indexes[s.name]
+
+    # -- test-side sketch -----------------------------------------------------------------------
+    def _model(self):
+        if self._loaded is None:
+            model_dir = self.dir / C.MODEL_DIR
+            if not model_dir.exists():
+                raise RunError(f"{self.dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it")
+            self._loaded = load_saved_model(model_dir, self.device)
+            modules = dict(self._loaded.model.named_modules())
+            layers = []
+            for li, info in enumerate(self.store.layers):
+                m = modules.get(info.name)
+                if m is None:
+                    raise self._mismatch(f"the saved model has no layer {info.name!r}")
+                m.weight.requires_grad_(True)
+                P_in, P_out = self.store.projection(li, "in"), self.store.projection(li, "out")
+                layer = TrackedLayer(
+                    name=info.name, module=m, kind=info.kind, d_in=info.d_in, d_out=info.d_out,
+                    k_in=info.k_in, k_out=info.k_out, sketch=SketchKind(info.sketch),
+                    P_in=None if P_in is None else torch.from_numpy(P_in),
+                    P_out=None if P_out is None else torch.from_numpy(P_out),
+                    dense_k=info.dense_k,
+                )
+                if info.sketch == "dense":
+                    idx, sign = self.store.dense_projection(li)
+                    layer.dense_index, layer.dense_sign = torch.from_numpy(idx), torch.from_numpy(sign)
+                w = m.weight
+                d_in, d_out = (w.shape[0], w.shape[1]) if info.kind == "conv1d" else (w.shape[1], w.shape[0])
+                if (d_in, d_out) != (info.d_in, info.d_out):
+                    raise self._mismatch(f"layer {info.name} is {d_in}->{d_out} in the model, {info.d_in}->{info.d_out} in the store")
+                layers.append(layer)
+            self._capture_layers = layers
+        return self._loaded
+
+    def _mismatch(self, detail: str):
+        from .errors import ModelMismatchError
+
+        return ModelMismatchError(f"the model in {self.dir / C.MODEL_DIR} does not match the store ({detail})")
+
+    def encode(self, prompt: str | None = None, completion: str | None = None, *, eval_example: int | None = None,
+               label: str | None = None):
+        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``."""
+        loaded = self._model()
+        cfg = self.manifest.get("config", {})
+        max_length = int(cfg.get("max_length", 128))
+        notes: list[str] = []
+        if eval_example is not None:
+            ex = self.examples()
+            if not 0 <= eval_example < ex.height:
+                raise QueryError(f"example {eval_example} does not exist (the run has examples 0..{ex.height - 1})")
+            r = ex.row(eval_example, named=True)
+            ids, mask = self.store.tokens(eval_example)
+            from .models import Encoded
+
+            lab = -1
+            if self.task == "classification":
+                lab = (loaded.labels or []).index(r["label"]) if r["label"] in (loaded.labels or []) else -1
+            enc = Encoded(ids.astype(np.int32), mask.astype(np.uint8), lab)
+            desc = {"eval_example": eval_example, "source": r["source"], "row": r["row"], "prompt": r["prompt"] or r["text"],
+                    "completion": r["completion"], "label": r["label"], "split": r["split"]}
+            return enc, desc, notes
+        if self.task == "classification":
+            if not (prompt or "").strip():
+                raise QueryError("the text to classify is empty: type a text")
+            labels = loaded.labels or []
+            if label is None or label not in labels:
+                raise QueryError(f"a classification query needs a label, one of {labels}")
+            ex = Example(source="<query>", row=1, sha256="", text=prompt, label=label)
+            enc = encode_example(ex, loaded.tokenizer, "classification", max_length, {lab: i for i, lab in enumerate(labels)})
+            return enc, {"prompt": prompt, "label": label}, notes
+        if not (prompt or "").strip() and not (completion or "").strip():
+            raise QueryError("the prompt is empty: type a prompt (and the completion whose origin you want explained)")
+        if completion:
+            ex = Example(source="<query>", row=1, sha256="", prompt=prompt or "", completion=completion)
+        else:
+            ex = Example(source="<query>", row=1, sha256="", text=prompt)
+        enc = encode_example(ex, loaded.tokenizer, "causal-lm", max_length)
+        if enc.truncated:
+            notes.append(f"the query was longer than the model's training length ({max_length} tokens) and was truncated")
+        if enc.loss_mask.sum() == 0:
+            raise QueryError("the query has no target token to explain: give a completion (or a longer text)")
+        return enc, {"prompt": prompt, "completion": completion}, notes
+
+    def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
+        """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
+        loaded = self._model()
+        layers = self._capture_layers
+        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        batch = collate([enc], pad, self.task, self.device)
+        slots = [torch.zeros(1, *(info.record_shape), device=self.device) for info in self.store.layers]
+        with torch.enable_grad(), Capture(loaded.model, layers, covariance=False) as cap, cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=1.0):
+            loss = example_losses(loaded.model(**model_inputs(batch)), batch, self.task)
+            loss.sum().backward()
+        loaded.model.zero_grad(set_to_none=True)
+        return [s.cpu().numpy() for s in slots], float(loss.detach()[0])
+
+    # -- query --------------------------------------------------------------------------------
+    def query(
+        self,
+        prompt: str | None = None,
+        completion: str | None = None,
+        *,
+        eval_example: int | None = None,
+        label: str | None = None,
+        top_k: int = 10,
+        opponents: bool = True,
+        settings: IndexSettings | None = None,
+    ) -> QueryResult:
+        """Rank training examples by influence on the query's loss.
+
+        Raises:
+            QueryError: empty prompt, unknown example, bad top_k.
+        """
+        if top_k < 1:
+            raise QueryError(f"top_k must be at least 1, got {top_k}")
+        s = settings or IndexSettings()
+        t0 = time.perf_counter()
+        enc, desc, notes = self.encode(prompt, completion, eval_example=eval_example, label=label)
+        sk, qloss = self.query_sketches(enc)
+        index, ids, pre = self.index(s)
+        qv = pre.apply(sk)  # (1, D)
+        k = min(top_k, index.n)
+        res = index.search_both(qv, k)
+        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        rows = []
+        kinds = [("proponent", res.proponent_ids[0], res.proponent_scores[0])]
+        if opponents:
+            kinds.append(("opponent", res.opponent_ids[0], res.opponent_scores[0]))
+        for kind, vid, sc in kinds:
+            for rank, (v, score) in enumerate(zip(vid, sc, strict=True), start=1):
+                if v < 0:
+                    continue
+                rows.append((kind, rank, int(v), float(score)))
+        rows = self._rows(rows, ids, vectors, qv, pre, s)
+        q = {**desc, "run_id": self.run_id, "query_loss": qloss, "top_k": top_k, **s.to_dict(), "n_vectors": int(index.n)}
+        return QueryResult(rows, q, notes=self.notes + notes, layer_names=pre.layer_names, elapsed_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _rows(self, hits, ids, vectors, qv, pre: Preconditioner, s: IndexSettings) -> pl.DataFrame:
+        ex = self.examples()
+        rec = self.store.records() if s.per_record else None
+        out = []
+        q = qv[0]
+        qn = q / max(np.linalg.norm(q), 1e-30) if s.cosine else q
+        for kind, rank, v, score in hits:
+            e = int(ids[v])
+            r = ex.row(e, named=True)
+            x = np.asarray(vectors[v], dtype=np.float32)
+            xn = x / max(np.linalg.norm(x), 1e-30) if s.cosine else x
+            shares = {name: float(np.dot(qn[sl], xn[sl])) for name, sl in pre.layer_slices.items()}
+            row = {
+                "rank": rank, "kind": kind, "score": score, "example_id": e, "source": r["source"], "row": r["row"],
+                "sha256": r["sha256"], "text": r["text"], "label": r["label"],
+                "layer_scores": json.dumps(shares),
+            }
+            if rec is not None:
+                row["record"] = v
+                row["step"] = int(rec[C.REC_STEP][v])
+                row["epoch"] = int(rec[C.REC_EPOCH][v])
+            out.append(row)
+        if not out:
+            return pl.DataFrame(schema={"rank": pl.Int64, "kind": pl.Utf8, "score": pl.Float64, "example_id": pl.Int64,
+                                        "source": pl.Utf8, "row": pl.Int64, "sha256": pl.Utf8, "text": pl.Utf8,
+                                        "label": pl.Utf8, "layer_scores": pl.Utf8})
+        return pl.DataFrame(out)
+
+    def all_scores(self, qv: np.ndarray, s: IndexSettings) -> np.ndarray:
+        """Exact scores of the query against every indexed vector (streamed from vectors.npy)."""
+        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        q = qv[0].astype(np.float32)
+        if s.cosine:
+            q = q / max(np.linalg.norm(q), 1e-30)
+        out = np.empty(len(vectors), np.float32)
+        for i in range(0, len(vectors), 65536):
+            x = np.asarray(vectors[i : i + 65536])
+            if s.cosine:
+                x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
+            out[i : i + len(x)] = x @ q
+        return out
+
+    def influence_by_source(self, result: QueryResult, settings: IndexSettings | None = None) -> pl.DataFrame:
+        """Total, positive and negative influence of every source file on the query (all examples)."""
+        s = settings or IndexSettings()
+        enc, _, _ = self.encode(result.query.get("prompt"), result.query.get("completion"),
+                                eval_example=result.query.get("eval_example"), label=result.query.get("label"))
+        sk, _ = self.query_sketches(enc)
+        _, ids, pre = self.index(s)
+        scores = self.all_scores(pre.apply(sk), s)
+        src = self.examples()["source"].to_numpy()[ids]
+        df = pl.DataFrame({"source": src, "score": scores})
+        return (
+            df.group_by("source")
+            .agg(
+                pl.col("score").sum().alias("total"),
+                pl.col("score").clip(lower_bound=0).sum().alias("positive"),
+                pl.col("score").clip(upper_bound=0).sum().alias("negative"),
+                pl.len().alias("examples"),
+            )
+            .sort("total", descending=True)
+        )
+
+    # -- baselines for audits -------------------------------------------------------------------
+    def self_influence(self, settings: IndexSettings | None = None) -> pl.DataFrame:
+        """``τ(i, i) = ‖v_i‖²`` of every indexed example, and the raw sketch norm (gradient norm)."""
+        s = settings or IndexSettings()
+        _, ids, _ = self.index(s)
+        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        si = np.concatenate([np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + 65536]), x) for i in range(0, len(vectors), 65536)])
+        return pl.DataFrame({"example_id": ids.astype(np.int64), "self_influence": si}).join(
+            self.gradient_norms(), on="example_id", how="left"
+        )
+
+    def gradient_norms(self) -> pl.DataFrame:
+        """Mean over an example's records of the raw (unpreconditioned) sketch norm."""
+        rec = self.store.records()
+        sq = np.zeros(self.store.n_records)
+        for li in range(len(self.store.layers)):
+            for start in range(0, self.store.n_records, CHUNK):
+                x = self.store.sketches(li, start, start + CHUNK).reshape(-1 if False else min(CHUNK, self.store.n_records - start), -1)
+                sq[start : start + len(x)] += np.einsum("ij,ij->i", x, x)
+        df = pl.DataFrame({"example_id": rec[C.REC_EXAMPLE], "gn": np.sqrt(sq)})
+        return df.group_by("example_id").agg(pl.col("gn").mean().alias("gradient_norm"))
+
+    @torch.no_grad()
+    def representations(self, encs) -> np.ndarray:
+        """Mean-pooled final hidden state of each encoded example (representation-similarity baseline)."""
+        loaded = self._model()
+        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        out = []
+        for i in range(0, len(encs), 16):
+            batch = collate(encs[i : i + 16], pad, self.task, self.device)
+            h = loaded.model(**model_inputs(batch), output_hidden_states=True).hidden_states[-1]
+            m = batch["attention_mask"].unsqueeze(-1).float()
+            out.append(((h * m).sum(1) / m.sum(1)).float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def open_run(run_dir: str | os.PathLike, device: str = "cpu") -> AttributionRun:
+    """Open a run for attribution (see :class:`AttributionRun`)."""
+    return AttributionRun(run_dir, device)
