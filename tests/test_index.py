@@ -45,15 +45,18 @@ def test_flat_equals_brute_force_and_opponents():
     assert idx.kind is IndexKind.FLAT and idx.n == 3000
     scores, ids = idx.search(q, 10)
     ref_s, ref_i = _brute(x, q, 10)
-    np.testing.assert_allclose(scores, ref_s, rtol=SCORE_RTOL, atol=SCORE_RTOL * np.abs(ref_s).max())
+    np.testing.assert_allclose(
+        scores, ref_s, rtol=SCORE_RTOL, atol=SCORE_RTOL * np.abs(ref_s).max()
+    )
     np.testing.assert_array_equal(ids, ref_i)
 
     both = idx.search_both(q, 5)
     np.testing.assert_array_equal(both.proponent_ids, ref_i[:, :5])
     neg_s, neg_i = _brute(-x, q, 5)  # most negative ⟨q, x⟩
     np.testing.assert_array_equal(both.opponent_ids, neg_i)
-    np.testing.assert_allclose(both.opponent_scores, -neg_s, rtol=SCORE_RTOL,
-                               atol=SCORE_RTOL * np.abs(neg_s).max())
+    np.testing.assert_allclose(
+        both.opponent_scores, -neg_s, rtol=SCORE_RTOL, atol=SCORE_RTOL * np.abs(neg_s).max()
+    )
     assert np.all(np.diff(both.opponent_scores, axis=1) >= 0)  # most negative first
     assert np.all(both.opponent_scores < 0)
 
@@ -80,7 +83,7 @@ def test_ivf_recall_against_exact():
     assert idx.nprobe is not None and idx.tuned_recall >= 0.95
     _, got = idx.search(q, 10)
     _, ref = _brute(x, q, 10)
-    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, ref)])
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, ref, strict=True)])
     assert recall >= MIN_IVF_RECALL, f"IVF recall@10 {recall:.3f} at nprobe={idx.nprobe}"
     # probing every list is exact
     idx.set_nprobe(64)
@@ -102,7 +105,7 @@ def test_ivfpq_reranks_exactly_from_full_vectors():
     idx.set_nprobe(32)  # exhaustive over lists: remaining error is PQ's, fixed by re-ranking
     scores, ids = idx.search(q, 10)
     ref_s, ref_i = _brute(x, q, 10)
-    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, ref_i)])
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, ref_i, strict=True)])
     assert recall >= 0.97
     hit = ids == ref_i
     np.testing.assert_allclose(scores[hit], ref_s[hit], rtol=SCORE_RTOL, atol=SCORE_RTOL * 10)

@@ -71,7 +71,8 @@ def test_kfac_damping_is_a_fraction_of_the_mean_eigenvalue():
     # (Ā + λ I)^{-1/2} squared and inverted gives back Ā + λ I
     right = default.right
     np.testing.assert_allclose(
-        np.linalg.inv(right @ right), A / N_TOK + default.info["lambda_A"] * np.eye(K_IN),
+        np.linalg.inv(right @ right),
+        A / N_TOK + default.info["lambda_A"] * np.eye(K_IN),
         rtol=RTOL_F64,
     )
     # more damping shrinks the preconditioned vectors toward a scaled identity
@@ -125,7 +126,9 @@ def test_identity_is_plain_dot_and_dense_layers():
     )
     kf = fit_layer("kfac", None, None, 0, sketch_moments=mom)
     m = np.mean(np.sum(x**2, axis=1))
-    np.testing.assert_allclose(kf.apply(x, dtype=np.float64), x / np.sqrt(1.1 * m / 16), rtol=RTOL_F64)
+    np.testing.assert_allclose(
+        kf.apply(x, dtype=np.float64), x / np.sqrt(1.1 * m / 16), rtol=RTOL_F64
+    )
     idn = fit_layer(PreconditionerKind.IDENTITY, None, None, 0, shape=(16,))
     np.testing.assert_array_equal(idn.apply(x, dtype=np.float64), x)
 

@@ -79,9 +79,7 @@ def _parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
         return PreconditionerKind(kind)
     except ValueError as e:
         allowed = ", ".join(k.value for k in PreconditionerKind)
-        raise ConfigError(
-            f"unknown preconditioner kind {kind!r}; choose one of: {allowed}"
-        ) from e
+        raise ConfigError(f"unknown preconditioner kind {kind!r}; choose one of: {allowed}") from e
 
 
 def _check_damping(damping: float | None) -> float:
@@ -232,8 +230,12 @@ class LayerPreconditioner:
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """npz-friendly dict (no objects): matrices plus a JSON string of the metadata."""
-        meta = {"name": self.name, "kind": self.kind.value, "shape": list(self.shape),
-                "info": self.info}
+        meta = {
+            "name": self.name,
+            "kind": self.kind.value,
+            "shape": list(self.shape),
+            "info": self.info,
+        }
         out = {"meta": np.array(json.dumps(meta))}
         for key in ("left", "right", "scale"):
             val = getattr(self, key)
@@ -317,13 +319,19 @@ def fit_layer(
                 )
             var = (1.0 + damping) * mean_sq_norm / shape[0]
             return LayerPreconditioner(
-                name, kind, shape, scale=np.full(shape, 1.0 / np.sqrt(var)),
+                name,
+                kind,
+                shape,
+                scale=np.full(shape, 1.0 / np.sqrt(var)),
                 info={"mean_sq_norm": float(mean_sq_norm), "damping": damping},
             )
         lam_diag = _moments_for(kind, sketch_moments, shape, name)
         lam = damping * float(lam_diag.mean())
         return LayerPreconditioner(
-            name, kind, shape, scale=1.0 / np.sqrt(_positive(lam_diag + lam, name)),
+            name,
+            kind,
+            shape,
+            scale=1.0 / np.sqrt(_positive(lam_diag + lam, name)),
             info={"lambda": lam, "damping": damping},
         )
 
@@ -357,8 +365,11 @@ def fit_layer(
         s_bar = c * s_bar
         lam_a, lam_s = damping * tr_a / shape[1], damping * c * tr_s / shape[0]
         return LayerPreconditioner(
-            name, kind, shape,
-            left=inverse_sqrt_psd(s_bar, lam_s), right=inverse_sqrt_psd(a_bar, lam_a),
+            name,
+            kind,
+            shape,
+            left=inverse_sqrt_psd(s_bar, lam_s),
+            right=inverse_sqrt_psd(a_bar, lam_a),
             info={"c": c, "lambda_A": lam_a, "lambda_S": lam_s, "damping": damping},
         )
 
@@ -366,8 +377,11 @@ def fit_layer(
     lam_ab = _moments_for(kind, sketch_moments, shape, name)
     lam = damping * float(lam_ab.mean())
     return LayerPreconditioner(
-        name, kind, shape,
-        left=sketch_moments.q_s.T.copy(), right=sketch_moments.q_a.copy(),
+        name,
+        kind,
+        shape,
+        left=sketch_moments.q_s.T.copy(),
+        right=sketch_moments.q_a.copy(),
         scale=1.0 / np.sqrt(_positive(lam_ab + lam, name)),
         info={"lambda": lam, "damping": damping},
     )
@@ -421,8 +435,12 @@ class LayerStats:
 class Preconditioner:
     """Several layers' preconditioners; ``apply`` concatenates their vectors into (n, D)."""
 
-    def __init__(self, kind: PreconditionerKind | str, layers: Sequence[LayerPreconditioner],
-                 damping: float | None = None):
+    def __init__(
+        self,
+        kind: PreconditionerKind | str,
+        layers: Sequence[LayerPreconditioner],
+        damping: float | None = None,
+    ):
         if not layers:
             raise ConfigError("a preconditioner needs at least one layer")
         names = [lp.name for lp in layers]
@@ -433,17 +451,31 @@ class Preconditioner:
         self.layers = list(layers)
         bounds = np.cumsum([0] + [lp.dim for lp in self.layers])
         self.layer_slices: dict[str, slice] = {
-            lp.name: slice(int(b0), int(b1)) for lp, b0, b1 in zip(self.layers, bounds[:-1], bounds[1:])
+            lp.name: slice(int(b0), int(b1))
+            for lp, b0, b1 in zip(self.layers, bounds[:-1], bounds[1:], strict=True)
         }
         self.dim = int(bounds[-1])
 
     @classmethod
-    def fit(cls, kind: PreconditionerKind | str, layers: Sequence[LayerStats],
-            damping: float | None = None) -> Preconditioner:
+    def fit(
+        cls,
+        kind: PreconditionerKind | str,
+        layers: Sequence[LayerStats],
+        damping: float | None = None,
+    ) -> Preconditioner:
         """Fit every layer with the same kind and damping (see :func:`fit_layer`)."""
         fitted = [
-            fit_layer(kind, st.A, st.S, st.n_tokens, mean_sq_norm=st.mean_sq_norm,
-                      sketch_moments=st.moments, damping=damping, shape=st.shape, name=st.name)
+            fit_layer(
+                kind,
+                st.A,
+                st.S,
+                st.n_tokens,
+                mean_sq_norm=st.mean_sq_norm,
+                sketch_moments=st.moments,
+                damping=damping,
+                shape=st.shape,
+                name=st.name,
+            )
             for st in layers
         ]
         return cls(kind, fitted, damping)
@@ -472,16 +504,25 @@ class Preconditioner:
         if len(n) != 1:
             raise StoreError(f"layers have different record counts {sorted(n)}; store inconsistent")
         out = np.empty((n.pop(), self.dim), dtype=dtype)
-        for lp, x in zip(self.layers, layer_sketches):
+        for lp, x in zip(self.layers, layer_sketches, strict=True):
             out[:, self.layer_slices[lp.name]] = lp.apply(x, dtype=dtype)
         return out
 
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (plain arrays, loadable with ``allow_pickle=False``)."""
-        arrays = {"meta": np.array(json.dumps({
-            "format": _FORMAT, "version": _FORMAT_VERSION, "kind": self.kind.value,
-            "damping": self.damping, "n_layers": len(self.layers),
-        }))}
+        arrays = {
+            "meta": np.array(
+                json.dumps(
+                    {
+                        "format": _FORMAT,
+                        "version": _FORMAT_VERSION,
+                        "kind": self.kind.value,
+                        "damping": self.damping,
+                        "n_layers": len(self.layers),
+                    }
+                )
+            )
+        }
         for i, lp in enumerate(self.layers):
             for key, val in lp.to_arrays().items():
                 arrays[f"layer{i}/{key}"] = val
@@ -514,7 +555,9 @@ class Preconditioner:
         layers = []
         for i in range(meta["n_layers"]):
             prefix = f"layer{i}/"
-            layers.append(LayerPreconditioner.from_arrays(
-                {k[len(prefix):]: v for k, v in data.items() if k.startswith(prefix)}
-            ))
+            layers.append(
+                LayerPreconditioner.from_arrays(
+                    {k[len(prefix) :]: v for k, v in data.items() if k.startswith(prefix)}
+                )
+            )
         return cls(meta["kind"], layers, meta["damping"])

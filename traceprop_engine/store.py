@@ -56,7 +56,7 @@ class LayerInfo:
         return f"{C.G_LAYERS}/{self.index:03d}"
 
 
-def _chunk_rows(record_numel: int, target_bytes: int = 1 << 20) -> int:
+def _chunk_rows(record_numel: int, target_bytes: int = 1 << 17) -> int:
     return max(1, min(4096, target_bytes // (4 * max(1, record_numel))))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import platform
 import shutil
 import signal
@@ -28,7 +29,15 @@ from . import constants as C
 from .data import Example, hash_files, load_examples, split_eval
 from .errors import ConfigError, RunError
 from .losses import example_losses
-from .models import apply_lora, build_model, collate, count_parameters, encode_example, model_inputs, save_model
+from .models import (
+    apply_lora,
+    build_model,
+    collate,
+    count_parameters,
+    encode_example,
+    model_inputs,
+    save_model,
+)
 from .run import library_versions, new_run_id, now, read_manifest, write_manifest
 from .settings import TrainSettings
 from .tracker import Tracker
@@ -130,7 +139,7 @@ def train(
         "status": C.STATUS_RUNNING,
         "created": now(),
         "updated": now(),
-        "pid": __import__("os").getpid(),
+        "pid": os.getpid(),
         "host": platform.node(),
         "config": settings.to_dict(),
         "tracked": settings.track is not None,
@@ -153,8 +162,11 @@ def train(
             else:
                 train_ex, eval_ex = split_eval(examples, settings.eval_fraction, settings.seed)
                 eval_root = data_root
+            eval_root = Path(eval_root)
             manifest["data"] = {
                 "root": str(Path(data_root).resolve()),
+                "root_relative": os.path.relpath(Path(data_root).resolve(), run_dir.resolve()),
+                "eval_root_relative": os.path.relpath(eval_root.resolve(), run_dir.resolve()),
                 "files": hash_files(Path(data_root), sorted({e.source for e in train_ex})),
                 "eval_root": str(Path(eval_root).resolve()),
                 "eval_files": hash_files(Path(eval_root), sorted({e.source for e in eval_ex})),

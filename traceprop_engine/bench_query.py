@@ -1,0 +1,242 @@
+"""Query-latency benchmark of the FAISS index on vectors that look like preconditioned sketches.
+
+:func:`run_query_bench` builds each index kind at each size through the product path
+(:func:`traceprop_engine.index.build_index`, including nprobe tuning), then times single
+queries (batch of 1, like an interactive query) one by one, and measures recall@10 against the
+exact answer (streamed numpy brute force) on a subset of the queries.
+
+Vectors come from a low-rank-plus-noise generator (:class:`SketchGenerator`): fitted to real
+preconditioned sketches when ``base_vectors`` is given (mean + top-r PCA + per-dimension
+residual variance), otherwise a documented synthetic fallback. Data is generated in seeded
+chunks, so it is never held twice: each pass over the data regenerates it.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.index import IndexKind, build_index
+
+__all__ = ["SketchGenerator", "run_query_bench"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 50_000
+_RECALL_QUERIES = 50
+_K = 10
+
+
+@dataclass(frozen=True, eq=False)
+class SketchGenerator:
+    """``x = mean + (z · s) @ basis + sqrt(resid_var) · ε`` with ``z, ε`` standard normal,
+    optionally times a per-vector log-normal norm factor and plus a cluster centre."""
+
+    mean: np.ndarray  # (dim,)
+    basis: np.ndarray  # (r, dim) orthonormal rows
+    s: np.ndarray  # (r,) standard deviations along the basis
+    resid_std: np.ndarray  # (dim,)
+    centers: np.ndarray | None = None  # (c, dim) cluster centres (synthetic fallback)
+    norm_sigma: float = 0.0  # log-normal spread of vector norms (synthetic fallback)
+
+    @property
+    def dim(self) -> int:
+        return int(self.mean.shape[0])
+
+    @classmethod
+    def fit(
+        cls, base: np.ndarray, rank: int = 64, max_rows: int = 20_000, seed: int = 0
+    ) -> SketchGenerator:
+        """Fit mean, top-``rank`` principal directions and residual variance to real vectors."""
+        x = np.asarray(base, dtype=np.float64)
+        if x.ndim != 2 or x.shape[0] < 2:
+            raise ConfigError(f"base_vectors must be (n >= 2, dim), got shape {x.shape}")
+        if x.shape[0] > max_rows:
+            x = x[np.random.default_rng(seed).choice(x.shape[0], max_rows, replace=False)]
+        mean = x.mean(axis=0)
+        xc = x - mean
+        r = int(min(rank, x.shape[0] - 1, x.shape[1]))
+        _, sv, vt = np.linalg.svd(xc, full_matrices=False)
+        basis, s = vt[:r], sv[:r] / np.sqrt(x.shape[0] - 1)
+        resid = xc - (xc @ basis.T) @ basis
+        resid_std = np.sqrt(np.maximum(resid.var(axis=0, ddof=1), 0.0))
+        return cls(mean, basis, s, resid_std)
+
+    @classmethod
+    def synthetic(
+        cls,
+        dim: int,
+        seed: int = 0,
+        rank: int = 64,
+        n_clusters: int = 256,
+        noise: float = 0.05,
+        norm_sigma: float = 0.5,
+    ) -> SketchGenerator:
+        """Fallback without real sketches.
+
+        Power-law spectrum ``s_j ∝ (j+1)^-1`` in a random ``rank``-dim subspace (gradients are
+        dominated by few directions), ``n_clusters`` cluster centres drawn from the same
+        spectrum (examples of one template/topic share a direction), isotropic noise carrying
+        ``noise`` of the low-rank energy, zero mean, and log-normal per-vector norms (per-example
+        gradient norms spread over orders of magnitude).
+        """
+        rng = np.random.default_rng(seed)
+        basis = np.linalg.qr(rng.normal(size=(dim, rank)))[0].T  # (rank, dim)
+        s = 1.0 / (np.arange(rank) + 1.0)
+        centers = (rng.normal(size=(n_clusters, rank)) * s) @ basis * 1.5
+        resid = np.full(dim, np.sqrt(noise * np.sum(s**2) / dim))
+        return cls(np.zeros(dim), basis, s, resid, centers, norm_sigma)
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """(n, dim) float32 vectors."""
+        z = rng.standard_normal((n, self.s.shape[0]), dtype=np.float32) * self.s.astype(np.float32)
+        x = z @ self.basis.astype(np.float32)
+        x += rng.standard_normal((n, self.dim), dtype=np.float32) * self.resid_std.astype(
+            np.float32
+        )
+        x += self.mean.astype(np.float32)
+        if self.centers is not None:
+            x += self.centers[rng.integers(0, self.centers.shape[0], size=n)].astype(np.float32)
+        if self.norm_sigma > 0:
+            x *= np.exp(self.norm_sigma * rng.standard_normal((n, 1), dtype=np.float32))
+        return x
+
+
+def _data(gen: SketchGenerator, n: int, seed: int) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        for c, start in enumerate(range(0, n, _CHUNK)):
+            rng = np.random.default_rng([seed, c])  # same chunk on every pass
+            yield gen.sample(min(_CHUNK, n - start), rng)
+
+    return chunks
+
+
+def _exact_topk(chunks: Callable[[], Iterator[np.ndarray]], q: np.ndarray, k: int) -> np.ndarray:
+    best_s = np.full((q.shape[0], 0), -np.inf, dtype=np.float32)
+    best_i = np.zeros((q.shape[0], 0), dtype=np.int64)
+    off = 0
+    for c in chunks():
+        s = np.concatenate([best_s, q @ c.T], axis=1)
+        ids = np.concatenate(
+            [best_i, np.broadcast_to(np.arange(off, off + len(c)), (len(q), len(c)))], axis=1
+        )
+        part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+        best_s, best_i = np.take_along_axis(s, part, 1), np.take_along_axis(ids, part, 1)
+        off += len(c)
+    return best_i
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_query_bench(
+    sizes: Sequence[int] = (10_000, 100_000, 1_000_000),
+    dim: int = 1024,
+    n_queries: int = 200,
+    kinds: Sequence[IndexKind | str] = (IndexKind.FLAT, IndexKind.IVF),
+    seed: int = 0,
+    base_vectors: np.ndarray | None = None,
+    *,
+    target_recall: float = 0.95,
+    nlist: int | None = None,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Build each kind at each size and time single queries.
+
+    Args:
+        sizes: numbers of indexed vectors.
+        dim: vector dimension (ignored when ``base_vectors`` is given: its width is used).
+        n_queries: held-out queries timed one at a time.
+        kinds: index kinds to measure (``ivfpq`` runs without re-ranking here).
+        seed: seeds the generator, the data and the queries.
+        base_vectors: real preconditioned sketches (n, dim) to fit the generator to.
+        target_recall: recall the IVF nprobe is tuned to at build time.
+        nlist: IVF lists (default: the index module's rule).
+        threads: FAISS threads (default: all available cores).
+        progress: called with a one-line status before each measurement.
+
+    Returns:
+        One dict per (size, kind): ``n, dim, kind, build_s, p50_ms, p99_ms, recall_at_10``
+        (vs. exact search, on ``min(50, n_queries)`` queries), ``peak_rss_mb`` (process peak so
+        far, monotone), ``rss_mb`` (resident after the measurement), ``nlist``, ``nprobe``,
+        ``generator`` ("fitted" or "synthetic").
+    """
+    if base_vectors is not None:
+        gen = SketchGenerator.fit(base_vectors, seed=seed)
+        gen_name = "fitted"
+    else:
+        gen = SketchGenerator.synthetic(dim, seed=seed)
+        gen_name = "synthetic"
+    dim = gen.dim
+    queries = gen.sample(n_queries, np.random.default_rng([seed, 999_999]))  # held out
+    rows: list[dict] = []
+    for n in sizes:
+        chunks = _data(gen, int(n), seed)
+        n_rec = min(_RECALL_QUERIES, n_queries)
+        exact = _exact_topk(chunks, queries[:n_rec], _K)
+        for kind in kinds:
+            kind = IndexKind(kind)
+            if progress:
+                progress(f"building {kind.value} over {n} x {dim}")
+            t0 = time.perf_counter()
+            idx = build_index(
+                chunks,
+                dim,
+                int(n),
+                kind=kind,
+                seed=seed,
+                nlist=nlist,
+                target_recall=target_recall,
+                threads=threads,
+            )
+            build_s = time.perf_counter() - t0
+            idx.search(queries[:5], _K)  # warm-up
+            lat = np.empty(n_queries)
+            for i in range(n_queries):
+                q = queries[i : i + 1]
+                t = time.perf_counter()
+                idx.search(q, _K)
+                lat[i] = time.perf_counter() - t
+            _, got = idx.search(queries[:n_rec], _K)
+            recall = float(
+                np.mean([len(set(a) & set(b)) / _K for a, b in zip(got, exact, strict=True)])
+            )
+            ivf_nlist = getattr(_ivf(idx), "nlist", None)
+            row = {
+                "n": int(n),
+                "dim": dim,
+                "kind": kind.value,
+                "build_s": round(build_s, 3),
+                "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+                "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+                "recall_at_10": round(recall, 4),
+                "peak_rss_mb": round(_peak_rss_mb(), 1),
+                "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+                "nlist": ivf_nlist,
+                "nprobe": idx.nprobe,
+                "threads": idx.threads,
+                "n_queries": n_queries,
+                "generator": gen_name,
+            }
+            log.info("query bench: %s", row)
+            rows.append(row)
+            del idx
+    return rows
+
+
+def _ivf(idx):
+    import faiss
+
+    try:
+        return faiss.extract_index_ivf(idx.index)
+    except RuntimeError:
+        return None

@@ -1,0 +1,70 @@
+"""Subcommands for audit, verification and the bundled sample run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("audit", help="write an audit trail (JSON and/or CSV) for a query", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("run", help="run directory")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--eval-example", type=int)
+    p.add_argument("--completion")
+    p.add_argument("--label")
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--preconditioner", default="kfac", choices=["identity", "kfac", "ekfac"])
+    p.add_argument("--out", required=True, help="trail JSON path")
+    p.add_argument("--csv", help="also write the influencers as CSV")
+    p.set_defaults(func=_cmd_audit)
+
+    v = sub.add_parser("verify", help="re-hash a run's data files and model against its manifest (exit 3 on any change)")
+    v.add_argument("run", help="run directory")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_cmd_verify)
+
+    s = sub.add_parser("sample", help="regenerate the bundled sample data and run deterministically", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--out", default=None, help="sample_runs folder (default: the repository's sample_runs/)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_sample)
+
+
+def _cmd_audit(a) -> int:
+    from .export import audit_rows, audit_trail
+    from .query import IndexSettings, open_run
+
+    run = open_run(a.run)
+    res = run.query(a.prompt, a.completion, eval_example=a.eval_example, label=a.label, top_k=a.top_k,
+                    opponents=True, settings=IndexSettings(preconditioner=a.preconditioner))
+    trail = audit_trail(run, res)
+    Path(a.out).write_text(json.dumps(trail, indent=2, ensure_ascii=False, default=str))
+    if a.csv:
+        audit_rows(trail).write_csv(a.csv)
+    print(f"audit trail: {a.out} ({len(trail['influencers'])} influencers, model {str(trail['model_fingerprint'])[:12]}…)")
+    return 0
+
+
+def _cmd_verify(a) -> int:
+    from .export import verify_run
+
+    rep = verify_run(a.run)
+    if a.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        for f in rep["files"]:
+            print(f"{f['status']:<8} {f['file']}")
+        print(f"{rep['model']['status']:<8} model {rep['model'].get('dir', '')}")
+        print("verified: nothing changed" if rep["ok"] else "MISMATCH: the run's inputs changed since training")
+    return 0 if rep["ok"] else 3
+
+
+def _cmd_sample(a) -> int:
+    from .sample_run import build_sample_run
+
+    out = build_sample_run(Path(a.out) if a.out else None, seed=a.seed)
+    print(f"sample run written to {out}", file=sys.stderr)
+    return 0
