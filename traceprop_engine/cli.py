@@ -195,7 +195,9 @@ def _print_table(rows) -> None:
 
 # -- runs / info ------------------------------------------------------------------------------------
 def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="describe a run: status, data, model, tracked layers, store")
+    p = sub.add_parser("info", help="describe a run: status, data, model, tracked layers, store",
+                       description="Print a run's status, data (files, counts), model, tracked layers and store summary; "
+                       "a partial store (cancelled or failed run) is reported as such. --json prints the whole manifest.")
     p.add_argument("run", help="run directory")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.set_defaults(func=_cmd_info)
@@ -226,7 +228,9 @@ def _cmd_info(a) -> int:
 
 
 def _add_runs(sub) -> None:
-    p = sub.add_parser("runs", help="list the runs under a folder")
+    p = sub.add_parser("runs", help="list the runs under a folder",
+                       description="List run directories (folders with a run.json) under ROOT, newest first, with their status "
+                       "and model. A run whose process died without updating its status is shown as failed.")
     p.add_argument("root", nargs="?", default="runs", help="folder holding run directories")
     p.set_defaults(func=_cmd_runs)
 
@@ -246,7 +250,8 @@ def _cmd_runs(a) -> int:
 
 # -- bench ----------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: overhead (tracked vs plain steps), query (index latency/recall)")
+    p = sub.add_parser("bench", help="benchmarks: overhead (tracked vs plain steps), query (index latency/recall)",
+                       description="Benchmarks print medians of interleaved repeats and ratios against a baseline measured in the same run.")
     bs = p.add_subparsers(dest="bench", required=True)
     o = bs.add_parser("overhead", help="plain vs tracked training steps, interleaved", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     o.add_argument("--json", help="write the result JSON here")

@@ -9,7 +9,10 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("audit", help="write an audit trail (JSON and/or CSV) for a query", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("audit", help="write an audit trail (JSON and/or CSV) for a query", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Answer a query and record it: query, run id, model fingerprint, data-manifest hash, time, "
+                       "software versions, and every influencer (example id, source file, row, content sha256, score, rank). "
+                       "See docs/audit.md for what a trail proves and what it does not.")
     p.add_argument("run", help="run directory")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt")
@@ -22,12 +25,17 @@ def register(sub) -> None:
     p.add_argument("--csv", help="also write the influencers as CSV")
     p.set_defaults(func=_cmd_audit)
 
-    v = sub.add_parser("verify", help="re-hash a run's data files and model against its manifest (exit 3 on any change)")
+    v = sub.add_parser("verify", help="re-hash a run's data files and model against its manifest (exit 3 on any change)",
+                       description="Re-hash every training and eval data file and the saved model weights of RUN and compare "
+                       "them with the hashes recorded in RUN/run.json at training time. Prints ok/changed/missing per file; "
+                       "exit status 0 when nothing changed, 3 on any mismatch.")
     v.add_argument("run", help="run directory")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=_cmd_verify)
 
-    s = sub.add_parser("sample", help="regenerate the bundled sample data and run deterministically", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("sample", help="regenerate the bundled sample data and run deterministically", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Regenerate sample_runs/facts-data (invented facts with ground truth) and sample_runs/facts "
+                       "(a tracked tiny GPT-NeoX fine-tune on it, indexed with kfac, identity and ekfac). Seeded; one torch thread.")
     s.add_argument("--out", default=None, help="sample_runs folder (default: the repository's sample_runs/)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_sample)

@@ -1,0 +1,137 @@
+"""The train loop's run lifecycle and its errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from traceprop_engine import ConfigError, DataError, RunError, Store
+from traceprop_engine.run import read_manifest, read_progress
+from traceprop_engine.settings import TrackSettings, TrainSettings
+from traceprop_engine.train import StopFlag, train
+
+from helpers import facts_data, fast_settings
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return facts_data(tmp_path_factory.mktemp("data"))
+
+
+def test_completed_run_writes_everything(data, tmp_path):
+    run = train(fast_settings(data, tmp_path / "run", epochs=2))
+    m = read_manifest(run)
+    assert m["status"] == "completed"
+    assert (run / "model" / "model.safetensors").exists() and (run / "model" / "tokenizer.json").exists()
+    store = Store(run / "store.h5")
+    n_train = m["data"]["n_train"]
+    assert store.n_records == 2 * n_train and not store.is_partial
+    rec = store.records()
+    # every training example has exactly one record per epoch
+    ids, counts = np.unique(rec["example_index"], return_counts=True)
+    assert len(ids) == n_train and set(counts) == {2}
+    assert np.all(rec["lr"] > 0) and np.all(np.isfinite(rec["loss"]))
+    ex = store.examples()
+    assert set(ex["split"]) == {"train", "eval"} and len(ex["source"]) == n_train + m["data"]["n_eval"]
+    # lineage: source relative to the data root, editor line numbers, and the exact tokens
+    assert ex["source"][0].endswith(".jsonl") and "/" not in ex["source"][0] and ex["row"][0] >= 1
+    toks, mask = store.tokens(0)
+    assert len(toks) == len(mask) and mask.sum() >= 1 and mask[0] == 0
+    assert len(read_progress(run)) == m["timings"]["n_steps"]
+    assert store.covariance(0)["n_tokens"] > 0
+    assert m["model"]["fingerprint"] and m["data"]["files"]
+
+
+def test_no_track_runs_the_same_loop_without_a_store(data, tmp_path):
+    run = train(fast_settings(data, tmp_path / "plain", track=None))
+    assert read_manifest(run)["status"] == "completed"
+    assert not (run / "store.h5").exists()
+
+
+def test_stop_flag_leaves_a_readable_partial_store(data, tmp_path):
+    stop = StopFlag()
+
+    def on_progress(line):
+        if line["step"] == 3:
+            stop.requested, stop.reason = True, "test"
+
+    run = train(fast_settings(data, tmp_path / "cancel", epochs=3), on_progress=on_progress, stop=stop)
+    m = read_manifest(run)
+    assert m["status"] == "cancelled"
+    store = Store(run / "store.h5")
+    assert store.is_partial and store.status == "cancelled"
+    assert store.n_records == 3 * 8
+    assert "partial" in store.describe_partial()
+    assert (run / "model" / "model.safetensors").exists()
+
+
+def test_sigterm_cancels_a_cli_run(data, tmp_path):
+    out = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "traceprop_engine", "train", "--data", str(data / "train"), "--out", str(out),
+           "--epochs", "50", "--tiny-layers", "1", "--tiny-width", "32", "--tiny-vocab", "300", "--max-length", "48", "--threads", "1"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(read_progress(out)) < 2:
+        time.sleep(0.2)
+    assert read_progress(out), "the run never made progress"
+    os.killpg(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err.decode()[-2000:]
+    m = read_manifest(out)
+    assert m["status"] == "cancelled" and m["cancel_reason"] == "SIGTERM"
+    store = Store(out / "store.h5")
+    assert store.status == "cancelled" and store.n_records > 0
+
+
+def test_existing_run_is_not_overwritten(data, tmp_path):
+    train(fast_settings(data, tmp_path / "r"))
+    with pytest.raises(RunError, match="already holds a run"):
+        train(fast_settings(data, tmp_path / "r"))
+    train(fast_settings(data, tmp_path / "r"), overwrite=True)
+
+
+def test_bad_data_fails_with_file_and_line_and_marks_the_run(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"prompt": "Q", "completion": " A"}\n{"prompt": "Q2", "completion": \n')
+    with pytest.raises(DataError, match=r"a\.jsonl:2"):
+        train(TrainSettings(data=str(d), out=str(tmp_path / "run"), track=TrackSettings()))
+    assert read_manifest(tmp_path / "run")["status"] == "failed"
+    assert "a.jsonl:2" in read_manifest(tmp_path / "run")["error"]
+
+
+def test_bad_settings_are_rejected_with_allowed_values(tmp_path):
+    with pytest.raises(ConfigError, match="sketch must be one of"):
+        TrackSettings(sketch="sparse")
+    with pytest.raises(ConfigError, match="scope"):
+        TrackSettings(scope="(unclosed")
+    with pytest.raises(ConfigError, match="k_in must be a positive integer"):
+        TrackSettings(k_in=0)
+
+
+def test_scope_matching_nothing_lists_the_layers(data, tmp_path):
+    with pytest.raises(ConfigError, match="matches no trainable linear layer; layers are: gpt_neox"):
+        train(fast_settings(data, tmp_path / "x", track=TrackSettings(scope="nothing_like_this")))
+
+
+def test_lora_run_tracks_adapters_and_saves_the_adapter(data, tmp_path):
+    run = train(fast_settings(data, tmp_path / "lora", lora_rank=2, track=TrackSettings(k_in=4, k_out=4)))
+    m = read_manifest(run)
+    names = [layer["name"] for layer in m["tracking"]["layers"]]
+    assert names and all("lora_" in n for n in names)
+    assert (run / "model" / "adapter_config.json").exists() and (run / "model" / "base" / "config.json").exists()
+    assert m["model"]["trainable"] < m["model"]["parameters"]
+
+
+def test_progress_lines_have_eta(data, tmp_path):
+    run = train(fast_settings(data, tmp_path / "p"))
+    lines = [json.loads(x) for x in (run / "progress.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == lines[-1]["total"] and lines[-1]["eta_s"] == 0
+    assert all({"loss", "examples_per_s", "epoch"} <= set(x) for x in lines)
