@@ -30,7 +30,7 @@ __all__ = ["SketchGenerator", "run_query_bench"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 50_000
-_RECALL_QUERIES = 50
+_RECALL_QUERIES = 100
 _K = 10
 
 
@@ -166,7 +166,7 @@ def run_query_bench(
 
     Returns:
         One dict per (size, kind): ``n, dim, kind, build_s, p50_ms, p99_ms, recall_at_10``
-        (vs. exact search, on ``min(50, n_queries)`` queries), ``peak_rss_mb`` (process peak so
+        (vs. exact search, on ``min(100, n_queries)`` queries), ``peak_rss_mb`` (process peak so
         far, monotone), ``rss_mb`` (resident after the measurement), ``nlist``, ``nprobe``,
         ``generator`` ("fitted" or "synthetic").
     """
