@@ -37,7 +37,7 @@ from .models import collate, encode_example, load_saved_model, model_inputs
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 from .run import read_manifest
 from .settings import SketchKind
-from .store import Store
+from .store import open_run_store
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,9 @@ class AttributionRun:
     def __init__(self, run_dir: str | os.PathLike, device: str = "cpu") -> None:
         self.dir = Path(run_dir)
         self.manifest = read_manifest(self.dir)
-        if not (self.dir / C.STORE_FILE).exists():
+        if not (self.dir / C.STORE_FILE).exists() and not self.manifest.get("shards"):
             raise RunError(f"{self.dir} has no {C.STORE_FILE}: it was trained with --no-track, or it failed before tracking began")
-        self.store = Store(self.dir / C.STORE_FILE)
+        self.store = open_run_store(self.dir, self.manifest)  # a Store, or a ShardedStore for a DDP run
         self.device = device
         self._loaded = None
         self._capture_layers: list[TrackedLayer] | None = None

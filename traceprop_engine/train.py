@@ -9,6 +9,7 @@ readable) and is re-raised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from . import constants as C
+from . import distributed
 from .data import Example, hash_files, load_examples, split_eval
 from .errors import ConfigError, RunError
 from .losses import example_losses
@@ -73,6 +75,8 @@ def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
             raise RunError(f"{run_dir} holds a run that is still running; cancel it first")
         for name in (C.STORE_FILE, C.PROGRESS_FILE, C.MANIFEST_FILE):
             (run_dir / name).unlink(missing_ok=True)
+        for shard in run_dir.glob(distributed.shard_file(0).replace("0", "*")):
+            shard.unlink()
         for name in (C.MODEL_DIR, C.INDEX_DIR):
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +136,13 @@ def train(
         DataError, ConfigError, RunError: bad input (the run is marked failed when it got that far).
     """
     run_dir = Path(settings.out)
-    _prepare_dir(run_dir, overwrite)
+    # WORLD_SIZE > 1 (torchrun): join the process group; rank 0 owns the run directory
+    dist_ctx, dist_device = distributed.setup(resolve_device(settings.device))
+    try:
+        if dist_ctx.is_main:
+            _prepare_dir(run_dir, overwrite)
+    finally:
+        dist_ctx.barrier()  # the other ranks write their shards into the prepared directory
     stop = stop or StopFlag()
     manifest = {
         "run_id": new_run_id(),
@@ -146,13 +156,22 @@ def train(
         "versions": library_versions(),
         "loss_definition": C.LOSS_DEFINITION,
     }
-    write_manifest(run_dir, manifest)
+    if dist_ctx.enabled:
+        manifest["distributed"] = {"world_size": dist_ctx.world_size, "backend": dist_ctx.backend}
+        if settings.track is not None:
+            manifest["shards"] = dist_ctx.shard_files
+
+    def write_run_json() -> None:
+        if dist_ctx.is_main:
+            write_manifest(run_dir, manifest)
+
+    write_run_json()
     progress_path = run_dir / C.PROGRESS_FILE
     tracker: Tracker | None = None
     status = C.STATUS_FAILED
     loaded = None
     try:
-        with _Signals(stop), open(progress_path, "a", buffering=1) as progress_file:
+        with _Signals(stop), open(progress_path if dist_ctx.is_main else os.devnull, "a", buffering=1) as progress_file:
             # -- data -----------------------------------------------------------------------
             task = settings.task.value
             examples, data_root = load_examples(settings.data, task=task)
@@ -186,8 +205,9 @@ def train(
                 apply_lora(loaded, settings.lora_rank, settings.lora_targets)
             if settings.threads > 0:
                 torch.set_num_threads(settings.threads)
-            device = resolve_device(settings.device)
+            device = dist_device
             model = loaded.model.to(device)
+            dist_ctx.check_same("the tokenizer", json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True))
             model.train()
             label_ids = {lab: i for i, lab in enumerate(labels)} if labels else None
             all_ex = train_ex + eval_ex
@@ -200,11 +220,13 @@ def train(
                                  "lora_rank": settings.lora_rank, "labels": labels}
             # -- tracker --------------------------------------------------------------------
             if settings.track is not None:
-                tracker = Tracker(model, run_dir / C.STORE_FILE, settings.track, manifest=manifest)
-                tracker.write_examples(
-                    _example_table(all_ex, [C.SPLIT_TRAIN] * len(train_ex) + [C.SPLIT_EVAL] * len(eval_ex)),
-                    [e.ids for e in encoded], [e.loss_mask for e in encoded],
-                )
+                # hooks on the underlying module (not the DDP wrapper): the same layer names
+                tracker = Tracker(model, run_dir / dist_ctx.store_file, settings.track, manifest=manifest)
+                if dist_ctx.is_main:  # the example table lives in shard 0 only
+                    tracker.write_examples(
+                        _example_table(all_ex, [C.SPLIT_TRAIN] * len(train_ex) + [C.SPLIT_EVAL] * len(eval_ex)),
+                        [e.ids for e in encoded], [e.loss_mask for e in encoded],
+                    )
                 tracker.capture.attach()
                 manifest["tracking"] = {
                     **settings.track.to_dict(),
@@ -213,12 +235,13 @@ def train(
                         for t in tracker.layers
                     ],
                 }
-            write_manifest(run_dir, manifest)
+            write_run_json()
+            forward = dist_ctx.wrap(model, device)  # DDP when WORLD_SIZE > 1, else the model itself
             # -- loop -----------------------------------------------------------------------
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
             n_train = len(train_ex)
-            steps_per_epoch = math.ceil(n_train / settings.batch_size)
+            steps_per_epoch = dist_ctx.steps_per_epoch(n_train, settings.batch_size) if dist_ctx.enabled else math.ceil(n_train / settings.batch_size)
             total_steps = steps_per_epoch * settings.epochs
             if settings.max_steps:
                 total_steps = min(total_steps, settings.max_steps)
@@ -234,20 +257,41 @@ def train(
             t_start = time.perf_counter()
             step = 0
             last_loss = float("nan")
-            bar = _progress_bar(total_steps)
+            bar = _progress_bar(total_steps, disable=not dist_ctx.is_main)
             try:
                 for epoch in range(settings.epochs):
                     order = rng.permutation(n_train)
                     for s in range(steps_per_epoch):
+                        if dist_ctx.any_true(stop.requested) and not stop.requested:
+                            stop.requested, stop.reason = True, "another rank stopped"
                         if stop.requested or step >= total_steps:
                             break
-                        idx = order[s * settings.batch_size : (s + 1) * settings.batch_size]
-                        batch = collate([encoded[i] for i in idx], pad_id, task, device)
+                        if dist_ctx.enabled:
+                            idx, global_b = dist_ctx.local_batch(order, s, settings.batch_size)
+                        else:
+                            idx = order[s * settings.batch_size : (s + 1) * settings.batch_size]
+                        batch = collate([encoded[i] for i in (idx if len(idx) else order[:1])], pad_id, task, device)
                         lr = lr_at(step)
                         for g in opt.param_groups:
                             g["lr"] = lr
                         t0 = time.perf_counter()
-                        if tracker is not None:
+                        if dist_ctx.enabled and not len(idx):
+                            # no example left for this rank in the last global batch: a zero-weight
+                            # step on a stand-in keeps DDP's collectives in step (nothing recorded)
+                            losses = example_losses(forward(**model_inputs(batch)), batch, task)
+                            (losses.sum() * 0.0).backward()
+                        elif dist_ctx.enabled:
+                            # DDP averages over ranks: Σ_local ℓ_i · W / B_global averages to the
+                            # global mean; the hooks see the local gradient, so scale B_global / W
+                            w = dist_ctx.world_size / global_b
+                            with contextlib.ExitStack() as cm:
+                                rec = cm.enter_context(tracker.step(idx, token_mask=batch["attention_mask"], loss_scale=1.0 / w,
+                                                                    step=step, epoch=epoch, lr=lr)) if tracker is not None else None
+                                losses = example_losses(forward(**model_inputs(batch)), batch, task)
+                                (losses.sum() * w).backward()
+                                if rec is not None:
+                                    rec.losses = losses
+                        elif tracker is not None:
                             with tracker.step(idx, token_mask=batch["attention_mask"], step=step, epoch=epoch, lr=lr) as rec:
                                 losses = example_losses(model(**model_inputs(batch)), batch, task)
                                 losses.mean().backward()
@@ -263,7 +307,7 @@ def train(
                         elapsed = time.perf_counter() - t_start
                         line = {
                             "step": step, "total": total_steps, "epoch": epoch, "loss": round(last_loss, 5),
-                            "lr": lr, "examples_per_s": round(step * settings.batch_size / elapsed, 2),
+                            "lr": lr, "examples_per_s": round(step * settings.batch_size * dist_ctx.world_size / elapsed, 2),
                             "elapsed_s": round(elapsed, 2), "eta_s": round(elapsed / step * (total_steps - step), 1),
                             "time": now(),
                         }
@@ -282,13 +326,14 @@ def train(
                 "total_s": round(time.perf_counter() - t_start, 3),
                 "median_step_ms": float(np.median(step_ms)) if step_ms else None,
             }
-            manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": _eval_loss(model, encoded[n_train:], pad_id, task, device, settings.batch_size)}
             if stop.requested:
                 manifest["cancel_reason"] = stop.reason
-            model.eval()
-            info = save_model(loaded, run_dir / C.MODEL_DIR)
-            manifest["model"]["fingerprint"] = info["fingerprint"]
-            manifest["model"]["saved"] = C.MODEL_DIR
+            if dist_ctx.is_main:
+                manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": _eval_loss(model, encoded[n_train:], pad_id, task, device, settings.batch_size)}
+                model.eval()
+                info = save_model(loaded, run_dir / C.MODEL_DIR)
+                manifest["model"]["fingerprint"] = info["fingerprint"]
+                manifest["model"]["saved"] = C.MODEL_DIR
     except KeyboardInterrupt:
         status = C.STATUS_CANCELLED
         manifest["cancel_reason"] = "KeyboardInterrupt"
@@ -302,15 +347,28 @@ def train(
             try:
                 tracker.writer.set_attrs(manifest=manifest)
                 tracker.close(status)
-                manifest["store"] = {"file": C.STORE_FILE, "n_records": tracker.n_records}
+                manifest["store"] = {"file": dist_ctx.store_file, "n_records": tracker.n_records}
             except Exception as e:  # never hide the original error behind a store error
                 log.error("closing the store failed: %s", e)
                 manifest.setdefault("error", f"closing the store failed: {e}")
                 status = C.STATUS_FAILED
+        if dist_ctx.enabled and status != C.STATUS_FAILED:
+            # every shard is closed before rank 0 marks the run finished (a failed rank is torn
+            # down by the launcher, so no collective is attempted on that path)
+            counts: list = [None] * dist_ctx.world_size
+            import torch.distributed as tdist
+
+            tdist.all_gather_object(counts, tracker.n_records if tracker is not None else 0)
+            if tracker is not None:
+                manifest["store"] = {"file": None, "shards": dist_ctx.shard_files,
+                                     "n_records": int(sum(counts)), "n_records_per_shard": counts}
         manifest["status"] = status
         manifest["updated"] = now()
         manifest["pid"] = None
-        write_manifest(run_dir, manifest)
+        write_run_json()
+        if dist_ctx.enabled and status != C.STATUS_FAILED:
+            dist_ctx.barrier()  # no rank returns before run.json says how the run ended
+        dist_ctx.close()
     return run_dir
 
 
@@ -325,7 +383,7 @@ def _eval_loss(model, encoded, pad_id, task, device, batch_size) -> float | None
     return total / len(encoded)
 
 
-def _progress_bar(total: int):
+def _progress_bar(total: int, disable: bool = False):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=True)
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=True, disable=disable)

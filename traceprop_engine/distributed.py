@@ -1,0 +1,283 @@
+"""Multi-process (DDP) training: one process per device, one store shard per rank.
+
+``torchrun --nproc_per_node N -m traceprop_engine train ...`` (or any launcher that sets
+``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``) makes
+:func:`traceprop_engine.train.train` call :func:`setup`, which initialises the process group
+(gloo on CPU, nccl on CUDA). The train loop then
+
+- wraps the model in ``DistributedDataParallel`` (the capture hooks stay on the *underlying*
+  module, so layer names are the same as in one process);
+- draws the same global permutation on every rank and gives rank ``r`` the ``r``-th contiguous
+  part of every global batch (``batch_size`` is the per-rank batch; a global batch is
+  ``batch_size × world_size`` examples);
+- writes ``RUN/store.rank{r}.h5`` on every rank; rank 0 alone writes the example table,
+  ``run.json`` (with ``"shards": [...]``), the progress file and the model.
+
+Loss scaling (checked against one process and autograd in tests/test_distributed.py): DDP
+averages *parameter* gradients across ranks in its reducer; the tensor hooks on the layer outputs
+run before that and see the local ``∂L_local/∂y``. The local loss is
+``L_local = Σ_{i∈local} ℓ_i · W / B_global`` (``W`` ranks), so that DDP's average is exactly the
+global mean ``Σ_i ℓ_i / B_global`` even when the last global batch does not split evenly, and the
+hooks' loss scale is ``B_global / W`` (= the local batch size when the split is even).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import constants as C
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def shard_file(rank: int) -> str:
+    """The store file of ``rank`` inside the run directory."""
+    return f"store.rank{rank}.h5"
+
+
+def env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+@dataclass
+class DistContext:
+    """Where this process stands in a (possibly one-process) run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = ""
+    owns_group: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def store_file(self) -> str:
+        return shard_file(self.rank) if self.enabled else C.STORE_FILE
+
+    @property
+    def shard_files(self) -> list[str]:
+        return [shard_file(r) for r in range(self.world_size)] if self.enabled else [C.STORE_FILE]
+
+    # -- data -------------------------------------------------------------------------------
+    def steps_per_epoch(self, n: int, batch_size: int) -> int:
+        return max(1, -(-n // (batch_size * self.world_size)))
+
+    def local_batch(
+        self, order: np.ndarray, step_in_epoch: int, batch_size: int
+    ) -> tuple[np.ndarray, int]:
+        """This rank's examples of one global batch, and the global batch's size."""
+        g = batch_size * self.world_size
+        glob = order[step_in_epoch * g : (step_in_epoch + 1) * g]
+        return np.array_split(glob, self.world_size)[self.rank], len(glob)
+
+    # -- model / collectives ---------------------------------------------------------------
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if not self.enabled:
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = (
+            [device.index if device.index is not None else self.local_rank]
+            if device.type == "cuda"
+            else None
+        )
+        return DDP(model, device_ids=ids)
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (a stop request must stop all ranks)."""
+        if not self.enabled:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._coll_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise on every rank unless ``value`` is the same on all (e.g. the tokenizer's vocabulary)."""
+        if not self.enabled:
+            return
+        import torch.distributed as dist
+
+        values: list = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        if len(set(values)) != 1:
+            raise ConfigError(
+                f"the ranks disagree on {what}; every rank must build the same model and data"
+            )
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self.owns_group = False
+
+    @property
+    def _coll_device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+
+
+def setup(device: torch.device) -> tuple[DistContext, torch.device]:
+    """Join the process group named by the environment (no-op when ``WORLD_SIZE`` is 1).
+
+    Returns:
+        The context and the device this rank trains on (``cuda:LOCAL_RANK`` for a CUDA run).
+
+    Raises:
+        ConfigError: an incomplete launcher environment.
+    """
+    world = env_world_size()
+    if world <= 1:
+        return DistContext(), device
+    import torch.distributed as dist
+
+    try:
+        int(os.environ["RANK"])  # required by init_process_group("env://")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except KeyError:
+        raise ConfigError(
+            "WORLD_SIZE > 1 but RANK is not set: launch with 'torchrun --nproc_per_node N -m traceprop_engine train ...'"
+        ) from None
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        owns = True
+    ctx = DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        backend=dist.get_backend(),
+        owns_group=owns,
+    )
+    log.info("rank %d of %d (%s) on %s", ctx.rank, ctx.world_size, ctx.backend, device)
+    return ctx, device
+
+
+def bench_overhead(
+    pairs: int = 30, steps: int = 2, batch: int = 4, seq: int = 48, width: int = 64, layers: int = 2
+) -> dict | None:
+    """Tracked vs plain DDP steps on this rank, interleaved ABBA on one model (DESIGN.md §7).
+
+    Run under ``torchrun --nproc_per_node N -m traceprop_engine.distributed`` (or plain
+    ``python -m traceprop_engine.distributed`` for the one-process reference). Returns rank 0's
+    numbers (``None`` on other ranks): median step times, the median of paired ratios
+    ``tracked/plain - 1`` with a bootstrap 95 % interval.
+    """
+    import tempfile
+    import time
+
+    from .bench_overhead import _bootstrap_ci
+    from .losses import causal_lm_losses
+    from .models import tiny_config
+    from .settings import TrackSettings
+    from .tracker import Tracker
+
+    torch.set_num_threads(1)
+    ctx, device = setup(torch.device("cpu"))
+    try:
+        from transformers import GPTNeoXForCausalLM
+
+        torch.manual_seed(0)
+        model = GPTNeoXForCausalLM(tiny_config(512, width, layers))
+        ddp = ctx.wrap(model, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(ctx.rank)
+        x = torch.randint(0, 512, (batch, seq), generator=g)
+        mask = torch.ones_like(x)
+        with tempfile.TemporaryDirectory() as tmp:
+            tracker = Tracker(model, f"{tmp}/{ctx.store_file}", TrackSettings(), background=True)
+
+            def run(tracked: bool) -> float:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    if tracked:
+                        with tracker.step(np.arange(batch), token_mask=mask) as rec:
+                            losses = causal_lm_losses(ddp(input_ids=x).logits, x)
+                            losses.mean().backward()
+                            rec.losses = losses
+                    else:
+                        causal_lm_losses(ddp(input_ids=x).logits, x).mean().backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                return (time.perf_counter() - t0) * 1e3 / steps
+
+            def arm(tracked: bool) -> float:
+                if tracked:
+                    tracker.capture.attach()
+                else:
+                    tracker.capture.detach()
+                ctx.barrier()
+                return run(tracked)
+
+            for t in (False, True, False, True):  # warm-up
+                arm(t)
+            plain, tracked = [], []
+            for i in range(pairs):
+                order = (False, True, True, False) if i % 2 == 0 else (True, False, False, True)
+                got = {False: [], True: []}
+                for t in order:
+                    got[t].append(arm(t))
+                plain.append(np.mean(got[False]))
+                tracked.append(np.mean(got[True]))
+            tracker.close()
+        ratios = np.array(tracked) / np.array(plain) - 1
+        lo, hi = _bootstrap_ci(ratios)
+        out = {
+            "world_size": ctx.world_size,
+            "pairs": pairs,
+            "steps_per_arm": steps,
+            "batch_per_rank": batch,
+            "plain_ms": float(np.median(plain)),
+            "tracked_ms": float(np.median(tracked)),
+            "overhead_pct": 100 * float(np.median(ratios)),
+            "ci95_pct": [100 * lo, 100 * hi],
+        }
+        return out if ctx.is_main else None
+    finally:
+        ctx.close()
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    result = bench_overhead(*(int(a) for a in sys.argv[1:2]))
+    if result is not None:
+        print(json.dumps(result))

@@ -1,0 +1,1 @@
+"""Integrations with other training frameworks (each imports its framework lazily)."""
