@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def _cmd_train(a) -> int:
     from .run import read_manifest
 
     m = read_manifest(run_dir)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0 if m["status"] == C.STATUS_COMPLETED else 130
     print(f"{m['status']}: {run_dir}  ({m.get('store', {}).get('n_records', 0)} records, eval loss {m.get('metrics', {}).get('eval_loss')})")
     return 0 if m["status"] == C.STATUS_COMPLETED else 130
 
@@ -205,7 +208,7 @@ def _add_info(sub) -> None:
 
 def _cmd_info(a) -> int:
     from .run import read_manifest
-    from .store import Store
+    from .store import open_run_store
 
     m = read_manifest(a.run)
     if a.json:
@@ -216,10 +219,11 @@ def _cmd_info(a) -> int:
     print(f"data {d.get('root')}  ({d.get('n_train')} train / {d.get('n_eval')} eval, {len(d.get('files', {}))} files)")
     mo = m.get("model", {})
     print(f"model {mo.get('source')}  task {mo.get('task')}  params {mo.get('parameters')} (trainable {mo.get('trainable')})")
-    p = Path(a.run) / C.STORE_FILE
-    if p.exists():
-        with Store(p) as st:
-            print(f"store {p} ({p.stat().st_size / 1e6:.2f} MB): {st.n_records} records, {len(st.layers)} layers, dim {st.dim}, status {st.status}")
+    if (Path(a.run) / C.STORE_FILE).exists() or m.get("shards"):
+        with open_run_store(a.run, m) as st:
+            size = sum(p.stat().st_size for p in Path(a.run).glob("store*.h5"))
+            shards = f", {len(m['shards'])} shards" if m.get("shards") else ""
+            print(f"store ({size / 1e6:.2f} MB{shards}): {st.n_records} records, {len(st.layers)} layers, dim {st.dim}, status {st.status}")
             if st.is_partial:
                 print(f"note: {st.describe_partial()}")
     if m.get("error"):

@@ -500,7 +500,8 @@ class AttributionRun:
         sq = np.zeros(self.store.n_records)
         for li in range(len(self.store.layers)):
             for start in range(0, self.store.n_records, CHUNK):
-                x = self.store.sketches(li, start, start + CHUNK).reshape(-1 if False else min(CHUNK, self.store.n_records - start), -1)
+                x = self.store.sketches(li, start, start + CHUNK)
+                x = x.reshape(len(x), -1)
                 sq[start : start + len(x)] += np.einsum("ij,ij->i", x, x)
         df = pl.DataFrame({"example_id": rec[C.REC_EXAMPLE], "gn": np.sqrt(sq)})
         return df.group_by("example_id").agg(pl.col("gn").mean().alias("gradient_norm"))
