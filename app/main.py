@@ -1,0 +1,43 @@
+"""Traceprop app: ``streamlit run app/main.py`` (opens on the bundled sample run)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+APP_DIR = Path(__file__).resolve().parent
+for p in (APP_DIR, APP_DIR.parent):  # `import services` and the engine, from any working directory
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import services  # noqa: E402
+
+st.set_page_config(page_title="Traceprop", page_icon="🧭", layout="wide")
+
+cfg = services.AppConfig.from_env()
+active = services.ensure_active_run(cfg, st.session_state)
+
+pages = [
+    st.Page("views/runs.py", title="Runs", icon="🗂️", default=True),
+    st.Page("views/launch.py", title="Launch", icon="🚀"),
+    st.Page("views/influencers.py", title="Influencers", icon="🔎"),
+    st.Page("views/overhead.py", title="Overhead", icon="⏱️"),
+    st.Page("views/audit.py", title="Audit", icon="🧾"),
+]
+nav = st.navigation(pages)
+
+with st.sidebar:
+    st.caption("Active run")
+    if active is None:
+        st.warning(
+            "No runs yet: launch one, or set TRACEPROP_SAMPLE_RUNS to the bundled sample runs."
+        )
+    else:
+        st.text(active.name + ("  (sample)" if services.is_sample(cfg, active) else ""))
+    job = services.active_job(cfg)
+    if job is not None:
+        st.info(f"Training {job.run_dir.name}: step {job.step}/{job.total or '?'}")
+
+nav.run()

@@ -1,0 +1,217 @@
+"""Influencers: which training examples pushed the model toward (or away from) an output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import plotly.graph_objects as go
+import services
+import streamlit as st
+
+cfg = services.AppConfig.from_env()
+st.title("Influencers")
+active = services.ensure_active_run(cfg, st.session_state)
+if active is None:
+    st.warning("No run to query: launch one on the Launch page.")
+    st.stop()
+
+status = services.job_state(active).status
+if status in ("starting", "running"):
+    st.info(
+        services.md_escape(active.name)
+        + " is still training: query it when it has finished (see the Launch page)."
+    )
+    st.stop()
+try:
+    run, _ = services.open_cached(active)
+    mtime = services.manifest_mtime(active)
+    evals = services.cached_examples(str(active), mtime, "eval")
+except services.TracepropError as e:
+    st.error(services.md_escape(f"{active.name} cannot be queried: {e}"))
+    st.stop()
+
+st.caption(
+    f"Run **{run.run_id}** · task {run.task} · {run.store.n_records} records · {len(run.store.layers)} tracked layers"
+)
+for note in run.notes:
+    st.warning(services.md_escape(note))
+classification = run.task == "classification"
+labels = sorted({x for x in services.cached_examples(str(active), mtime)["label"].to_list() if x})
+
+MODES = ["eval", "typed"]
+mode = st.radio(
+    "Query",
+    MODES,
+    horizontal=True,
+    key="infl_mode",
+    format_func={
+        "eval": "An eval example",
+        "typed": "Type a " + ("text" if classification else "prompt"),
+    }.get,
+)
+eval_id = prompt = completion = label = None
+if mode == "eval":
+    if evals.is_empty():
+        st.info("This run has no eval examples: type a query instead.")
+    else:
+        ids = evals["example_id"].to_list()
+        texts = dict(zip(ids, evals["text"].to_list(), strict=True))
+        eval_id = st.selectbox(
+            "Eval example", ids, key="infl_eval", format_func=lambda i: f"#{i}: {texts[i][:120]!r}"
+        )
+else:
+    prompt = st.text_area(
+        "Text" if classification else "Prompt",
+        key="infl_prompt",
+        height=80,
+        placeholder="Q: What colour is the planet Velmora?\nA:",
+    )
+    if classification:
+        label = (
+            st.selectbox("Label", labels, key="infl_label")
+            if labels
+            else st.text_input("Label", key="infl_label_text")
+        )
+    else:
+        completion = st.text_input(
+            "Completion (the output whose origin you want explained)", key="infl_completion"
+        )
+c1, c2 = st.columns(2)
+top_k = c1.slider("Top k", 1, 50, 10, key="infl_topk")
+pre_opts = (
+    ["kfac", "ekfac", "identity"]
+    if run.store.has_covariance or run.store.sketch == "dense"
+    else ["identity"]
+)
+pre = c2.selectbox("Preconditioner", pre_opts, key="infl_pre")
+
+if st.button("Find influencers", type="primary", key="infl_go"):
+    try:
+        with st.spinner("Scoring every training example…"):
+            res, by_source = services.run_query(
+                active,
+                prompt=prompt,
+                completion=completion,
+                eval_example=eval_id,
+                label=label,
+                top_k=top_k,
+                preconditioner=pre,
+            )
+    except services.TracepropError as e:
+        st.session_state.pop("infl_result", None)
+        st.error(services.md_escape(e))
+    else:
+        st.session_state["infl_result"] = {
+            "run": str(active),
+            "result": res,
+            "by_source": by_source,
+        }
+
+saved = st.session_state.get("infl_result")
+if not saved or saved["run"] != str(active):
+    st.stop()
+res, by_source = saved["result"], saved["by_source"]
+rows = services.shown_rows(res)
+
+st.info("Sign convention — " + res.sign_note)
+for note in res.notes:
+    st.warning(services.md_escape(note))
+q = res.query
+st.caption(
+    f"Query loss {q.get('query_loss', float('nan')):.4f} · preconditioner {q.get('preconditioner')} · "
+    f"{q.get('n_vectors')} examples searched · {res.elapsed_ms:.0f} ms"
+)
+
+cols = (
+    ["rank", "score", "text", "location", "label"]
+    if classification
+    else ["rank", "score", "text", "location"]
+)
+for kind, title in (
+    ("proponent", "Proponents (pushed toward this output)"),
+    ("opponent", "Opponents (pushed away)"),
+):
+    part = rows.filter(rows["kind"] == kind)
+    st.subheader(title)
+    if part.is_empty():
+        st.caption("none")
+        continue
+    st.dataframe(
+        part.select(cols),
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "score": st.column_config.NumberColumn(format="%.4g"),
+            "location": st.column_config.TextColumn("source file:row"),
+        },
+    )
+
+st.subheader("Examples")
+for r in rows.iter_rows(named=True):
+    with st.expander(
+        f"{r['kind']} #{r['rank']} · {r['score']:+.4g} · {services.md_escape(r['location'])}"
+    ):
+        st.text(r["text"])
+        ids, mask = run.store.tokens(int(r["example_id"]))
+        st.caption("Tokens (trained-on tokens in ⟦brackets⟧)")
+        st.code(services.decode_tokens(Path(active), ids, mask), language=None)
+        st.caption("Lineage")
+        st.code(
+            json.dumps(
+                {
+                    "example_id": r["example_id"],
+                    "source": r["source"],
+                    "row": r["row"],
+                    "sha256": r["sha256"],
+                },
+                indent=1,
+            ),
+            language=None,
+        )
+        st.caption("Per-layer partial scores")
+        st.dataframe(
+            services.layer_scores_table(r["layer_scores"]), hide_index=True, width="stretch"
+        )
+
+st.subheader("Influence by source file (all training examples)")
+fig = go.Figure()
+fig.add_bar(
+    name="positive",
+    x=by_source["source"].to_list(),
+    y=by_source["positive"].to_list(),
+    marker_color="#2a9d8f",
+)
+fig.add_bar(
+    name="negative",
+    x=by_source["source"].to_list(),
+    y=by_source["negative"].to_list(),
+    marker_color="#e76f51",
+)
+fig.add_scatter(
+    name="total",
+    x=by_source["source"].to_list(),
+    y=by_source["total"].to_list(),
+    mode="markers",
+    marker={"size": 12, "color": "#264653"},
+)
+fig.update_layout(barmode="relative", yaxis_title="summed influence", height=380, margin={"t": 20})
+st.plotly_chart(fig, key="infl_by_source")
+
+c1, c2 = st.columns(2)
+c1.download_button(
+    "Export CSV",
+    services.export_bytes(res, "csv"),
+    file_name=f"influencers-{run.run_id}.csv",
+    mime="text/csv",
+    on_click="ignore",
+    key="infl_csv",
+)
+c2.download_button(
+    "Export JSON",
+    services.export_bytes(res, "json"),
+    file_name=f"influencers-{run.run_id}.json",
+    mime="application/json",
+    on_click="ignore",
+    key="infl_json",
+)

@@ -1,0 +1,167 @@
+"""Launch: a tracked fine-tune in a background process, with live progress and Cancel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import services
+import streamlit as st
+
+cfg = services.AppConfig.from_env()
+st.title("Launch a tracked fine-tune")
+
+DATA_CHOICES = {
+    "facts": "Bundled generated facts set (causal LM)",
+    "classification": "Bundled generated classification set",
+    "upload": "Upload files",
+    "path": services.md_escape(f"A path under {cfg.data_root}"),
+}
+MODEL_CHOICES = {
+    "tiny": "tiny (GPT-NeoX built from a config)",
+    "minilm": "minilm (packaged encoder, classification)",
+    "dir": "a local Hugging Face directory",
+}
+
+
+@st.fragment(run_every=1.0)
+def _progress(run_dir: str) -> None:
+    s = services.job_state(Path(run_dir))
+    st.subheader(services.md_escape(f"Job {s.run_dir.name}"))
+    if s.running:
+        eta = f", ETA {s.eta_s:.0f} s" if s.eta_s is not None else ""
+        loss = f", loss {s.loss:.4f}" if s.loss is not None else ""
+        st.progress(s.fraction, text=f"{s.status}: step {s.step}/{s.total or '?'}{loss}{eta}")
+        if st.button("Cancel", key="launch_cancel"):
+            services.cancel_job(s.run_dir)
+            st.info("Cancel requested: the job stops at the next step.")
+    elif s.status == "completed":
+        st.progress(
+            1.0,
+            text=f"completed: {s.step} steps, final loss {s.loss if s.loss is not None else '?'}",
+        )
+        st.success(
+            services.md_escape(f"Training finished: {s.run_dir.name} is listed on the Runs page.")
+        )
+        if st.button("Make it the active run", key="launch_activate"):
+            st.session_state["runs_active"] = str(s.run_dir.resolve())
+            st.rerun()
+    else:
+        msg = f"Training {s.status}" + (f": {s.error}" if s.error else "")
+        (st.warning if s.status == "cancelled" else st.error)(services.md_escape(msg))
+        if s.log_tail:
+            st.caption("Last lines of train.log")
+            st.code(s.log_tail, language=None)
+
+
+running = services.active_job(cfg)
+if running is not None:
+    st.session_state["launch_run"] = str(running.run_dir)
+    st.info("A training job is running; a second launch waits until it ends (one job at a time).")
+
+with st.form("launch_form"):
+    st.markdown("**Data**")
+    data_kind = st.radio(
+        "Training data",
+        list(DATA_CHOICES),
+        format_func=DATA_CHOICES.get,
+        key="launch_data_kind",
+        horizontal=True,
+    )
+    uploads = st.file_uploader(
+        "Data files (.jsonl .json .csv .parquet .txt) — used when 'Upload files' is chosen",
+        accept_multiple_files=True,
+        key="launch_uploads",
+    )
+    data_path = st.text_input(
+        "Data path (relative to the data root) — used when 'A path' is chosen",
+        key="launch_data_path",
+    )
+    eval_path = st.text_input(
+        "Eval data path (optional; otherwise 10% of the data is held out)", key="launch_eval_path"
+    )
+    st.markdown("**Model**")
+    c1, c2, c3 = st.columns(3)
+    model_kind = c1.selectbox(
+        "Model", list(MODEL_CHOICES), format_func=MODEL_CHOICES.get, key="launch_model"
+    )
+    model_dir = c2.text_input("Model directory (under the data root)", key="launch_model_dir")
+    task = c3.selectbox("Task", ["causal-lm", "classification"], key="launch_task")
+    c1, c2, c3, c4 = st.columns(4)
+    lora_rank = c1.number_input("LoRA rank (0 = full)", 0, 256, 0, key="launch_lora")
+    epochs = c2.number_input("Epochs", 1, 100, 2, key="launch_epochs")
+    lr = c3.number_input("Learning rate", 0.0, 1.0, 3e-3, format="%.5f", key="launch_lr")
+    batch = c4.number_input("Batch size", 1, 1024, 8, key="launch_batch")
+    c1, c2, c3, c4 = st.columns(4)
+    max_length = c1.number_input("Max length (tokens)", 8, 4096, 64, key="launch_maxlen")
+    tiny_layers = c2.number_input("Tiny model layers", 1, 24, 2, key="launch_tiny_layers")
+    tiny_width = c3.number_input("Tiny model width", 8, 2048, 64, step=8, key="launch_tiny_width")
+    seed = c4.number_input("Seed", 0, 2**31 - 1, 0, key="launch_seed")
+    st.markdown("**Tracking**")
+    c1, c2, c3, c4, c5 = st.columns(5)
+    scope = c1.text_input("Scope (all, last-block or a regex)", "all", key="launch_scope")
+    k_in = c2.number_input("k in", 1, 1024, 8, key="launch_k_in")
+    k_out = c3.number_input("k out", 1, 1024, 8, key="launch_k_out")
+    sketch = c4.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
+    covariance = c5.checkbox("K-FAC covariance", True, key="launch_cov")
+    name = st.text_input("Run name (optional)", key="launch_name")
+    submitted = st.form_submit_button("Start training", type="primary")
+
+    if submitted:
+        errors: list[str] = []
+        data = eval_data = None
+        try:
+            if data_kind in ("facts", "classification"):
+                data, eval_data = services.sample_dataset(cfg, data_kind)
+            elif data_kind == "upload":
+                data = services.save_uploads(cfg, [(f.name, f.getvalue()) for f in uploads or []])
+            else:
+                data = services.safe_path(cfg.data_root, data_path)
+        except services.TracepropError as e:
+            errors.append(str(e))
+        if eval_path.strip():
+            try:
+                eval_data = services.safe_path(cfg.data_root, eval_path)
+            except services.TracepropError as e:
+                errors.append(f"eval data: {e}")
+        model = model_kind
+        if model_kind == "dir":
+            try:
+                model = str(services.safe_path(cfg.data_root, model_dir))
+            except services.TracepropError as e:
+                errors.append(f"model directory: {e}")
+        if data_kind == "classification" and task != "classification":
+            errors.append("the classification set needs task 'classification' (and model minilm)")
+        if data is not None and not errors:
+            spec = services.LaunchSpec(
+                data=data,
+                eval_data=eval_data,
+                model=model,
+                task=task,
+                lora_rank=int(lora_rank),
+                epochs=int(epochs),
+                lr=float(lr),
+                batch_size=int(batch),
+                max_length=int(max_length),
+                scope=scope.strip() or "all",
+                k_in=int(k_in),
+                k_out=int(k_out),
+                sketch=sketch,
+                covariance=covariance,
+                seed=int(seed),
+                tiny_layers=int(tiny_layers),
+                tiny_width=int(tiny_width),
+            )
+            errors += spec.errors()
+            if not errors:
+                try:
+                    job = services.start_job(cfg, spec, name)
+                except services.TracepropError as e:
+                    errors.append(str(e))
+                else:
+                    st.session_state["launch_run"] = str(job.run_dir)
+                    st.success(services.md_escape(f"Started {job.run_dir.name}"))
+        for e in errors:
+            st.error(services.md_escape(e))
+
+if st.session_state.get("launch_run"):
+    _progress(st.session_state["launch_run"])

@@ -1,0 +1,25 @@
+"""Shared fixtures of the app tests: the app directory on sys.path and a temp runs root."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+APP = REPO / "app"
+if str(APP) not in sys.path:
+    sys.path.insert(0, str(APP))
+
+
+@pytest.fixture
+def app_env(tmp_path, monkeypatch):
+    """A fresh runs root and data root; the bundled sample runs."""
+    runs = tmp_path / "runs"
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(runs))
+    monkeypatch.setenv("TRACEPROP_DATA_ROOT", str(data))
+    monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(REPO / "sample_runs"))
+    return {"runs": runs, "data": data, "repo": REPO}

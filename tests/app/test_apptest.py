@@ -1,0 +1,191 @@
+"""AppTest smoke tests of every page, on the bundled sample run (no browser)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+REPO = Path(__file__).resolve().parents[2]
+MAIN = str(REPO / "app" / "main.py")
+TIMEOUT = 60
+
+
+@pytest.fixture
+def at(app_env):
+    a = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    a.run()
+    assert not a.exception, a.exception
+    return a
+
+
+def _goto(at: AppTest, page: str) -> AppTest:
+    at.switch_page(f"views/{page}.py")
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def test_opens_on_sample_run(at):
+    assert at.title[0].value.endswith("Runs")
+    assert at.session_state["runs_active"] == str(REPO / "sample_runs" / "facts")
+    assert at.selectbox(key="runs_pick").value == str(REPO / "sample_runs" / "facts")
+    df = at.dataframe[0].value
+    row = df[df["run"] == "facts"].iloc[0]
+    assert row["kind"] == "sample" and row["status"] == "completed"
+    assert row["records"] > 0 and row["tracked layers"] > 0
+
+
+def test_influencers_eval_example(at):
+    _goto(at, "influencers")
+    at.button(key="infl_go").click().run()
+    assert not at.exception
+    assert not at.error, [e.value for e in at.error]
+    props, opps = at.dataframe[0].value, at.dataframe[1].value
+    assert len(props) == 10 and len(opps) == 10
+    assert (props["score"] > 0).all() and (opps["score"] < 0).all()
+    assert props["location"].str.match(r"^\w+\.jsonl:\d+$").all()
+    assert any("proponent" in i.value for i in at.info)
+
+
+def test_influencers_typed_prompt(at):
+    _goto(at, "influencers")
+    at.radio(key="infl_mode").set_value("typed").run()
+    at.text_area(key="infl_prompt").input("Q: What colour is the planet Velmora?\nA:")
+    at.text_input(key="infl_completion").input(" teal")
+    at.slider(key="infl_topk").set_value(5)
+    at.selectbox(key="infl_pre").set_value("identity")
+    at.button(key="infl_go").click().run()
+    assert not at.exception and not at.error
+    assert len(at.dataframe[0].value) == 5
+    assert len(at.expander) >= 5
+    codes = [c.value for c in at.code]
+    assert any("⟦" in c for c in codes)  # tokens with the trained-on ones marked
+    assert any('"sha256"' in c for c in codes)  # lineage
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert {t["name"] for t in fig["data"]} == {"positive", "negative", "total"}
+
+
+def test_influencers_empty_prompt_is_an_error(at):
+    _goto(at, "influencers")
+    at.radio(key="infl_mode").set_value("typed").run()
+    at.button(key="infl_go").click().run()
+    assert not at.exception
+    assert at.error and "empty" in at.error[0].value
+    assert not at.dataframe
+
+
+def test_launch_form_validation(at, app_env):
+    _goto(at, "launch")
+    at.radio(key="launch_data_kind").set_value("path")
+    at.text_input(key="launch_data_path").input("../../etc")
+    at.number_input(key="launch_lr").set_value(0.0)
+    at.button[0].click().run()  # the form's submit button
+    assert not at.exception
+    msgs = " ".join(e.value for e in at.error)
+    assert "outside the allowed data root" in msgs
+    at.radio(key="launch_data_kind").set_value("upload")
+    at.button[0].click().run()
+    assert "upload at least one data file" in " ".join(e.value for e in at.error)
+    assert not [p for p in app_env["runs"].iterdir() if p.name.startswith("run-")]
+
+
+def _decode(arr):
+    if isinstance(arr, dict) and "bdata" in arr:
+        return np.frombuffer(base64.b64decode(arr["bdata"]), dtype=np.dtype(arr["dtype"]))
+    return np.asarray(arr)
+
+
+def test_overhead_from_real_timings(at, tmp_path):
+    from traceprop_engine.store import Store
+
+    _goto(at, "overhead")
+    charts = at.get("plotly_chart")
+    assert charts
+    fig = json.loads(charts[0].proto.spec)
+    y = _decode(fig["data"][0]["y"])
+    with Store(REPO / "sample_runs" / "facts" / "store.h5") as s:
+        want = np.asarray(s.timings()["step_ms"], dtype=float)
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    assert any("bench overhead" in i.value for i in at.info) or len(charts) >= 3
+
+
+def test_audit_verify_ok_and_trail(at):
+    _goto(at, "audit")
+    at.button(key="audit_verify").click().run()
+    assert not at.exception
+    assert at.success and "match" in at.success[0].value
+    at.button(key="audit_query").click().run()
+    assert not at.exception and not at.error
+    assert any("influencers" in m.value for m in at.markdown)
+
+
+def test_overhead_reads_bench_json(app_env):
+    bench = app_env["runs"] / "bench"
+    bench.mkdir(parents=True)
+    (bench / "overhead.json").write_text(
+        json.dumps(
+            {
+                "overhead_pct": 4.2,
+                "logging_pct": 3.0,
+                "covariance_pct": 1.2,
+                "cpu_overhead_pct": 5.0,
+                "plain_step_ms": 10.0,
+                "tracked_step_ms": 10.42,
+                "bytes_per_example": 2304.0,
+                "repeats": 5,
+                "pair_overheads_pct": [4.0, 4.4],
+                "config": {"k_in": 8, "k_out": 8, "sketch": "factored", "scope": "all"},
+            }
+        )
+    )
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    assert at.dataframe[0].value["overhead %"].iloc[0] == pytest.approx(
+        4.2
+    )  # matched by k and sketch
+    _goto(at, "overhead")
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    steps = next(s for s in specs if {t.get("name") for t in s["data"]} == {"plain", "tracked"})
+    assert [float(_decode(t["y"])[0]) for t in steps["data"]] == [10.0, 10.42]
+    assert not any("bench overhead" in i.value for i in at.info)
+
+
+def test_audit_reports_a_changed_data_file(tmp_path, monkeypatch):
+    import shutil
+
+    samples = tmp_path / "samples"
+    shutil.copytree(REPO / "sample_runs" / "facts", samples / "facts")
+    shutil.copytree(REPO / "sample_runs" / "facts-data", samples / "facts-data")
+    m = json.loads((samples / "facts" / "run.json").read_text())
+    m["data"]["root"] = str(samples / "facts-data" / "train")
+    m["data"]["eval_root"] = str(samples / "facts-data" / "eval")
+    (samples / "facts" / "run.json").write_text(json.dumps(m))
+    with open(samples / "facts-data" / "train" / "planets.jsonl", "a") as f:
+        f.write('{"prompt": "Q: tampered?\\nA:", "completion": " yes"}\n')
+    monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(samples))
+    monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(tmp_path / "runs"))
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    _goto(at, "audit")
+    at.button(key="audit_verify").click().run()
+    assert not at.exception and not at.success
+    assert [e.value.replace("\\", "") for e in at.error] == [
+        f"changed: {samples / 'facts-data' / 'train' / 'planets.jsonl'}"
+    ]
+
+
+def test_every_page_says_so_when_there_are_no_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(tmp_path / "none"))
+    monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(tmp_path / "runs"))
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception and "No runs found" in at.warning[0].value
+    for page in ("influencers", "overhead", "audit", "launch"):
+        _goto(at, page)
+    _goto(at, "influencers")
+    assert any("No run to query" in w.value for w in at.warning)

@@ -1,0 +1,263 @@
+"""A real browser (Debian chromium via Playwright) against `streamlit run app/main.py`.
+
+See /work/shared/TESTING-UI.md. Screenshots go to test-artifacts/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = REPO / "test-artifacts"
+TIMEOUT_MS = 30_000
+LAUNCH_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def _need_browser():
+    missing = [
+        w
+        for w, ok in (("chromium", Path(CHROMIUM).exists()), ("playwright", _has_playwright()))
+        if not ok
+    ]
+    if missing:
+        msg = f"browser tests need {' and '.join(missing)} (apt-get install chromium; pip install playwright)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _has_playwright() -> bool:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    _need_browser()
+    tmp = tmp_path_factory.mktemp("browser")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "TRACEPROP_RUNS_ROOT": str(tmp / "runs"),
+        "TRACEPROP_DATA_ROOT": str(tmp / "data"),
+        "TRACEPROP_SAMPLE_RUNS": str(REPO / "sample_runs"),
+        "HOME": str(tmp / "home"),
+        "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false",
+    }
+    (tmp / "home").mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(REPO / "app" / "main.py"),
+        "--server.headless",
+        "true",
+        "--server.address",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+    ]
+    log = open(tmp / "streamlit.log", "wb")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    "streamlit did not start:\n" + (tmp / "streamlit.log").read_text()[-3000:]
+                )
+            time.sleep(0.3)
+        yield {"url": url, "runs": tmp / "runs"}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    ARTIFACTS.mkdir(exist_ok=True)
+    blocked: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        ctx = browser.new_context(viewport={"width": 1500, "height": 2600}, accept_downloads=True)
+
+        def route(r):
+            host = urlparse(r.request.url).hostname
+            if r.request.url.startswith(("data:", "blob:")) or host in ("127.0.0.1", "localhost"):
+                return r.continue_()
+            blocked.append(r.request.url)
+            return r.abort()
+
+        ctx.route("**/*", route)
+        pg = ctx.new_page()
+        pg.set_default_timeout(TIMEOUT_MS)
+        pg.blocked = blocked
+        yield pg
+        ctx.close()
+        browser.close()
+
+
+def _nav(page, name: str) -> None:
+    page.get_by_test_id("stSidebarNav").get_by_text(name, exact=True).click()
+    page.get_by_role("heading", name=name).first.wait_for()
+
+
+def test_sample_run_is_active(page, server):
+    from playwright.sync_api import expect
+
+    page.goto(server["url"])
+    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+    expect(page.get_by_test_id("stSidebar")).to_contain_text("facts")
+    expect(page.get_by_label("Active run")).to_have_value("facts · sample · completed")
+    expect(page.get_by_test_id("stDataFrame")).to_be_visible()
+    expect(page.get_by_text("Delete a user run")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
+
+
+def test_typed_prompt_influencers_and_csv(page, server):
+    from playwright.sync_api import expect
+
+    _nav(page, "Influencers")
+    page.get_by_text("Type a prompt").click()
+    page.get_by_label("Prompt", exact=True).fill("Q: What colour is the planet Velmora?\nA:")
+    page.get_by_label("Completion (the output whose origin you want explained)").fill(" teal")
+    page.get_by_label("Completion (the output whose origin you want explained)").press("Enter")
+    page.get_by_role("button", name="Find influencers").click()
+    expect(page.get_by_text("Proponents (pushed toward this output)")).to_be_visible()
+    expect(page.get_by_text("Sign convention")).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "influencers.png"), full_page=True)
+    page.get_by_text("proponent #1 ·").click()
+    expect(
+        page.get_by_test_id("stExpander").first.get_by_text("Per-layer partial scores")
+    ).to_be_visible()
+    page.get_by_test_id("stExpander").first.screenshot(
+        path=str(ARTIFACTS / "influencers-example.png")
+    )
+    page.get_by_test_id("stPlotlyChart").screenshot(
+        path=str(ARTIFACTS / "influencers-by-source.png")
+    )
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Export CSV").click()
+    rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
+    assert len(rows) == 20  # top 10 proponents + top 10 opponents
+    assert {r["kind"] for r in rows} == {"proponent", "opponent"}
+    for r in rows:
+        assert r["source"].endswith(".jsonl") and int(r["row"]) >= 1
+        assert r["location"] == f"{r['source']}:{r['row']}"
+        assert len(r["sha256"]) == 64
+    assert not page.blocked, page.blocked
+
+
+def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
+    from playwright.sync_api import expect
+
+    _nav(page, "Launch")
+    for label, value in (
+        ("Epochs", "2"),
+        ("Max length (tokens)", "32"),
+        ("Tiny model layers", "1"),
+        ("Tiny model width", "32"),
+        ("Run name (optional)", "browser-run"),
+    ):
+        page.get_by_label(label, exact=True).fill(value)
+    page.get_by_role("button", name="Start training").click()
+    expect(page.get_by_text("Job browser-run")).to_be_visible()
+    expect(page.get_by_text(re.compile(r"running: step \d+/\d+, loss [\d.]+, ETA"))).to_be_visible()
+    expect(page.get_by_role("button", name="Cancel")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "launch-running.png"), full_page=True)
+    expect(page.get_by_text("Training finished")).to_be_visible(timeout=180_000)
+    page.screenshot(path=str(ARTIFACTS / "launch-done.png"), full_page=True)
+    assert (server["runs"] / "browser-run" / "store.h5").exists()
+
+    _nav(page, "Runs")
+    page.get_by_label("Active run").click()
+    expect(page.get_by_role("option", name="browser-run · user · completed")).to_be_visible()
+    page.keyboard.press("Escape")
+    expect(page.get_by_test_id("stDataFrame")).to_be_visible()
+    expect(page.get_by_text("Delete a user run")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "runs-after-launch.png"), full_page=True)
+    assert not page.blocked, page.blocked
+    shutil.rmtree(server["runs"] / "browser-run")
+
+
+def test_overhead_and_audit_pages(page, server):
+    from playwright.sync_api import expect
+
+    _nav(page, "Overhead")
+    expect(page.get_by_text("Step time of the active run")).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart").first).to_be_visible()
+    expect(page.get_by_text("bench overhead --json")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "overhead.png"), full_page=True)
+    _nav(page, "Audit")
+    page.get_by_role("button", name="Verify").click()
+    expect(page.get_by_text("match the manifest")).to_be_visible()
+    expect(page.get_by_text("Use the last Influencers query")).to_be_visible()
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Audit trail (CSV)").click()
+    rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
+    assert len(rows) == 20 and all(r["run_id"] for r in rows)
+    page.screenshot(path=str(ARTIFACTS / "audit.png"), full_page=True)
+    assert not page.blocked, page.blocked
