@@ -47,7 +47,8 @@ def test_train_index_query_csv_carry_lineage(e2e):
     p = cli("query", run, "--prompt", "Q: What does the animal Bix3 eat?\nA:", "--completion", " food3", "--top-k", 5,
             "--opponents", "--csv", out_csv, "--json", out_json)
     assert "proponent" in p.stdout and "score > 0: proponent" in p.stdout
-    rows = list(csv.DictReader(open(out_csv)))
+    with open(out_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
     js = json.loads(out_json.read_text())
     assert len(rows) == len(js) == 10
     assert {"rank", "score", "example_id", "source", "row", "sha256", "text", "kind"} <= set(rows[0])

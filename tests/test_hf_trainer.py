@@ -216,3 +216,18 @@ def test_collator_requires_example_index(setup):
 def test_rank_store_path(tmp_path):
     assert rank_store_path(tmp_path / "store.h5", 0, 1) == tmp_path / "store.h5"
     assert rank_store_path(tmp_path / "store.h5", 1, 2) == tmp_path / "store.rank1.h5"
+
+
+def test_finish_run_makes_a_queryable_run(setup, tmp_path):
+    from traceprop_engine.integrations.hf_trainer import finish_run
+    from traceprop_engine.query import open_run
+
+    model, tok, enc = setup
+    model = copy.deepcopy(model)
+    run_dir = tmp_path / "hfrun"
+    run_dir.mkdir()
+    _run_trainer(model, tok, enc, run_dir / "store.h5", lr=1e-3, accum=1)
+    finish_run(run_dir, model, tok, max_length=48)
+    run = open_run(run_dir)
+    res = run.query("Q: What colour is the planet X?\nA:", " teal", top_k=3)
+    assert res.proponents.height == 3 and res.rows["example_id"].max() < N

@@ -7,11 +7,10 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+from helpers import facts_data, fast_settings
 
 from traceprop_engine import ModelMismatchError, SchemaVersionError, Store, StoreError
 from traceprop_engine.train import train
-
-from helpers import facts_data, fast_settings
 
 
 @pytest.fixture(scope="module")

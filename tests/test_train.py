@@ -11,13 +11,12 @@ import time
 
 import numpy as np
 import pytest
+from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, DataError, RunError, Store
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
 from traceprop_engine.train import StopFlag, train
-
-from helpers import facts_data, fast_settings
 
 
 @pytest.fixture(scope="module")

@@ -331,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_index, _add_query, _add_info, _add_runs, _add_bench):
         add(sub)
-    from . import cli_more
+    from . import cli_eval, cli_more
 
     cli_more.register(sub)
+    cli_eval.register(sub)
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)

@@ -122,6 +122,7 @@ class AttributionRun:
         self._capture_layers: list[TrackedLayer] | None = None
         self._indexes: dict[str, tuple[VectorIndex, np.ndarray, Preconditioner]] = {}
         self._examples: pl.DataFrame | None = None
+        self._notes_extra: list[str] = []
 
     # -- description --------------------------------------------------------------------------
     @property
@@ -137,12 +138,19 @@ class AttributionRun:
         out = []
         if self.store.is_partial:
             out.append(self.store.describe_partial())
-        return out
+        return out + self._notes_extra
 
     def examples(self) -> pl.DataFrame:
         """The example table: example_id, source, row, sha256, split, text, prompt, completion, label."""
         if self._examples is None:
             ex = self.store.examples()
+            if not ex:  # a store written without an example table (Tracker used without lineage)
+                n = int(self.store.records()[C.REC_EXAMPLE].max()) + 1 if self.store.n_records else 0
+                empty = np.array([""] * n, dtype=object)
+                ex = {C.EX_SOURCE: empty, C.EX_ROW: np.zeros(n, np.int64), C.EX_SHA256: empty,
+                      C.EX_SPLIT: np.array([C.SPLIT_TRAIN] * n, dtype=object), C.EX_TEXT: empty,
+                      C.EX_PROMPT: empty, C.EX_COMPLETION: empty, C.EX_LABEL: empty}
+                self._notes_extra = ["this store has no example table (no lineage): rows show example ids only"]
             n = len(ex[C.EX_SOURCE])
             text = [
                 (p + c) if p or c else t
@@ -185,7 +193,8 @@ class AttributionRun:
         n = max(self.store.n_records, 1)
         stats = []
         for li, layer in enumerate(self.store.layers):
-            cov = self.store.covariance(li)
+            # dense layers have no K-FAC factors: a diagonal (EK-FAC) or isotropic (K-FAC) fit
+            cov = self.store.covariance(li) if layer.sketch != "dense" else None
             moments = None
             if kind is PreconditionerKind.EKFAC:
                 moments = EkfacMoments.from_factors(cov["A"] / cov["n_tokens"], cov["S"] / cov["n_tokens"]) if cov else EkfacMoments.dense(layer.dim)

@@ -344,7 +344,7 @@ class Store:
         g = self._f[self.layers[layer].group]
         nnz = int(g.attrs["dense_nnz"])
         sign = g[C.L_DENSE_SIGN][()].astype(np.float32) * 2 - 1
-        return g[C.L_DENSE_INDEX][()].astype(np.int64), sign / np.sqrt(nnz)
+        return g[C.L_DENSE_INDEX][()].astype(np.int64), (sign / np.sqrt(nnz)).astype(np.float32)
 
     def covariance(self, layer: int) -> dict | None:
         g = self._f[self.layers[layer].group]

@@ -242,3 +242,58 @@ class TracepropTrainer(Trainer):
             self._last_losses = losses.detach()
         loss = losses.mean()
         return (loss, outputs) if return_outputs else loss
+
+
+def finish_run(
+    run_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    task: str = "causal-lm",
+    labels: Sequence[str] | None = None,
+    max_length: int = 128,
+    status: str = "completed",
+    data: dict | None = None,
+    config: dict | None = None,
+) -> Path:
+    """Make a Trainer-tracked store a complete run directory that ``traceprop query``/the app open.
+
+    Saves ``model`` (+ tokenizer, or the peft adapter) to ``RUN/model`` and writes ``RUN/run.json``;
+    the tracker must have written ``RUN/store.h5`` (close it first).
+
+    Args:
+        run_dir: the folder holding ``store.h5``.
+        model, tokenizer: the trained model and its tokenizer.
+        task: ``causal-lm`` or ``classification``.
+        labels: class names in label-id order (classification).
+        max_length: the truncation length used for training (queries are cut the same way).
+        status: the run status to record.
+        data: optional data section (``root``, ``files`` {relative path: sha256}, ``n_train``, ``n_eval``).
+        config: extra configuration to keep in the manifest.
+    """
+    from ..models import LoadedModel, save_model
+    from ..run import library_versions, new_run_id, now, write_manifest
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "store.h5").exists():
+        raise ConfigError(f"{run_dir} has no store.h5: build the Tracker with store path {run_dir}/store.h5")
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or "trainer"
+    loaded = LoadedModel(model, tokenizer, task, source, labels=list(labels) if labels else None,
+                         base_source=source if hasattr(model, "peft_config") else None)
+    model.eval()
+    info = save_model(loaded, run_dir / "model")
+    manifest = {
+        "run_id": new_run_id(),
+        "status": status,
+        "created": now(),
+        "updated": now(),
+        "config": {"task": task, "max_length": max_length, "trainer": "transformers.Trainer", **(config or {})},
+        "tracked": True,
+        "versions": library_versions(),
+        "data": data or {},
+        "model": {"source": source, "task": task, "fingerprint": info["fingerprint"], "labels": loaded.labels,
+                  "saved": "model"},
+        "store": {"file": "store.h5"},
+    }
+    write_manifest(run_dir, manifest)
+    return run_dir

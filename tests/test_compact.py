@@ -1,0 +1,387 @@
+"""Compact (rank-c factored) storage and Woodbury preconditioning against naive references."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import h5py
+import numpy as np
+import pytest
+from helpers import facts_data, fast_settings
+
+from traceprop_engine import constants as C
+from traceprop_engine.compact import (
+    FactorStore,
+    compact_store,
+    factor_scores,
+    factorize_chunk,
+    sketch_scores,
+)
+from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
+from traceprop_engine.precondition import (
+    EkfacMoments,
+    LayerStats,
+    Preconditioner,
+    fit_woodbury,
+    truncated_svd,
+)
+from traceprop_engine.store import Store, StoreWriter
+
+RTOL_F64 = 1e-9  # float64 arithmetic on float32-stored factors of the same float32 sketches
+RTOL_F32 = 2e-4  # float32 products vs float64 reference
+ATOL_SVD = 2e-6  # float32 storage of exact SVD factors, relative to the sketch norm
+SHAPES = [(6, 4), (5, 5), (3, 7)]  # (k_out, k_in) per layer: tall, square, wide
+N_EX, EPOCHS = 23, 2
+
+
+def _write_store(path, seed=0, sketch="factored"):
+    """A synthetic store: 3 layers, 23 examples seen twice with varying lr, K-FAC statistics."""
+    rng = np.random.default_rng(seed)
+    layers = [
+        SimpleNamespace(
+            name=f"blk.{i}",
+            kind="linear",
+            d_in=16,
+            d_out=16,
+            k_in=ki,
+            k_out=ko,
+            P_in=None,
+            P_out=None,
+            record_shape=(ko, ki) if sketch == "factored" else (ko * ki,),
+        )
+        for i, (ko, ki) in enumerate(SHAPES)
+    ]
+    w = StoreWriter(path, layers, {"run_id": f"synthetic-{seed}"}, sketch)
+    ex = np.concatenate([rng.permutation(N_EX) for _ in range(EPOCHS)])
+    n = len(ex)
+    # low-rank-ish sketches (decaying spectra), as per-example gradients are
+    sk = []
+    for ko, ki in SHAPES:
+        m = min(ko, ki)
+        x = np.einsum(
+            "nkc,c,nlc->nkl",
+            rng.normal(size=(n, ko, m)),
+            0.5 ** np.arange(m),
+            rng.normal(size=(n, ki, m)),
+        )
+        sk.append(
+            x.astype(np.float32) if sketch == "factored" else x.reshape(n, -1).astype(np.float32)
+        )
+    meta = {
+        C.REC_EXAMPLE: ex,
+        C.REC_STEP: np.arange(n) // 4,
+        C.REC_EPOCH: np.arange(n) // N_EX,
+        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
+        C.REC_LOSS: rng.random(n).astype(np.float32),
+    }
+    for s0 in range(0, n, 10):  # several chunks, like the tracker's flushes
+        w.append([x[s0 : s0 + 10] for x in sk], {k: v[s0 : s0 + 10] for k, v in meta.items()})
+    cov = []
+    for ko, ki in SHAPES:
+        a, g = rng.normal(size=(300, ki)) * np.linspace(0.3, 2, ki), rng.normal(size=(300, ko))
+        cov.append({"A": a.T @ a, "S": g.T @ g, "n_tokens": 300})
+    if sketch == "factored":
+        w.write_covariance(cov)
+    w.close(C.STATUS_COMPLETED)
+    return path
+
+
+def _fit(store, kind):
+    stats = []
+    for li, layer in enumerate(store.layers):
+        cov = store.covariance(li)
+        mom = EkfacMoments.from_factors(cov["A"], cov["S"])
+        mom.update(store.sketches(li))
+        stats.append(
+            LayerStats(
+                layer.name,
+                layer.record_shape,
+                cov["A"],
+                cov["S"],
+                int(cov["n_tokens"]),
+                moments=mom,
+            )
+        )
+    return Preconditioner.fit(kind, stats)
+
+
+def _naive_scores(store, pre, tests):
+    """Σ_records lr · ⟨P T, P Ŝ_r⟩ per example, preconditioning every record explicitly (float64)."""
+    rec = store.records()
+    ids = np.unique(rec[C.REC_EXAMPLE])
+    vec = pre.apply(
+        [store.sketches(li) for li in range(len(store.layers))], dtype=np.float64
+    )  # (n_rec, D)
+    per_ex = np.zeros((len(ids), vec.shape[1]))
+    np.add.at(
+        per_ex,
+        np.searchsorted(ids, rec[C.REC_EXAMPLE]),
+        vec * rec[C.REC_LR].astype(np.float64)[:, None],
+    )
+    return ids, pre.apply(tests, dtype=np.float64) @ per_ex.T  # (q, n_ex)
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return _write_store(tmp_path_factory.mktemp("run") / C.STORE_FILE)
+
+
+@pytest.fixture(scope="module")
+def tests_q():
+    rng = np.random.default_rng(7)
+    return [rng.normal(size=(3, ko, ki)) for ko, ki in SHAPES]  # 3 queries
+
+
+# -- factorisation -----------------------------------------------------------------------------
+
+
+def test_factorize_chunk_is_the_truncated_svd():
+    x = np.random.default_rng(1).normal(size=(9, 6, 4)).astype(np.float32)
+    u, v = factorize_chunk(x, 2)
+    assert u.shape == (9, 6, 2) and v.shape == (9, 4, 2) and u.dtype == np.float32
+    s = np.linalg.svd(x.astype(np.float64), compute_uv=False)
+    rec = u.astype(np.float64) @ np.swapaxes(v, 1, 2)
+    # Eckart-Young: the residual's Frobenius norm is the discarded singular values' 2-norm
+    np.testing.assert_allclose(
+        np.linalg.norm(x - rec, axis=(1, 2)), np.sqrt((s[:, 2:] ** 2).sum(1)), rtol=1e-5
+    )
+    u_full, v_full = factorize_chunk(x, 99)  # clamped to min(k_out, k_in) = 4: exact
+    assert u_full.shape[2] == 4
+    np.testing.assert_allclose(
+        u_full @ np.swapaxes(v_full, 1, 2), x, atol=ATOL_SVD * np.abs(x).max() * 10
+    )
+    with pytest.raises(ConfigError, match="positive integer"):
+        factorize_chunk(x, 0)
+    with pytest.raises(ConfigError, match="dense"):
+        factorize_chunk(x.reshape(9, -1), 2)
+
+
+def test_compact_store_round_trip_and_metadata(store_path, tmp_path):
+    with Store(store_path) as store:
+        full = compact_store(store_path.parent, 99)  # lossless
+        assert full.name == "factors-c99.h5"
+        with FactorStore(store_path.parent, rank=99) as fs:
+            assert (
+                fs.lossless
+                and fs.n_records == store.n_records
+                and fs.layer_names == [la.name for la in store.layers]
+            )
+            assert fs.source["source_fingerprint"] == store.fingerprint
+            assert (
+                fs.source["source_run_id"] == "synthetic-0"
+                and fs.source["source_n_records"] == store.n_records
+            )
+            fs.check_source(store)
+            for k, v in store.records().items():
+                np.testing.assert_array_equal(fs.records()[k], v)
+            for li in range(len(store.layers)):
+                x = store.sketches(li)
+                np.testing.assert_allclose(fs.reconstruct(li), x, atol=ATOL_SVD * np.abs(x).max())
+                np.testing.assert_allclose(
+                    fs.reconstruct(li, 5, 17), x[5:17], atol=ATOL_SVD * np.abs(x).max()
+                )
+                assert fs.layers[li].relative_residual == 0.0
+
+        # rank 2, streamed in chunks of 7 records: factors of each record are its own truncated SVD
+        path = compact_store(store_path, 2, out=tmp_path / "f2.h5", chunk=7)
+        with FactorStore(path) as fs:
+            assert not fs.lossless and [la.rank for la in fs.layers] == [2, 2, 2]
+            assert fs.nbytes_per_record() == 4 * 2 * sum(ko + ki for ko, ki in SHAPES)
+            for li in range(len(store.layers)):
+                x = store.sketches(li).astype(np.float64)
+                u, s, vt = np.linalg.svd(x, full_matrices=False)
+                ref = (u[:, :, :2] * s[:, None, :2]) @ vt[:, :2]
+                np.testing.assert_allclose(fs.reconstruct(li), ref, atol=ATOL_SVD * np.abs(x).max())
+                fro, nuc = fs.residual_norms(li)
+                np.testing.assert_allclose(fro, np.linalg.norm(x - ref, axis=(1, 2)), rtol=1e-4)
+                np.testing.assert_allclose(nuc, s[:, 2:].sum(1), rtol=1e-5)
+                rel = np.sqrt(((x - ref) ** 2).sum() / (x**2).sum())
+                assert fs.layers[li].relative_residual == pytest.approx(rel, rel=1e-4)
+
+
+def test_factor_file_errors(store_path, tmp_path):
+    dense = _write_store(tmp_path / "dense" / C.STORE_FILE, sketch="dense")
+    with pytest.raises(ConfigError, match="dense sketches"):
+        compact_store(dense, 2)
+    with pytest.raises(StoreError, match="compact_store"):
+        FactorStore(tmp_path, rank=3)
+    with pytest.raises(StoreError, match="not a Traceprop factor file"):
+        FactorStore(store_path)
+    with pytest.raises(ConfigError, match="positive integer"):
+        compact_store(store_path, 0)
+    path = compact_store(store_path, 1, out=tmp_path / "f1.h5")
+    with h5py.File(path, "a") as f:
+        f.attrs["status"] = C.STATUS_RUNNING
+    with pytest.raises(StoreError, match="unfinished"):
+        FactorStore(path)
+    other = _write_store(tmp_path / "other" / C.STORE_FILE, seed=1)
+    f2 = compact_store(store_path, 2, out=tmp_path / "f2.h5")
+    with Store(other) as st, FactorStore(f2) as fs, pytest.raises(IndexStaleError, match="rebuild"):
+        fs.check_source(st)
+
+
+# -- queries from factors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["identity", "kfac", "ekfac"])
+def test_lossless_factor_scores_equal_full_sketch_scores(store_path, tests_q, tmp_path, kind):
+    path = compact_store(store_path, 99, out=tmp_path / "f.h5", chunk=11)
+    with Store(store_path) as store, FactorStore(path) as fs:
+        pre = _fit(store, kind)
+        ids, ref = _naive_scores(store, pre, tests_q)
+        got = factor_scores(tests_q, fs, pre, chunk=13, dtype=np.float64)
+        full = sketch_scores(tests_q, store, pre, chunk=13, dtype=np.float64)
+        np.testing.assert_array_equal(got.example_ids, ids)
+        scale = np.abs(ref).max()
+        # float32-stored factors of float32 sketches: agreement to float32 round-off of Ŝ
+        np.testing.assert_allclose(got.scores, ref, rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(full.scores, ref, rtol=RTOL_F64, atol=RTOL_F64 * scale)
+        assert np.abs(got.bound).max() < 1e-5 * scale  # lossless: the bound is round-off only
+        f32 = factor_scores(tests_q, fs, pre)  # default float32 products
+        np.testing.assert_allclose(f32.scores, ref, rtol=0, atol=RTOL_F32 * scale)
+        one = factor_scores(
+            [t[0] for t in tests_q], fs, pre, dtype=np.float64
+        )  # a single (k_out, k_in) query
+        np.testing.assert_allclose(one.scores[0], got.scores[0], rtol=1e-12, atol=1e-12 * scale)
+        # low-rank queries (a test gradient has rank ≤ its target tokens): the O((k_out+k_in)c t) route
+        rng = np.random.default_rng(11)
+        low = [
+            np.einsum("qkt,qlt->qkl", rng.normal(size=(3, ko, 2)), rng.normal(size=(3, ki, 2)))
+            for ko, ki in SHAPES
+        ]
+        _, ref_low = _naive_scores(store, pre, low)
+        got_low = factor_scores(low, fs, pre, chunk=13, dtype=np.float64)
+        np.testing.assert_allclose(
+            got_low.scores, ref_low, rtol=0, atol=1e-6 * np.abs(ref_low).max()
+        )
+
+
+def test_truncated_factor_scores_stay_within_the_stored_bound(store_path, tests_q, tmp_path):
+    with Store(store_path) as store:
+        pre = _fit(store, "kfac")
+        full = sketch_scores(tests_q, store, pre, dtype=np.float64).scores
+        prev_bound = None
+        for c in (1, 2, 3):
+            with FactorStore(compact_store(store_path, c, out=tmp_path / f"f{c}.h5")) as fs:
+                got = factor_scores(tests_q, fs, pre, dtype=np.float64)
+            err = np.abs(got.scores - full)
+            assert err.max() > 1e-6 * np.abs(full).max()  # truncation really changes the scores
+            assert np.all(err <= got.bound * (1 + 1e-6) + 1e-9 * np.abs(full).max())
+            if prev_bound is not None:  # the discarded tail shrinks as c grows
+                assert np.all(got.bound <= prev_bound * (1 + 1e-6))
+            prev_bound = got.bound
+
+
+def test_factor_scores_reject_mismatched_inputs(store_path, tests_q, tmp_path):
+    path = compact_store(store_path, 2, out=tmp_path / "f.h5")
+    with Store(store_path) as store, FactorStore(path) as fs:
+        pre = _fit(store, "kfac")
+        with pytest.raises(ConfigError, match="for 2 layers, the store has 3"):
+            factor_scores(tests_q[:2], fs, pre)
+        with pytest.raises(StoreError, match="blk.0"):
+            factor_scores([np.zeros((2, 2))] + tests_q[1:], fs, pre)
+        with pytest.raises(ConfigError, match="no layer"):
+            factor_scores(tests_q, fs, pre.layers[:2])
+
+
+# -- truncated SVD + Woodbury ----------------------------------------------------------------------
+
+
+def _explicit_inv_sqrt(g, rank, damping):
+    """Dense reference: eigen-decompose (1/n) GᵀG, keep the top ``rank`` eigenvalues, add λ I."""
+    n, d = g.shape
+    h = g.T @ g / n
+    e, q = np.linalg.eigh(h)
+    lam = damping * np.trace(h) / d
+    e = np.where(np.arange(d) >= d - rank, np.clip(e, 0, None), 0.0)  # eigh is ascending
+    return (q / np.sqrt(e + lam)) @ q.T, lam
+
+
+def test_woodbury_equals_explicit_dense_inverse_sqrt():
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=(60, 12)) * np.linspace(0.1, 3, 12)  # anisotropic, D = 12
+    x = rng.normal(size=(5, 3, 4))
+    for rank in (12, 5, 1):  # full rank: the exact damped inverse; truncated: its rank-r version
+        wp = fit_woodbury(g, rank, 0.1, shape=(3, 4))
+        ref, lam = _explicit_inv_sqrt(g, rank, 0.1)
+        assert wp.lam == pytest.approx(lam, rel=1e-12) and wp.basis.shape == (12, rank)
+        np.testing.assert_allclose(
+            wp.dense_inverse_sqrt(), ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max()
+        )
+        np.testing.assert_allclose(
+            wp.apply(x, dtype=np.float64), x.reshape(5, -1) @ ref, rtol=1e-9, atol=1e-12
+        )
+        np.testing.assert_allclose(
+            wp.pullback(x).reshape(5, -1), x.reshape(5, -1) @ ref @ ref, rtol=1e-8, atol=1e-12
+        )
+    full = fit_woodbury(g, 12, 0.1)
+    assert full.info["trace_captured"] == pytest.approx(1.0, rel=1e-12) and full.shape == (12,)
+
+
+def test_randomized_svd_recovers_the_top_subspace():
+    rng = np.random.default_rng(4)
+    # rank-6 signal + small noise in D = 200 with n = 300: the randomized path (6 + 10 < 200)
+    g = rng.normal(size=(300, 6)) @ (rng.normal(size=(6, 200)) * 5) + 0.01 * rng.normal(
+        size=(300, 200)
+    )
+    s, v = truncated_svd(g, 6)
+    s_ref = np.linalg.svd(g, compute_uv=False)[:6]
+    np.testing.assert_allclose(s, s_ref, rtol=1e-6)
+    _, _, vt = np.linalg.svd(g, full_matrices=False)
+    # same subspace: the projector onto span(v) equals the exact one
+    np.testing.assert_allclose(v @ v.T, vt[:6].T @ vt[:6], atol=1e-6)
+    wp = fit_woodbury(g, 6, 0.1)
+    assert wp.info["trace_captured"] > 0.99
+    with pytest.raises(ConfigError, match="positive integer"):
+        fit_woodbury(g, 0)
+    with pytest.raises(ConfigError, match="damping"):
+        fit_woodbury(np.zeros((4, 3)), 2)
+
+
+def test_woodbury_preconditioner_in_factor_scores(store_path, tests_q, tmp_path):
+    path = compact_store(store_path, 99, out=tmp_path / "f.h5")
+    with Store(store_path) as store, FactorStore(path) as fs:
+        wps = [
+            fit_woodbury(store.sketches(li), 4, 0.1, name=la.name)
+            for li, la in enumerate(store.layers)
+        ]
+        got = factor_scores(tests_q, fs, wps, dtype=np.float64).scores
+        # reference: explicit H^{-1/2} on both sides, per record, lr-weighted per example
+        rec = store.records()
+        ids = np.unique(rec[C.REC_EXAMPLE])
+        ref = np.zeros((3, len(ids)))
+        for li, wp in enumerate(wps):
+            m = wp.dense_inverse_sqrt()
+            x = store.sketches(li).astype(np.float64).reshape(store.n_records, -1) @ m
+            t = tests_q[li].reshape(3, -1) @ m
+            r = t @ x.T * rec[C.REC_LR].astype(np.float64)
+            for qi in range(3):
+                ref[qi] += np.bincount(
+                    np.searchsorted(ids, rec[C.REC_EXAMPLE]), weights=r[qi], minlength=len(ids)
+                )
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+# -- end to end on a trained run ------------------------------------------------------------------
+
+
+def test_factor_scores_match_the_run_index_on_a_trained_run(tmp_path):
+    from traceprop_engine.query import IndexSettings, open_run
+    from traceprop_engine.train import train
+
+    data = facts_data(tmp_path / "data")
+    run_dir = train(fast_settings(data, tmp_path / "r", epochs=2))
+    run = open_run(run_dir)
+    try:
+        s = IndexSettings(preconditioner="kfac")
+        _, ids, pre = run.index(s)
+        enc, _, _ = run.encode(eval_example=int(run.eval_examples()["example_id"][0]))
+        sk, _ = run.query_sketches(enc)
+        want = run.all_scores(pre.apply(sk), s)  # the FAISS-side vectors (query.py)
+        with FactorStore(compact_store(run.store, 99)) as fs:
+            fs.check_source(run.store)
+            got = factor_scores(sk, fs, pre)
+        np.testing.assert_array_equal(got.example_ids, ids)
+        np.testing.assert_allclose(got.scores[0], want, rtol=0, atol=RTOL_F32 * np.abs(want).max())
+    finally:
+        run.close()

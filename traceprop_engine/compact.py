@@ -1,0 +1,695 @@
+"""Compact storage: rank-``c`` factors of every stored sketch, and queries straight from them (LoRIF).
+
+A factored sketch ``Ŝ ∈ R^{k_out×k_in}`` (DESIGN §1) is replaced by its rank-``c`` truncated SVD
+``Ŝ ≈ U Vᵀ`` with ``U ∈ R^{k_out×c}`` (singular values folded in) and ``V ∈ R^{k_in×c}``:
+``c (k_out + k_in)`` numbers instead of ``k_out k_in`` (c = 1 at k = 32: 64 vs 1024). At
+``c = min(k_out, k_in)`` the factors are exact.
+
+Scores never rebuild ``Ŝ``. Every preconditioner here is a linear map ``P`` on the sketch, so
+``⟨P T, P Ŝ⟩ = ⟨T', Ŝ⟩`` with ``T' = P*P T`` the test sketch pushed to the training side
+(:meth:`~traceprop_engine.precondition.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
+
+    ⟨T', U Vᵀ⟩ = Σ_c u_cᵀ T' v_c,
+
+one (k_out×k_in)·(k_in×c) product per record on the query side only. The per-example score is
+the learning-rate-weighted sum over the example's records, as in :mod:`traceprop_engine.query`.
+
+Error bound (stored, per record and layer): the residual ``R = Ŝ − U Vᵀ`` has the discarded
+singular values ``σ_{c+1}, …`` of ``Ŝ``, so by von Neumann's trace inequality
+
+    |⟨T', R⟩| ≤ min(‖T'‖_2 ‖R‖_*, ‖T'‖_F ‖R‖_F),
+
+with ``‖R‖_* = Σ_{j>c} σ_j`` and ``‖R‖_F = (Σ_{j>c} σ_j²)^{1/2}`` kept in the factor file.
+:func:`factor_scores` sums these (× |lr|) into a guaranteed per-example bound.
+
+File ``RUN/factors-c{rank}.h5`` (``format = "traceprop-factors"``, ``version = 1``)::
+
+    attrs   format, version, rank (requested), lossless (every layer kept min(k_out, k_in)),
+            status, created, n_records, layer_names (JSON), source_store (file name),
+            source_run_id, source_n_records, source_fingerprint (Store.fingerprint at compaction)
+    records/{example_index, step, epoch, lr, loss}     (n,) copies of the store's records table
+    layers/NNN/   attrs name, kind, d_in, d_out, k_out, k_in, rank (effective c of this layer),
+                        sq_norm_sum (Σ‖Ŝ‖²_F), residual_sq_sum (Σ‖R‖²_F)
+                  U (n, k_out, c) f4  singular values folded in
+                  V (n, k_in, c)  f4
+                  residual_fro (n,) f4, residual_nuc (n,) f4
+
+Training time: :func:`factorize_chunk` works on one flushed chunk (what ``BackgroundSink`` hands
+its writer thread) and :class:`FactorWriter` has ``StoreWriter.append``'s signature, so the
+writer thread can write factors next to (or instead of) full sketches; the training hot path is
+untouched either way. It is not wired into the tracker here.
+
+Dense sketches (``(k,)`` vectors) have no matrix structure to factor; compaction refuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from . import constants as C
+from .errors import ConfigError, IndexStaleError, StoreError
+from .precondition import Preconditioner
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FACTORS_FORMAT",
+    "FACTORS_VERSION",
+    "ExampleScores",
+    "FactorStore",
+    "FactorWriter",
+    "compact_store",
+    "factor_file_name",
+    "factor_scores",
+    "factorize_chunk",
+    "sketch_scores",
+]
+
+FACTORS_FORMAT = "traceprop-factors"
+FACTORS_VERSION = 1
+CHUNK = 4096  # records per streamed chunk (as in query.py)
+
+F_U, F_V = "U", "V"
+F_RES_FRO, F_RES_NUC = "residual_fro", "residual_nuc"
+
+
+def factor_file_name(rank: int) -> str:
+    return f"factors-c{int(rank)}.h5"
+
+
+def _check_rank(rank: int) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise ConfigError(
+            f"the factor rank c must be a positive integer (1 ≤ c ≤ min(k_out, k_in)), got {rank!r}"
+        )
+    return int(rank)
+
+
+def _svd_factors(arr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(U (n,k_out,c), V (n,k_in,c), all singular values (n, min(k_out,k_in))), float64."""
+    x = np.asarray(arr, dtype=np.float64)
+    if x.ndim != 3:
+        raise ConfigError(
+            f"factorize_chunk needs factored sketches of shape (n, k_out, k_in), got {x.shape}; "
+            "dense sketches (n, k) cannot be factored"
+        )
+    c = min(rank, x.shape[1], x.shape[2])
+    u, s, vt = np.linalg.svd(x, full_matrices=False)  # batched: (n,k_out,m), (n,m), (n,m,k_in)
+    return u[:, :, :c] * s[:, None, :c], np.swapaxes(vt[:, :c, :], 1, 2), s
+
+
+def factorize_chunk(arr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-``c`` truncated SVD factors of a chunk of sketches: ``Ŝ_i ≈ U_i V_iᵀ``.
+
+    Safe to call from a background writer thread on a flushed chunk (pure numpy, no state):
+    ``U, V = factorize_chunk(arrays[layer], c)`` before handing the chunk to a writer.
+
+    Args:
+        arr: (n, k_out, k_in) sketches of one layer.
+        rank: ``c``; clamped to ``min(k_out, k_in)`` (which is exact).
+
+    Returns:
+        ``U`` (n, k_out, c) with the singular values folded in and ``V`` (n, k_in, c), float32.
+
+    Raises:
+        ConfigError: bad rank, or not a (n, k_out, k_in) array.
+    """
+    u, v, _ = _svd_factors(arr, _check_rank(rank))
+    return u.astype(np.float32), v.astype(np.float32)
+
+
+def _chunk_rows(record_numel: int, target_bytes: int = 1 << 17) -> int:
+    return max(1, min(4096, target_bytes // (4 * max(1, record_numel))))
+
+
+class FactorWriter:
+    """Writes a factor file chunk by chunk (what :func:`compact_store` and a writer thread use).
+
+    Args:
+        path: the ``.h5`` to create; written as ``path.tmp`` and renamed on :meth:`close` with
+            status ``completed``, so a killed compaction never leaves a file that looks complete.
+        layers: per tracked layer an object with ``name``, ``k_out``, ``k_in`` (and optionally
+            ``kind``, ``d_in``, ``d_out``): the store's ``LayerInfo`` or the tracker's layers.
+        rank: requested ``c`` (each layer keeps ``min(c, k_out, k_in)``).
+        source: attributes describing the source store (``source_run_id``, ...).
+        compression: HDF5 filter for U and V (``None``, ``"lzf"``, ``"gzip"``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        layers: Sequence,
+        rank: int,
+        source: dict | None = None,
+        compression: str | None = None,
+    ) -> None:
+        self.rank = _check_rank(rank)
+        self.path = Path(path)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._f = h5py.File(self._tmp, "w", libver="latest")
+        except OSError as e:
+            raise StoreError(f"cannot create the factor file {self._tmp}: {e}") from e
+        f = self._f
+        f.attrs.update(
+            format=FACTORS_FORMAT,
+            version=FACTORS_VERSION,
+            rank=self.rank,
+            status=C.STATUS_RUNNING,
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            n_records=0,
+            layer_names=json.dumps([layer.name for layer in layers]),
+        )
+        for k, v in (source or {}).items():
+            f.attrs[k] = v
+        rec = f.create_group(C.G_RECORDS)
+        for name, dt in (
+            (C.REC_EXAMPLE, "i8"),
+            (C.REC_STEP, "i8"),
+            (C.REC_EPOCH, "i4"),
+            (C.REC_LR, "f4"),
+            (C.REC_LOSS, "f4"),
+        ):
+            rec.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(16384,))
+        lg = f.create_group(C.G_LAYERS)
+        self._ranks, self._sq, self._res = [], np.zeros(len(layers)), np.zeros(len(layers))
+        lossless = True
+        for i, layer in enumerate(layers):
+            ko, ki = int(layer.k_out), int(layer.k_in)
+            c = min(self.rank, ko, ki)
+            lossless &= c == min(ko, ki)
+            self._ranks.append(c)
+            g = lg.create_group(f"{i:03d}")
+            g.attrs.update(
+                name=layer.name,
+                kind=str(getattr(layer, "kind", "")),
+                d_in=int(getattr(layer, "d_in", 0)),
+                d_out=int(getattr(layer, "d_out", 0)),
+                k_out=ko,
+                k_in=ki,
+                rank=c,
+                sq_norm_sum=0.0,
+                residual_sq_sum=0.0,
+            )
+            for name, rows in ((F_U, ko), (F_V, ki)):
+                g.create_dataset(
+                    name,
+                    shape=(0, rows, c),
+                    maxshape=(None, rows, c),
+                    dtype="f4",
+                    chunks=(_chunk_rows(rows * c), rows, c),
+                    compression=compression,
+                )
+            for name in (F_RES_FRO, F_RES_NUC):
+                g.create_dataset(name, shape=(0,), maxshape=(None,), dtype="f4", chunks=(16384,))
+        f.attrs["lossless"] = bool(lossless)
+        self.n_records = 0
+
+    def append(self, arrays: Sequence[np.ndarray], meta: dict[str, np.ndarray]) -> None:
+        """Factor and append one chunk: per layer (n, k_out, k_in) sketches, plus the records' metadata."""
+        n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
+        lg = self._f[C.G_LAYERS]
+        if len(arrays) != len(self._ranks):
+            raise StoreError(f"got {len(arrays)} layers, the factor file has {len(self._ranks)}")
+        for i, arr in enumerate(arrays):
+            u, v, s = _svd_factors(arr, self._ranks[i])  # (n,ko,c), (n,ki,c), (n,m)
+            tail = s[:, self._ranks[i] :]
+            g = lg[f"{i:03d}"]
+            for name, val in (
+                (F_U, u),
+                (F_V, v),
+                (F_RES_FRO, np.sqrt((tail**2).sum(1))),
+                (F_RES_NUC, tail.sum(1)),
+            ):
+                g[name].resize(n0 + n, axis=0)
+                g[name][n0 : n0 + n] = val
+            self._sq[i] += float((s**2).sum())
+            self._res[i] += float((tail**2).sum())
+        rec = self._f[C.G_RECORDS]
+        for name in C.RECORD_FIELDS:
+            rec[name].resize(n0 + n, axis=0)
+            rec[name][n0 : n0 + n] = meta[name]
+        self.n_records = n0 + n
+        self._f.attrs["n_records"] = self.n_records
+        for i in range(len(self._ranks)):
+            lg[f"{i:03d}"].attrs.update(sq_norm_sum=self._sq[i], residual_sq_sum=self._res[i])
+        self._f.flush()
+
+    def close(self, status: str = C.STATUS_COMPLETED, **attrs) -> Path:
+        """Finish the file; with status ``completed`` it is renamed to its final path."""
+        if self._f.id.valid:
+            for k, v in attrs.items():
+                self._f.attrs[k] = v
+            self._f.attrs["status"] = status
+            self._f.close()
+        if status == C.STATUS_COMPLETED:
+            os.replace(self._tmp, self.path)
+            return self.path
+        return self._tmp
+
+
+def compact_store(
+    run_dir_or_store_path: str | os.PathLike | Store,
+    rank: int,
+    out: str | os.PathLike | None = None,
+    *,
+    chunk: int = CHUNK,
+    compression: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write the rank-``c`` factors of every record of a store, streamed chunk by chunk.
+
+    Args:
+        run_dir_or_store_path: a run directory (its ``store.h5``), a store file, or an open
+            store object (``Store`` or anything with its reader interface, e.g. the sharded
+            store of a DDP run, ``AttributionRun.store``; it is not closed here).
+        rank: ``c``; each layer keeps ``min(c, k_out, k_in)`` (then exact).
+        out: output file; default ``factors-c{rank}.h5`` in the run directory.
+        chunk: records per chunk (memory is O(chunk × layer size), never the whole store).
+        compression: HDF5 filter for U and V.
+        progress: called with (records done, total).
+
+    Returns:
+        The written factor file.
+
+    Raises:
+        StoreError: unreadable store; ConfigError: bad rank or a dense-sketch store.
+    """
+    rank = _check_rank(rank)
+    if hasattr(run_dir_or_store_path, "sketches"):
+        return _compact(run_dir_or_store_path, rank, out, chunk, compression, progress)
+    p = Path(run_dir_or_store_path)
+    with Store(p / C.STORE_FILE if p.is_dir() else p) as store:
+        return _compact(store, rank, out, chunk, compression, progress)
+
+
+def _compact(store, rank, out, chunk, compression, progress) -> Path:
+    if store.sketch != "factored" or any(layer.sketch != "factored" for layer in store.layers):
+        raise ConfigError(
+            f"{store.path} holds dense sketches (vectors); only factored (k_out×k_in) sketches have "
+            "low-rank factors. Train with --sketch factored to use compact storage."
+        )
+    run_dir = store.path if store.path.is_dir() else store.path.parent
+    out = Path(out) if out is not None else run_dir / factor_file_name(rank)
+    source = {
+        "source_store": store.path.name,
+        "source_run_id": str(store.manifest.get("run_id", "")),
+        "source_n_records": store.n_records,
+        "source_fingerprint": store.fingerprint,
+        "source_status": store.status,
+    }
+    writer = FactorWriter(out, store.layers, rank, source, compression)
+    n = store.n_records
+    try:
+        rec = store.records()
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            arrays = [store.sketches(li, start, stop) for li in range(len(store.layers))]
+            writer.append(arrays, {k: v[start:stop] for k, v in rec.items()})
+            if progress:
+                progress(stop, n)
+    except BaseException:
+        writer.close(C.STATUS_FAILED)
+        raise
+    path = writer.close(C.STATUS_COMPLETED)
+    log.info("wrote %s (rank %d, %d records)", path, rank, n)
+    return path
+
+
+@dataclass(frozen=True)
+class FactorLayer:
+    """One layer of a factor file."""
+
+    index: int
+    name: str
+    k_out: int
+    k_in: int
+    rank: int
+    sq_norm_sum: float
+    residual_sq_sum: float
+
+    @property
+    def record_shape(self) -> tuple[int, int]:
+        return (self.k_out, self.k_in)
+
+    @property
+    def group(self) -> str:
+        return f"{C.G_LAYERS}/{self.index:03d}"
+
+    @property
+    def relative_residual(self) -> float:
+        """``(Σ‖Ŝ − UVᵀ‖²_F / Σ‖Ŝ‖²_F)^{1/2}`` over all records of the layer."""
+        return (
+            float(np.sqrt(self.residual_sq_sum / self.sq_norm_sum)) if self.sq_norm_sum > 0 else 0.0
+        )
+
+
+class FactorStore:
+    """Read-only view of a factor file, validated on open.
+
+    Args:
+        path: a factor file, or a run directory together with ``rank``.
+        rank: with a run directory, opens ``RUN/factors-c{rank}.h5``.
+
+    Raises:
+        StoreError: missing, unreadable, unfinished or foreign file.
+    """
+
+    def __init__(self, path: str | os.PathLike, rank: int | None = None) -> None:
+        p = Path(path)
+        if p.is_dir():
+            if rank is None:
+                raise ConfigError(
+                    f"{p} is a directory: pass rank= to open its factors-c{{rank}}.h5"
+                )
+            p = p / factor_file_name(rank)
+        self.path = p
+        if not p.exists():
+            raise StoreError(f"no factor file at {p}: run compact_store(run_dir, rank) first")
+        try:
+            self._f = h5py.File(p, "r", locking=False)
+        except OSError as e:
+            raise StoreError(
+                f"{p} is not a readable HDF5 file ({e}); rebuild it with compact_store"
+            ) from e
+        a = self._f.attrs
+        try:
+            if a.get("format") != FACTORS_FORMAT:
+                raise StoreError(
+                    f"{p} is not a Traceprop factor file (no format='{FACTORS_FORMAT}' attribute)"
+                )
+            if int(a.get("version", -1)) != FACTORS_VERSION:
+                raise StoreError(
+                    f"{p} has factor-file version {a.get('version')}; this Traceprop reads "
+                    f"{FACTORS_VERSION}. Rebuild it with compact_store"
+                )
+            if a.get("status") != C.STATUS_COMPLETED:
+                raise StoreError(
+                    f"{p} is unfinished (status {a.get('status')!r}); rebuild it with compact_store"
+                )
+            self.rank = int(a["rank"])
+            self.n_records = int(a["n_records"])
+            self.lossless = bool(a["lossless"])
+            self.source = {
+                k: (v.item() if hasattr(v, "item") else v)
+                for k, v in a.items()
+                if k.startswith("source_")
+            }
+            self.layers = []
+            for i, k in enumerate(sorted(self._f[C.G_LAYERS])):
+                at = self._f[f"{C.G_LAYERS}/{k}"].attrs
+                self.layers.append(
+                    FactorLayer(
+                        i,
+                        str(at["name"]),
+                        int(at["k_out"]),
+                        int(at["k_in"]),
+                        int(at["rank"]),
+                        float(at["sq_norm_sum"]),
+                        float(at["residual_sq_sum"]),
+                    )
+                )
+                if self._f[f"{C.G_LAYERS}/{k}/{F_U}"].shape[0] < self.n_records:
+                    raise StoreError(
+                        f"{p}: layer {at['name']} holds fewer than n_records={self.n_records} records"
+                    )
+        except (KeyError, ValueError) as e:
+            self._f.close()
+            raise StoreError(
+                f"{p} is damaged or incomplete ({e}); rebuild it with compact_store"
+            ) from e
+        except StoreError:
+            self._f.close()
+            raise
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def check_source(self, store: Store) -> None:
+        """Raise :class:`IndexStaleError` unless the factors were built from this store's content."""
+        if self.source.get("source_fingerprint") != store.fingerprint:
+            raise IndexStaleError(
+                f"{self.path} was built from store content {self.source.get('source_fingerprint')!r}, the "
+                f"store is now {store.fingerprint!r}; rebuild it with compact_store"
+            )
+
+    def factors(
+        self, layer: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(U (n, k_out, c), V (n, k_in, c))`` float32 of records ``start:stop``."""
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        g = self._f[self.layers[layer].group]
+        return g[F_U][start:stop], g[F_V][start:stop]
+
+    def reconstruct(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """``U Vᵀ`` (n, k_out, k_in) float32 — the rank-c approximation of the stored sketches."""
+        u, v = self.factors(layer, start, stop)
+        return np.matmul(u, np.swapaxes(v, 1, 2))
+
+    def residual_norms(
+        self, layer: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per record ``(‖Ŝ − UVᵀ‖_F, ‖Ŝ − UVᵀ‖_*)`` (the discarded singular values' 2- and 1-norms)."""
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        g = self._f[self.layers[layer].group]
+        return g[F_RES_FRO][start:stop], g[F_RES_NUC][start:stop]
+
+    def records(self) -> dict[str, np.ndarray]:
+        g = self._f[C.G_RECORDS]
+        return {name: g[name][: self.n_records] for name in C.RECORD_FIELDS}
+
+    def nbytes_per_record(self) -> int:
+        """Stored float32 bytes per record, all layers (U, V; not the residual norms)."""
+        return sum(4 * layer.rank * (layer.k_out + layer.k_in) for layer in self.layers)
+
+    def close(self) -> None:
+        if self._f.id.valid:
+            self._f.close()
+
+    def __enter__(self) -> FactorStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- queries --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExampleScores:
+    """Scores of ``q`` queries against every training example with records.
+
+    Attributes:
+        example_ids: (n_examples,) example indices, ascending (the rows of ``scores``' columns).
+        scores: (q, n_examples) ``Σ_records lr · Σ_layers ⟨P T, P Ŝ⟩``; > 0 = proponent.
+        bound: (q, n_examples) guaranteed ``|score − full-sketch score|`` (factored scores only).
+    """
+
+    example_ids: np.ndarray
+    scores: np.ndarray
+    bound: np.ndarray | None = None
+
+
+def _pulled_back(
+    test_sketches: Sequence[np.ndarray],
+    names: list[str],
+    shapes: list[tuple[int, ...]],
+    preconditioner,
+) -> list[np.ndarray]:
+    """``T'`` per layer, (q, k_out, k_in) float64, in the order of ``names``."""
+    if len(test_sketches) != len(names):
+        raise ConfigError(
+            f"got test sketches for {len(test_sketches)} layers, the store has {len(names)} ({names})"
+        )
+    ts = []
+    for t, shape, name in zip(test_sketches, shapes, names, strict=True):
+        t = np.asarray(t, dtype=np.float64)
+        t = t[None] if t.shape == shape else t
+        if t.shape[1:] != shape:
+            raise StoreError(
+                f"layer {name!r}: test sketch shape {t.shape}, the store holds {shape} per record"
+            )
+        ts.append(t)
+    if preconditioner is None:
+        return ts
+    layers = (
+        preconditioner.layers
+        if isinstance(preconditioner, Preconditioner)
+        else list(preconditioner)
+    )
+    by_name = {lp.name: lp for lp in layers}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ConfigError(
+            f"the preconditioner has no layer(s) {missing}; fit it on the same store "
+            f"(it has {sorted(by_name)})"
+        )
+    return [by_name[n].pullback(t) for n, t in zip(names, ts, strict=True)]
+
+
+def _per_example(rec: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ex = rec[C.REC_EXAMPLE]
+    ids = np.unique(ex)
+    return ids, np.searchsorted(ids, ex), rec[C.REC_LR].astype(np.float64)
+
+
+def _accumulate(out: np.ndarray, rows: np.ndarray, w: np.ndarray, per_record: np.ndarray) -> None:
+    for qi in range(out.shape[0]):  # (q, m) record scores → lr-weighted sum per example
+        out[qi] += np.bincount(rows, weights=w * per_record[qi], minlength=out.shape[1])
+
+
+def _factored_inner(t: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``Σ_c u_cᵀ T'_q v_c`` for every query q and record: (q, m). One GEMM plus an elementwise sum."""
+    q, ko, ki = t.shape
+    m, _, c = u.shape
+    if ki <= ko:  # contract the smaller side first
+        tv = t.reshape(q * ko, ki) @ np.swapaxes(v, 0, 1).reshape(ki, m * c)  # (q·ko, m·c)
+        return np.einsum("qomc,moc->qm", tv.reshape(q, ko, m, c), u, optimize=True)
+    tu = np.swapaxes(t, 1, 2).reshape(q * ki, ko) @ np.swapaxes(u, 0, 1).reshape(
+        ko, m * c
+    )  # (q·ki, m·c)
+    return np.einsum("qimc,mic->qm", tu.reshape(q, ki, m, c), v, optimize=True)
+
+
+LOWRANK_RTOL = 1e-9
+"""Singular values of ``T'`` below this fraction of the largest are treated as zero (round-off)."""
+
+
+@dataclass(frozen=True)
+class _LowRankTest:
+    """``T'_q = A_q B_qᵀ`` for all queries of one layer, stacked: A (k_out, Σt), B (k_in, Σt)."""
+
+    a: np.ndarray
+    b: np.ndarray
+    owner: np.ndarray  # (Σt,) query index of each column
+
+    @classmethod
+    def maybe(cls, t: np.ndarray, dtype) -> _LowRankTest | None:
+        """The exact (numerical-rank) factorisation of ``T'`` when it beats the GEMM route."""
+        q, ko, ki = t.shape
+        u, s, vt = np.linalg.svd(t, full_matrices=False)  # (q,ko,r), (q,r), (q,r,ki)
+        keep = s > LOWRANK_RTOL * np.maximum(s[:, :1], 1e-300)
+        if int(keep.sum()) * (ko + ki) >= q * ko * ki:  # full-rank T' (e.g. EK-FAC): use the GEMM
+            return None
+        a = np.concatenate([u[i][:, keep[i]] * s[i][keep[i]] for i in range(q)], axis=1)
+        b = np.concatenate([vt[i][keep[i]].T for i in range(q)], axis=1)
+        owner = np.repeat(np.arange(q), keep.sum(1))
+        return cls(a.astype(dtype), b.astype(dtype), owner)
+
+    def inner(self, u: np.ndarray, v: np.ndarray, q: int) -> np.ndarray:
+        """``⟨A Bᵀ, U Vᵀ⟩ = Σ_{c,t} (Aᵀu_c)_t (Bᵀv_c)_t``: O((k_out + k_in) c t) per record."""
+        au = np.tensordot(u, self.a, axes=([1], [0]))  # (m, c, Σt)
+        bv = np.tensordot(v, self.b, axes=([1], [0]))  # (m, c, Σt)
+        per_col = np.einsum("mct,mct->tm", au, bv)  # (Σt, m)
+        out = np.zeros((q, u.shape[0]), dtype=per_col.dtype)
+        np.add.at(out, self.owner, per_col)
+        return out
+
+
+def factor_scores(
+    test_sketches: Sequence[np.ndarray],
+    factors: FactorStore,
+    preconditioner: Preconditioner | Sequence | None = None,
+    *,
+    chunk: int = CHUNK,
+    dtype: type = np.float32,
+    with_bound: bool = True,
+) -> ExampleScores:
+    """Brute-force influence scores of every training example, straight from the factors.
+
+    ``score(q, i) = Σ_{records r of i} lr_r Σ_layers Σ_c u_{r,c}ᵀ T'_q v_{r,c}`` with
+    ``T' = P*P T`` (module docstring) — equal to the full-sketch score when the factors are
+    lossless, and within ``bound`` of it otherwise.
+
+    Args:
+        test_sketches: per layer (in the factor file's layer order), ``(k_out, k_in)`` or
+            ``(q, k_out, k_in)`` test-side sketches (``AttributionRun.query_sketches``).
+        factors: an open :class:`FactorStore`.
+        preconditioner: a fitted :class:`Preconditioner` (identity/K-FAC/EK-FAC, from the same
+            store), a sequence of per-layer objects with ``name`` and ``pullback`` (e.g.
+            :class:`~traceprop_engine.precondition.WoodburyPreconditioner`), or None (identity).
+        chunk: records per streamed chunk.
+        dtype: arithmetic dtype of the per-record products (float64 for exact checks).
+        with_bound: also accumulate the guaranteed error bound.
+
+    Returns:
+        :class:`ExampleScores` (cosine similarity is not supported: the norms of the per-example
+        sums need the full vectors).
+    """
+    names = factors.layer_names
+    ts = _pulled_back(
+        test_sketches, names, [layer.record_shape for layer in factors.layers], preconditioner
+    )
+    ids, rows, w = _per_example(factors.records())
+    q = ts[0].shape[0]
+    out = np.zeros((q, len(ids)))
+    bound = np.zeros((q, len(ids))) if with_bound else None
+    # ‖T'‖_2 and ‖T'‖_F per layer and query, for the von Neumann bound
+    norms = [(np.linalg.norm(t, ord=2, axis=(1, 2)), np.linalg.norm(t, axis=(1, 2))) for t in ts]
+    ts_d = [t.astype(dtype) for t in ts]
+    # a per-example test gradient has rank ≤ its number of target tokens and K-FAC keeps that
+    # rank: then ⟨T', UVᵀ⟩ costs O((k_out + k_in) c t) per record instead of O(k_out k_in c)
+    low = [_LowRankTest.maybe(t, dtype) for t in ts]
+    for start in range(0, factors.n_records, chunk):
+        stop = min(start + chunk, factors.n_records)
+        rec_scores = np.zeros((q, stop - start))
+        rec_bound = np.zeros((q, stop - start)) if with_bound else None
+        for li in range(len(names)):
+            u, v = factors.factors(li, start, stop)
+            u, v = u.astype(dtype, copy=False), v.astype(dtype, copy=False)
+            if low[li] is not None:
+                rec_scores += low[li].inner(u, v, q)
+            else:
+                rec_scores += _factored_inner(ts_d[li], u, v)
+            if with_bound:
+                fro, nuc = factors.residual_norms(li, start, stop)
+                spec, tfro = norms[li]
+                rec_bound += np.minimum(spec[:, None] * nuc[None], tfro[:, None] * fro[None])
+        _accumulate(out, rows[start:stop], w[start:stop], rec_scores)
+        if with_bound:
+            _accumulate(bound, rows[start:stop], np.abs(w[start:stop]), rec_bound)
+    return ExampleScores(ids, out, bound)
+
+
+def sketch_scores(
+    test_sketches: Sequence[np.ndarray],
+    store: Store,
+    preconditioner: Preconditioner | Sequence | None = None,
+    *,
+    chunk: int = CHUNK,
+    dtype: type = np.float32,
+) -> ExampleScores:
+    """The same brute-force scores from the full stored sketches: ``Σ lr ⟨T', Ŝ⟩`` (the reference)."""
+    if store.sketch != "factored":
+        raise ConfigError(
+            f"{store.path} holds dense sketches; sketch_scores works on factored stores"
+        )
+    names = [layer.name for layer in store.layers]
+    ts = _pulled_back(
+        test_sketches, names, [layer.record_shape for layer in store.layers], preconditioner
+    )
+    ids, rows, w = _per_example(store.records())
+    q = ts[0].shape[0]
+    out = np.zeros((q, len(ids)))
+    flat = [t.reshape(q, -1).T.astype(dtype) for t in ts]  # (k_out·k_in, q)
+    for start in range(0, store.n_records, chunk):
+        stop = min(start + chunk, store.n_records)
+        rec_scores = np.zeros((stop - start, q))
+        for li in range(len(names)):
+            x = store.sketches(li, start, stop)
+            rec_scores += x.reshape(x.shape[0], -1).astype(dtype, copy=False) @ flat[li]
+        _accumulate(out, rows[start:stop], w[start:stop], rec_scores.T)
+    return ExampleScores(ids, out)

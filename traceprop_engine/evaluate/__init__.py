@@ -1,0 +1,24 @@
+"""Evaluation of attribution quality: linear datamodeling score (LDS) and detection benchmarks.
+
+- :mod:`.lds`: retrain on random subsets, correlate predicted influence sums with the
+  retrained models' test losses (``traceprop eval lds``).
+- :mod:`.detection`: planted mislabels and a planted backdoor with known ground truth,
+  ranked by attribution scores and by simple baselines (``traceprop eval detect``).
+"""
+
+from __future__ import annotations
+
+from .detection import DetectSettings, auroc, precision_at_k, run_detection
+from .lds import LdsSettings, bootstrap_ci, lds_scores, run_lds, spearman_rows
+
+__all__ = [
+    "DetectSettings",
+    "LdsSettings",
+    "auroc",
+    "bootstrap_ci",
+    "lds_scores",
+    "precision_at_k",
+    "run_detection",
+    "run_lds",
+    "spearman_rows",
+]

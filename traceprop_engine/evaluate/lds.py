@@ -1,0 +1,784 @@
+"""Linear datamodeling score (LDS): does ``Σ_{i∈S} τ(test, i)`` predict the loss of a model
+retrained on ``S``?
+
+Protocol (Park et al., TRAK; the variant bergson and kronfluence report):
+
+1. Train the tracked run(s) that are the attribution source on the whole training set.
+2. Draw ``m`` random subsets ``S_j`` of ``round(α n)`` training examples (seed ``[seed, j]``),
+   retrain a model on each with the *same* loop, untracked (``track=None``), and record the
+   per-example loss (``constants.LOSS_DEFINITION``) of every eval example.
+3. For every method and eval example ``e``: Spearman correlation over ``j`` between the predicted
+   sum ``Σ_{i∈S_j} τ(e, i)`` and ``-loss_j(e)`` (a positive score is a proponent: including it
+   should *lower* the loss). LDS = mean over eval examples, with a bootstrap 95 % interval
+   that resamples eval examples.
+
+Every model in the evaluation (tracked runs and subset retrains) starts from one saved
+initialisation (``EVAL_DIR/base_model``): the tiny model's tokenizer is otherwise trained on
+the run's own texts, so a subset would get a different vocabulary and the losses would not be
+comparable. The data order follows the training loop's own seed policy
+(``TrainSettings.seed`` for every run).
+
+``EVAL_DIR`` layout (resumable: a killed evaluation continues where it stopped)::
+
+    eval.json            settings of the evaluation (a resume with other settings is refused)
+    base_model/          the shared initial model and tokenizer
+    runs/k8, runs/k4...  tracked attribution runs (one per k), runs/dense (dense, last block)
+    subsets.json         per subset: seed, member example ids, their sha256, a digest
+    losses/subset_007.npy  eval losses of subset 7's model (written atomically, tmp + rename)
+    progress.json        subsets done, seconds per subset
+    losses.npy           (m, n_eval) once every subset is done
+    results.json/.csv    LDS ± CI per method;  figure.json  plotly figure (``fig.to_json()``)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import constants as C
+from ..errors import ConfigError, RunError
+from ..settings import TrackSettings, TrainSettings
+
+log = logging.getLogger(__name__)
+
+EVAL_FILE = "eval.json"
+SUBSETS_FILE = "subsets.json"
+PROGRESS_FILE = "progress.json"
+LOSSES_DIR = "losses"
+LOSSES_FILE = "losses.npy"
+RESULTS_JSON = "results.json"
+RESULTS_CSV = "results.csv"
+FIGURE_FILE = "figure.json"
+BASE_MODEL_DIR = "base_model"
+RUNS_DIR = "runs"
+WORK_DIR = "work"
+DENSE_RUN = "dense"
+PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac")
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class LdsSettings:
+    """One LDS evaluation.
+
+    Args:
+        train: the training configuration of every run (data, eval data, model, hyperparameters,
+            seed); its ``out`` is ignored and its ``track`` gives the scope of the factored runs.
+        out: evaluation directory.
+        n_subsets: ``m``, number of retrained subsets.
+        alpha: fraction of the training set in each subset.
+        seed: seed of the subset draw (subset ``j`` uses ``numpy.random.default_rng([seed, j])``).
+        k_values: the k sweep (``k_in = k_out = k``), one tracked run per value.
+        main_k: the k of the main table (added to the sweep if missing).
+        dense: also train the dense-sketch run (last-block scope) and score it.
+        dense_k: size of the dense sketch.
+        workers: subset retrains run in parallel in this many processes (1 = in this process).
+        bootstrap: bootstrap resamples for the interval.
+        damping: preconditioner damping (``None``: the engine's default).
+    """
+
+    train: TrainSettings
+    out: str
+    n_subsets: int = 32
+    alpha: float = 0.5
+    seed: int = 0
+    k_values: tuple[int, ...] = (4, 8, 16, 32)
+    main_k: int = 8
+    dense: bool = True
+    dense_k: int = 512
+    workers: int = 1
+    bootstrap: int = 2000
+    damping: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "k_values", tuple(sorted({int(k) for k in self.k_values} | {int(self.main_k)}))
+        )
+        problems = []
+        if self.n_subsets < 2:
+            problems.append(
+                f"n_subsets={self.n_subsets} (need at least 2 subsets for a rank correlation)"
+            )
+        if not 0.0 < self.alpha < 1.0:
+            problems.append(f"alpha={self.alpha} (a fraction strictly between 0 and 1)")
+        if any(k < 1 for k in self.k_values):
+            problems.append(f"k_values={self.k_values} (positive integers)")
+        if not 1 <= self.workers <= 2:
+            problems.append(f"workers={self.workers} (1 or 2: the machine has two cores)")
+        if self.bootstrap < 100:
+            problems.append(f"bootstrap={self.bootstrap} (at least 100 resamples)")
+        if problems:
+            raise ConfigError("invalid LDS settings: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["train"] = self.train.to_dict()
+        d["k_values"] = list(self.k_values)
+        d.pop("workers")  # how fast, not what: a resume may use another worker count
+        d.pop("bootstrap")
+        return d
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Spearman correlation of each row of ``x`` with the same row of ``y`` (ties: average ranks).
+
+    Args:
+        x, y: ``(n, m)`` arrays.
+
+    Returns:
+        ``(n,)`` correlations; ``nan`` where a row is constant (the correlation is undefined).
+    """
+    from scipy.stats import rankdata
+
+    x, y = np.atleast_2d(x), np.atleast_2d(y)
+    if x.shape != y.shape:
+        raise ValueError(f"x and y must have one shape, got {x.shape} and {y.shape}")
+    rx = rankdata(x, axis=1)  # (n, m)
+    ry = rankdata(y, axis=1)
+    rx -= rx.mean(1, keepdims=True)
+    ry -= ry.mean(1, keepdims=True)
+    den = np.sqrt((rx * rx).sum(1) * (ry * ry).sum(1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (rx * ry).sum(1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+def bootstrap_ci(
+    values: np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (``nan`` entries dropped)."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(n_boot, len(v)))].mean(1)  # (n_boot,)
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(means, [tail, 1 - tail])
+    return float(lo), float(hi)
+
+
+def lds_scores(scores: np.ndarray, masks: np.ndarray, losses: np.ndarray) -> np.ndarray:
+    """Per-eval-example LDS correlations.
+
+    Args:
+        scores: ``(n_eval, n_train)`` attribution scores ``τ(e, i)`` (positive = proponent).
+        masks: ``(m, n_train)`` boolean subset membership.
+        losses: ``(m, n_eval)`` loss of eval example ``e`` under the model trained on subset ``j``.
+
+    Returns:
+        ``(n_eval,)`` Spearman correlations between ``Σ_{i∈S_j} τ(e, i)`` and ``-losses[j, e]``.
+    """
+    pred = masks.astype(np.float64) @ scores.T.astype(np.float64)  # (m, n_eval)
+    return spearman_rows(pred.T, -losses.T.astype(np.float64))
+
+
+def summarize(per_example: np.ndarray, n_boot: int = 2000, seed: int = 0) -> dict:
+    lo, hi = bootstrap_ci(per_example, n_boot, seed=seed)
+    valid = ~np.isnan(per_example)
+    return {
+        "lds": float(np.mean(per_example[valid])) if valid.any() else float("nan"),
+        "ci_low": lo,
+        "ci_high": hi,
+        "n_eval": int(len(per_example)),
+        "n_valid": int(valid.sum()),
+    }
+
+
+# -- subsets ----------------------------------------------------------------------------------------
+def draw_subsets(n_train: int, n_subsets: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Sorted member indices of each subset; subset ``j`` from ``default_rng([seed, j])``."""
+    size = max(1, round(alpha * n_train))
+    return [
+        np.sort(np.random.default_rng([seed, j]).choice(n_train, size=size, replace=False))
+        for j in range(n_subsets)
+    ]
+
+
+def _subset_digest(members: Sequence[int], sha256: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for i, s in zip(members, sha256, strict=True):
+        h.update(f"{int(i)}:{s}\n".encode())
+    return h.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def _loss_path(eval_dir: Path, j: int) -> Path:
+    return eval_dir / LOSSES_DIR / f"subset_{j:03d}.npy"
+
+
+def _record(row: dict, task: str) -> dict:
+    """The raw record of an example as a one-line JSON object the data loader reads back."""
+    if task == "classification":
+        return {"text": row["text"], "label": row["label"]}
+    if row.get("completion"):
+        return {"prompt": row.get("prompt") or "", "completion": row["completion"]}
+    return {"text": row["text"]}
+
+
+# -- the worker (module level: it runs in a spawned process) ----------------------------------------
+def _eval_losses(model_dir: Path, encs: list, task: str, batch_size: int = 16) -> np.ndarray:
+    import torch
+
+    from ..losses import example_losses
+    from ..models import collate, load_saved_model, model_inputs
+
+    loaded = load_saved_model(model_dir, "cpu")
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(encs), batch_size):
+            batch = collate(encs[i : i + batch_size], pad, task, "cpu")
+            out.append(
+                example_losses(loaded.model(**model_inputs(batch)), batch, task).double().numpy()
+            )
+    return np.concatenate(out)
+
+
+def _retrain_subset(job: dict) -> dict:
+    """Retrain on one subset (untracked), record the eval losses atomically, drop the model."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from ..train import train
+
+    t0 = time.perf_counter()
+    work: Path = job["work"]
+    shutil.rmtree(work, ignore_errors=True)  # a half-finished retrain from a killed evaluation
+    work.mkdir(parents=True)
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in job["rows"]))
+    settings = dataclasses.replace(
+        job["train"],
+        data=str(data),
+        eval_data=None,
+        eval_fraction=0.0,
+        out=str(work / "run"),
+        track=None,
+    )
+    run_dir = train(settings, overwrite=True)
+    status = json.loads((run_dir / C.MANIFEST_FILE).read_text())["status"]
+    if status != C.STATUS_COMPLETED:
+        raise RunError(f"the retrain of subset {job['subset']} ended {status!r}; see {run_dir}")
+    losses = _eval_losses(run_dir / C.MODEL_DIR, job["encs"], settings.task.value)
+    _atomic_save_npy(job["loss_path"], losses)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"subset": job["subset"], "seconds": round(time.perf_counter() - t0, 3)}
+
+
+# -- the pipeline -----------------------------------------------------------------------------------
+@dataclass
+class LdsResult:
+    """What :func:`run_lds` did and, once every subset is done, the table."""
+
+    out: Path
+    complete: bool
+    retrained: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+
+
+def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> None:
+    cfg_path = eval_dir / EVAL_FILE
+    cfg = s.to_dict()
+    if cfg_path.exists():
+        old = json.loads(cfg_path.read_text())["settings"]
+        if old != json.loads(json.dumps(cfg)):
+            if not overwrite:
+                raise ConfigError(
+                    f"{eval_dir} holds an LDS evaluation with other settings; pass overwrite (--overwrite) "
+                    "to start over, or choose another --out"
+                )
+            shutil.rmtree(eval_dir)
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg_path.exists():
+        _atomic_write_text(
+            cfg_path,
+            json.dumps(
+                {
+                    "settings": cfg,
+                    "loss_definition": C.LOSS_DEFINITION,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                },
+                indent=2,
+            ),
+        )
+
+
+def _base_model(s: LdsSettings, eval_dir: Path) -> str:
+    """The shared initial model directory (built once for the tiny model)."""
+    from ..models import TINY, build_model, save_model
+
+    if s.train.model != TINY:
+        return (
+            s.train.model
+        )  # a local directory or 'minilm': tokenizer and weights are fixed already
+    base = eval_dir / BASE_MODEL_DIR
+    if (base / "traceprop_model.json").exists():
+        return str(base.resolve())
+    from ..data import load_examples, split_eval
+
+    t = s.train
+    examples, _ = load_examples(t.data, task=t.task.value)
+    train_ex = examples if t.eval_data else split_eval(examples, t.eval_fraction, t.seed)[0]
+    loaded = build_model(
+        TINY,
+        t.task.value,
+        [e.full_text() for e in train_ex],
+        seed=t.seed,
+        tiny_vocab=t.tiny_vocab,
+        tiny_width=t.tiny_width,
+        tiny_layers=t.tiny_layers,
+        max_length=t.max_length,
+    )
+    tmp = eval_dir / (BASE_MODEL_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(loaded, tmp)
+    os.replace(tmp, base)
+    return str(base.resolve())
+
+
+def _run_names(s: LdsSettings) -> dict[str, TrackSettings]:
+    scope = s.train.track.scope if s.train.track is not None else "all"
+    runs = {
+        f"k{k}": TrackSettings(scope=scope, k_in=k, k_out=k, seed=s.train.seed) for k in s.k_values
+    }
+    if s.dense:
+        runs[DENSE_RUN] = TrackSettings(
+            scope="last-block", sketch="dense", dense_k=s.dense_k, seed=s.train.seed
+        )
+    return runs
+
+
+def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval_dir: Path) -> Path:
+    from ..train import train
+
+    run_dir = eval_dir / RUNS_DIR / name
+    man = run_dir / C.MANIFEST_FILE
+    if man.exists() and json.loads(man.read_text()).get("status") == C.STATUS_COMPLETED:
+        return run_dir
+    log.info("training the tracked run %s", name)
+    train(dataclasses.replace(s.train, model=base, out=str(run_dir), track=track), overwrite=True)
+    status = json.loads(man.read_text())["status"]
+    if status != C.STATUS_COMPLETED:
+        raise RunError(
+            f"the tracked run {run_dir} ended {status!r}; rerun to resume the evaluation"
+        )
+    return run_dir
+
+
+def _write_subsets(eval_dir: Path, s: LdsSettings, examples) -> list[np.ndarray]:
+    train_rows = examples.filter(examples["split"] == C.SPLIT_TRAIN)
+    ids = train_rows["example_id"].to_numpy()
+    if not np.array_equal(ids, np.arange(len(ids))):
+        raise RunError(
+            "the run's training examples are not examples 0..n_train-1; the store layout changed"
+        )
+    sha = train_rows["sha256"].to_list()
+    subsets = draw_subsets(len(ids), s.n_subsets, s.alpha, s.seed)
+    doc = {
+        "n_train": len(ids),
+        "alpha": s.alpha,
+        "seed": s.seed,
+        "subsets": [
+            {
+                "subset": j,
+                "seed": [s.seed, j],
+                "members": [int(i) for i in m],
+                "sha256": [sha[i] for i in m],
+                "digest": _subset_digest(m, [sha[i] for i in m]),
+            }
+            for j, m in enumerate(subsets)
+        ],
+    }
+    path = eval_dir / SUBSETS_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != doc:
+            raise RunError(
+                f"{path} does not match the subsets these settings draw (the data changed?); start over with --overwrite"
+            )
+    else:
+        _atomic_write_text(path, json.dumps(doc))
+    return subsets
+
+
+def _retrain_all(jobs: list[dict], workers: int, eval_dir: Path, progress: dict, on_done) -> None:
+    def done(r: dict) -> None:
+        progress["done"] = sorted(set(progress["done"]) | {r["subset"]})
+        progress["seconds"][str(r["subset"])] = r["seconds"]
+        progress["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        _atomic_write_text(eval_dir / PROGRESS_FILE, json.dumps(progress, indent=1))
+        on_done(r)
+
+    if workers == 1 or len(jobs) < 2:
+        for job in jobs:
+            done(_retrain_subset(job))
+        return
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn: a forked child would inherit this process's torch thread pools and locks
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        futures = [ex.submit(_retrain_subset, job) for job in jobs]
+        for f in as_completed(futures):
+            done(f.result())
+
+
+def run_lds(
+    s: LdsSettings,
+    *,
+    overwrite: bool = False,
+    max_new_subsets: int | None = None,
+    progress: ProgressFn | None = None,
+) -> LdsResult:
+    """Run (or resume) an LDS evaluation and write its results into ``s.out``.
+
+    Args:
+        s: the evaluation settings.
+        overwrite: start over when ``s.out`` holds an evaluation with other settings.
+        max_new_subsets: retrain at most this many subsets in this call, then return
+            (``complete=False``); a later call resumes.
+        progress: ``progress(stage, done, total)`` callback.
+
+    Returns:
+        An :class:`LdsResult`; ``rows`` holds the table once every subset is done.
+
+    Raises:
+        ConfigError: settings differ from the evaluation already in ``s.out``.
+        RunError: a training run failed or was cancelled.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    eval_dir = Path(s.out)
+    _check_or_write_config(eval_dir, s, overwrite)
+    base = _base_model(s, eval_dir)
+    runs = _run_names(s)
+    main = f"k{s.main_k}"
+    result = LdsResult(out=eval_dir, complete=False)
+    t0 = time.perf_counter()
+    main_dir = _ensure_run(main, runs[main], s, base, eval_dir)
+    result.seconds["tracked_run_main"] = round(time.perf_counter() - t0, 2)
+
+    from ..query import open_run
+
+    run = open_run(main_dir)
+    examples = run.examples()
+    subsets = _write_subsets(eval_dir, s, examples)
+    eval_ids = examples.filter(examples["split"] == C.SPLIT_EVAL)["example_id"].to_list()
+    if not eval_ids:
+        raise ConfigError(
+            "the evaluation needs eval examples: pass --eval-data or a positive --eval-fraction"
+        )
+    encs = [run.encode(eval_example=e)[0] for e in eval_ids]
+    rows = [
+        _record(r, run.task)
+        for r in examples.filter(examples["split"] == C.SPLIT_TRAIN).iter_rows(named=True)
+    ]
+    run.close()
+
+    # -- subset retrains (resumable) ----------------------------------------------------------------
+    (eval_dir / LOSSES_DIR).mkdir(exist_ok=True)
+    prog_path = eval_dir / PROGRESS_FILE
+    prog = (
+        json.loads(prog_path.read_text())
+        if prog_path.exists()
+        else {"n_subsets": s.n_subsets, "done": [], "seconds": {}}
+    )
+    todo = [j for j in range(s.n_subsets) if not _loss_path(eval_dir, j).exists()]
+    result.skipped = [j for j in range(s.n_subsets) if j not in todo]
+    if max_new_subsets is not None:
+        todo = todo[:max_new_subsets]
+    retrain = dataclasses.replace(s.train, model=base)
+    jobs = [
+        {
+            "subset": j,
+            "train": retrain,
+            "rows": [rows[i] for i in subsets[j]],
+            "encs": encs,
+            "work": eval_dir / WORK_DIR / f"subset_{j:03d}",
+            "loss_path": _loss_path(eval_dir, j),
+        }
+        for j in todo
+    ]
+    n_done = len(result.skipped)
+
+    def on_done(r):
+        nonlocal n_done
+        n_done += 1
+        result.retrained.append(r["subset"])
+        log.info(
+            "subset %d retrained in %.1fs (%d/%d)", r["subset"], r["seconds"], n_done, s.n_subsets
+        )
+        if progress:
+            progress("subsets", n_done, s.n_subsets)
+
+    t1 = time.perf_counter()
+    _retrain_all(jobs, s.workers, eval_dir, prog, on_done)
+    result.seconds["subset_retrains"] = round(time.perf_counter() - t1, 2)
+    shutil.rmtree(eval_dir / WORK_DIR, ignore_errors=True)
+    if any(not _loss_path(eval_dir, j).exists() for j in range(s.n_subsets)):
+        return result
+    losses = np.stack([np.load(_loss_path(eval_dir, j)) for j in range(s.n_subsets)])  # (m, n_eval)
+    _atomic_save_npy(eval_dir / LOSSES_FILE, losses)
+
+    # -- the other tracked runs and the scores ----------------------------------------------------
+    t2 = time.perf_counter()
+    run_dirs = {name: _ensure_run(name, tr, s, base, eval_dir) for name, tr in runs.items()}
+    result.seconds["tracked_runs_other"] = round(time.perf_counter() - t2, 2)
+    n_train = len(rows)
+    masks = np.zeros((s.n_subsets, n_train), bool)
+    for j, m in enumerate(subsets):
+        masks[j, m] = True
+    t3 = time.perf_counter()
+    table = []
+    for method in _score_methods(s, run_dirs, eval_ids, n_train, progress):
+        scores = method.pop("scores")
+        if scores is None:  # the engine could not fit this method; keep the row and the reason
+            table.append(
+                {
+                    **method,
+                    "lds": float("nan"),
+                    "ci_low": float("nan"),
+                    "ci_high": float("nan"),
+                    "n_eval": len(eval_ids),
+                    "n_valid": 0,
+                    "per_example": [],
+                }
+            )
+            continue
+        per = lds_scores(scores, masks, losses)
+        table.append(
+            {
+                **method,
+                **summarize(per, s.bootstrap, seed=s.seed),
+                "per_example": [None if np.isnan(v) else float(v) for v in per],
+            }
+        )
+    result.seconds["scoring"] = round(time.perf_counter() - t3, 2)
+    result.rows = table
+    result.complete = True
+    _write_results(eval_dir, s, table, losses, result.seconds)
+    return result
+
+
+def _fix_dense_sign_dtype(run) -> None:
+    # Store.dense_projection returns float64 signs under NumPy 2 (float32 / np.float64 scalar),
+    # and index_add_ refuses to mix them with the float32 gradient; cast until the store does.
+    run._model()
+    for layer in run._capture_layers or []:
+        if layer.dense_sign is not None:
+            layer.dense_sign = layer.dense_sign.float()
+
+
+def _score_methods(
+    s: LdsSettings, run_dirs: dict[str, Path], eval_ids: list[int], n_train: int, progress
+):
+    """Yield ``{method, family, k, preconditioner, scores (n_eval, n_train)}`` for every method."""
+    from ..query import IndexSettings, open_run
+
+    def attribution(run_dir: Path, family: str, k, precs: Sequence[str]):
+        run = open_run(run_dir)
+        _fix_dense_sign_dtype(run)
+        sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+        for p in precs:
+            ix = IndexSettings(
+                preconditioner="identity" if p == "cosine" else p,
+                cosine=p == "cosine",
+                damping=s.damping,
+            )
+            try:
+                _, ids, pre = run.index(ix)
+            except Exception as e:  # noqa: BLE001 - a method that cannot be fitted is reported, not fatal
+                log.warning("%s/%s cannot be scored: %s", run_dir.name, p, e)
+                yield {
+                    "method": f"{family} {p}" if family != "factored" else p,
+                    "family": family,
+                    "k": k,
+                    "preconditioner": p,
+                    "scores": None,
+                    "error": f"{type(e).__name__}: {e}",
+                }
+                continue
+            scores = np.zeros((len(eval_ids), n_train), np.float64)
+            for r, sk in enumerate(sketches):
+                scores[r, ids] = run.all_scores(pre.apply(sk), ix)
+            yield {
+                "method": f"{family} {p}" if family != "factored" else p,
+                "family": family,
+                "k": k,
+                "preconditioner": p,
+                "scores": scores,
+            }
+        run.close()
+
+    main = run_dirs[f"k{s.main_k}"]
+    for name, rd in run_dirs.items():
+        if name == DENSE_RUN:
+            yield from attribution(rd, "dense", s.dense_k, PRECONDITIONERS)
+        else:
+            k = int(name[1:])
+            for m in attribution(rd, "factored", k, PRECONDITIONERS):
+                m["family"] = "factored" if k == s.main_k else "k-sweep"
+                yield m
+        if progress:
+            progress("scoring", list(run_dirs).index(name) + 1, len(run_dirs))
+
+    # baselines on the main run's final model
+    run = open_run(main)
+    train_encs = [run.encode(eval_example=i)[0] for i in range(n_train)]
+    eval_encs = [run.encode(eval_example=e)[0] for e in eval_ids]
+    h_tr, h_ev = run.representations(train_encs), run.representations(eval_encs)
+    h_tr = h_tr / np.maximum(np.linalg.norm(h_tr, axis=1, keepdims=True), 1e-30)
+    h_ev = h_ev / np.maximum(np.linalg.norm(h_ev, axis=1, keepdims=True), 1e-30)
+    yield {
+        "method": "representation similarity",
+        "family": "baseline",
+        "k": None,
+        "preconditioner": None,
+        "scores": (h_ev @ h_tr.T).astype(np.float64),
+    }
+    gn = run.gradient_norms().sort("example_id")
+    g = np.zeros(n_train)
+    g[gn["example_id"].to_numpy()] = gn["gradient_norm"].to_numpy()
+    yield {
+        "method": "gradient norm (query-independent)",
+        "family": "baseline",
+        "k": s.main_k,
+        "preconditioner": None,
+        "scores": np.broadcast_to(g, (len(eval_ids), n_train)).copy(),
+    }
+    run.close()
+    yield {
+        "method": "random",
+        "family": "baseline",
+        "k": None,
+        "preconditioner": None,
+        "scores": np.random.default_rng(s.seed).standard_normal((len(eval_ids), n_train)),
+    }
+
+
+def _finite(obj):
+    """NaN -> None, so the JSON is standard (an undefined LDS reads as null)."""
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _write_results(
+    eval_dir: Path, s: LdsSettings, table: list[dict], losses: np.ndarray, seconds: dict
+) -> None:
+    import csv
+
+    doc = {
+        "what": "LDS: mean over eval examples of Spearman(sum of scores over subset, -loss of the model retrained on it); "
+        "95% percentile bootstrap interval over eval examples",
+        "settings": s.to_dict(),
+        "n_subsets": s.n_subsets,
+        "alpha": s.alpha,
+        "n_eval": int(losses.shape[1]),
+        "loss_mean_over_subsets": float(losses.mean()),
+        "seconds": seconds,
+        "rows": table,
+    }
+    _atomic_write_text(eval_dir / RESULTS_JSON, json.dumps(_finite(doc), indent=1))
+    cols = [
+        "method",
+        "family",
+        "k",
+        "preconditioner",
+        "lds",
+        "ci_low",
+        "ci_high",
+        "n_eval",
+        "n_valid",
+        "error",
+    ]
+    tmp = eval_dir / (RESULTS_CSV + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(table)
+    os.replace(tmp, eval_dir / RESULTS_CSV)
+    _atomic_write_text(eval_dir / FIGURE_FILE, lds_figure(table).to_json())
+
+
+def lds_figure(table: list[dict]):
+    """Plotly figure: LDS ± CI per method (main table) and the k sweep per preconditioner."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("LDS by method (95% CI)", "k sweep (k_in = k_out)")
+    )
+    table = [r for r in table if not np.isnan(r["lds"])]
+    main = [r for r in table if r["family"] != "k-sweep"]
+    fig.add_trace(
+        go.Bar(
+            x=[r["method"] for r in main],
+            y=[r["lds"] for r in main],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [r["ci_high"] - r["lds"] for r in main],
+                "arrayminus": [r["lds"] - r["ci_low"] for r in main],
+            },
+            name="LDS",
+            showlegend=False,
+        ),
+        row=1,
+        col=1,
+    )
+    sweep = [r for r in table if r["family"] in ("factored", "k-sweep")]
+    for p in PRECONDITIONERS:
+        pts = sorted((r for r in sweep if r["preconditioner"] == p), key=lambda r: r["k"])
+        if pts:
+            fig.add_trace(
+                go.Scatter(
+                    x=[r["k"] for r in pts],
+                    y=[r["lds"] for r in pts],
+                    mode="lines+markers",
+                    name=p,
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": [r["ci_high"] - r["lds"] for r in pts],
+                        "arrayminus": [r["lds"] - r["ci_low"] for r in pts],
+                    },
+                ),
+                row=1,
+                col=2,
+            )
+    fig.update_xaxes(type="log", title_text="k", row=1, col=2)
+    fig.update_yaxes(title_text="LDS (Spearman)", row=1, col=1)
+    fig.update_layout(title="Linear datamodeling score", height=420)
+    return fig
