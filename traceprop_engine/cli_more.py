@@ -33,6 +33,17 @@ def register(sub) -> None:
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=_cmd_verify)
 
+    c = sub.add_parser("compact", help="write rank-c factors of every sketch (LoRIF-style compact storage)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Stream RUN/store.h5 and write RUN/factors-c{RANK}.h5: per layer and record the "
+                       "rank-c truncated SVD factors U (k_out x c, singular values folded in) and V (k_in x c), "
+                       "so that the sketch is about U V^T; storage per layer drops from k_out*k_in to c*(k_out+k_in) "
+                       "numbers. See benchmarks/compact.md for the measured score error.")
+    c.add_argument("run", help="run directory")
+    c.add_argument("--rank", type=int, default=2, help="factors kept per sketch (c)")
+    c.add_argument("--out", help="output file (default RUN/factors-c{rank}.h5)")
+    c.set_defaults(func=_cmd_compact)
+
     s = sub.add_parser("sample", help="regenerate the bundled sample data and run deterministically", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Regenerate sample_runs/facts-data (invented facts with ground truth) and sample_runs/facts "
                        "(a tracked tiny GPT-NeoX fine-tune on it, indexed with kfac, identity and ekfac). Seeded; one torch thread.")
@@ -68,6 +79,18 @@ def _cmd_verify(a) -> int:
         print(f"{rep['model']['status']:<8} model {rep['model'].get('dir', '')}")
         print("verified: nothing changed" if rep["ok"] else "MISMATCH: the run's inputs changed since training")
     return 0 if rep["ok"] else 3
+
+
+def _cmd_compact(a) -> int:
+    from .compact import compact_store
+    from .query import open_run
+
+    run = open_run(a.run)  # validates the run; a DDP run's shards are read as one store
+    out = compact_store(run.store, a.rank, a.out or Path(a.run) / f"factors-c{a.rank}.h5")
+    full = sum(layer.dim for layer in run.store.layers) * 4
+    fact = sum(min(a.rank, layer.k_out, layer.k_in) * (layer.k_out + layer.k_in) for layer in run.store.layers) * 4
+    print(f"factors written to {out}: {fact} bytes/record vs {full} for full sketches ({full / fact:.1f}x smaller)")
+    return 0
 
 
 def _cmd_sample(a) -> int:
