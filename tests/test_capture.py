@@ -255,3 +255,96 @@ def test_hooks_idle_without_grad_and_removed_after_error(tmp_path):
     assert store.status == "cancelled" and store.is_partial
     assert store.n_records == 3  # the no-grad step was committed with zero sketches
     assert np.all(store.sketches(0) == 0)
+
+
+def _cov_run(model, layers, ids, mask, labels, token_mask, loss_scale):
+    slots = [torch.zeros(ids.shape[0], layer.k_out, layer.k_in) for layer in layers]
+    for layer in layers:  # fresh statistics per run
+        layer.A = layer.S = layer.a_tokens = None
+        layer.a_rows = 0
+    with Capture(model, layers) as cap, cap.batch(slots, token_mask=token_mask, loss_scale=loss_scale):
+        causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
+    return slots, cap.covariance_arrays()
+
+
+def test_unpadded_mask_and_loss_scale_folding():
+    """An all-ones mask takes the unmasked path (same A, S, count as no mask); the loss scale
+    multiplies the sketches by s and S by s² and leaves A alone."""
+    model = tiny_neox()
+    layers = build_layers(model, TrackSettings(k_in=4, k_out=5, scope=r"layers\.1\."))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (3, 10), generator=g)
+    ones = torch.ones_like(ids)
+    s1, c1 = _cov_run(model, layers, ids, ones, ids, None, 1.0)
+    s2, c2 = _cov_run(model, layers, ids, ones, ids, ones, 1.0)
+    s3, c3 = _cov_run(model, layers, ids, ones, ids, ones, 3.0)
+    for li in range(len(layers)):
+        np.testing.assert_array_equal(s1[li].numpy(), s2[li].numpy())
+        np.testing.assert_allclose(c1[li]["A"], c2[li]["A"], rtol=1e-6)
+        np.testing.assert_allclose(c1[li]["S"], c2[li]["S"], rtol=1e-6)
+        assert c1[li]["n_tokens"] == c2[li]["n_tokens"] == 30
+        np.testing.assert_allclose(s3[li].numpy(), 3 * s2[li].numpy(), rtol=1e-5, atol=1e-7 * float(s2[li].abs().max()))
+        np.testing.assert_allclose(c3[li]["A"], c2[li]["A"], rtol=1e-6)
+        np.testing.assert_allclose(c3[li]["S"], 9 * c2[li]["S"], rtol=1e-5)
+
+
+class _Twice(torch.nn.Module):
+    """One linear layer applied twice per forward (weight reuse, like a tied or looped block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.lin = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x):  # x (B, T, 6) -> (B,) per-example loss
+        h = self.lin(torch.tanh(self.lin(x)))
+        return self.head(h).squeeze(-1).pow(2).mean(1)
+
+
+def test_layer_used_twice_accumulates_both_uses():
+    model = _Twice()
+    settings = TrackSettings(k_in=3, k_out=4, scope=r"^lin$")
+    layers = build_layers(model, settings)
+    x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(6))
+    slots = [torch.full((4, 4, 3), float("nan"))]  # beta=0 must ignore what the slot held
+    with Capture(model, layers, covariance=False) as cap, cap.batch(slots, loss_scale=4):
+        model(x).mean().backward()
+    ref = reference_sketches(model, layers, [lambda b=b: model(x[b : b + 1])[0] for b in range(4)])
+    for b in range(4):
+        assert_close(slots[0][b].numpy(), ref[b][0], f"example {b}")
+
+
+def test_forward_without_backward_leaves_no_statistics():
+    model = tiny_neox()
+    layers = build_layers(model, TrackSettings(k_in=4, k_out=4, scope=r"layers\.0\.mlp"))
+    ids, mask, _, _ = causal_batch()
+    slots = [torch.ones(3, layer.k_out, layer.k_in) for layer in layers]
+    with Capture(model, layers) as cap, cap.batch(slots, token_mask=mask):
+        model(input_ids=ids, attention_mask=mask)  # grad on, but no backward
+    for layer, slot, cov in zip(layers, slots, cap.covariance_arrays(), strict=True):
+        assert not layer._stack
+        assert torch.all(slot == 0)  # the layer took no part in a backward: zero gradient
+        assert np.all(cov["A"] == 0) and cov["n_tokens"] == 0
+
+
+def test_bf16_autocast_gradients_are_projected_in_fp32():
+    """Under autocast the output gradient is bf16 while P_out is fp32: the hook casts, and the
+    sketches agree with the fp32 ones to bf16 round-off."""
+    model = tiny_neox()
+    layers = build_layers(model, TrackSettings(k_in=4, k_out=4))
+    ids, mask, labels, _ = causal_batch()
+
+    def run(autocast: bool):
+        slots = [torch.zeros(3, layer.k_out, layer.k_in) for layer in layers]
+        with Capture(model, layers, covariance=False) as cap, cap.batch(slots, token_mask=mask, loss_scale=3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            causal_lm_losses(logits, labels).mean().backward()
+        model.zero_grad()
+        return slots
+
+    ref, got = run(False), run(True)
+    for layer, x, y in zip(layers, got, ref, strict=True):
+        assert torch.all(torch.isfinite(x))
+        assert float((x - y).norm() / y.norm()) < 0.05, layer.name

@@ -11,6 +11,7 @@ single ``device -> host`` copy of the whole flat tensor. Host memory stays bound
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,7 +69,9 @@ class SketchBuffer:
         self.pos = 0
         self.n_flushed = 0
         self.n_transfers = 0
+        self.flush_s = 0.0  # wall time spent in flush() on the calling (training) thread
         self._meta = _Meta()
+        self._slot_cache: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -79,6 +82,7 @@ class SketchBuffer:
         for numel, shape in zip(self._numels, self.record_shapes, strict=True):
             self._views.append(self._flat[off : off + capacity * numel].view(capacity, *shape))
             off += capacity * numel
+        self._slot_cache = {}
 
     @property
     def n_records(self) -> int:
@@ -91,7 +95,11 @@ class SketchBuffer:
             self.flush()
             if batch > self.capacity:
                 self._allocate(batch)
-        return [v[self.pos : self.pos + batch] for v in self._views]
+        key = (self.pos, batch)
+        slots = self._slot_cache.get(key)
+        if slots is None:  # the same few (pos, batch) windows recur every buffer cycle
+            slots = self._slot_cache[key] = [v[self.pos : self.pos + batch] for v in self._views]
+        return slots
 
     def commit(
         self,
@@ -123,6 +131,13 @@ class SketchBuffer:
         """One device -> host transfer of everything committed, handed to the sink."""
         if self.pos == 0:
             return
+        t0 = time.perf_counter()
+        try:
+            self._flush()
+        finally:
+            self.flush_s += time.perf_counter() - t0
+
+    def _flush(self) -> None:
         host = self._flat.cpu() if self._flat.device.type != "cpu" else self._flat
         self.n_transfers += 1
         arrays = []
