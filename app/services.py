@@ -28,7 +28,7 @@ import streamlit as st
 from traceprop_engine import constants as C
 from traceprop_engine import export
 from traceprop_engine.errors import TracepropError
-from traceprop_engine.run import list_runs, read_manifest, read_progress
+from traceprop_engine.run import list_runs, pid_alive, read_manifest, read_progress
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
@@ -435,26 +435,8 @@ class JobState:
 
 
 def process_alive(pid: int | None) -> bool:
-    """True while ``pid`` runs; a zombie (a finished child nobody waited for) counts as ended."""
-    if not pid:
-        return False
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own finished child
-        if done == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child (another app process launched it)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    """True while ``pid`` runs (see :func:`traceprop_engine.run.pid_alive`)."""
+    return bool(pid) and pid_alive(int(pid))
 
 
 def log_tail(run_dir: Path, n: int = 40) -> str:

@@ -83,13 +83,24 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (a finished child nobody waited for) counts as ended."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own finished child
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (another process launched it)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): kill(0) said it exists
+        return True
 
 
 def read_progress(run_dir: str | os.PathLike, last: int = 0) -> list[dict]:
