@@ -65,7 +65,7 @@ else:
         "Text" if classification else "Prompt",
         key="infl_prompt",
         height=80,
-        placeholder="Q: What colour is the planet Velmora?\nA:",
+        placeholder="Q: Which colour does the planet Ethmor have?\nA:",
     )
     if classification:
         label = (

@@ -55,8 +55,8 @@ def test_influencers_eval_example(at):
 def test_influencers_typed_prompt(at):
     _goto(at, "influencers")
     at.radio(key="infl_mode").set_value("typed").run()
-    at.text_area(key="infl_prompt").input("Q: What colour is the planet Velmora?\nA:")
-    at.text_input(key="infl_completion").input(" teal")
+    at.text_area(key="infl_prompt").input("Q: Which colour does the planet Ethmor have?\nA:")
+    at.text_input(key="infl_completion").input(" violet")
     at.slider(key="infl_topk").set_value(5)
     at.selectbox(key="infl_pre").set_value("identity")
     at.button(key="infl_go").click().run()

@@ -181,8 +181,8 @@ def test_typed_prompt_influencers_and_csv(page, server):
 
     _nav(page, "Influencers")
     page.get_by_text("Type a prompt").click()
-    page.get_by_label("Prompt", exact=True).fill("Q: What colour is the planet Velmora?\nA:")
-    page.get_by_label("Completion (the output whose origin you want explained)").fill(" teal")
+    page.get_by_label("Prompt", exact=True).fill("Q: Which colour does the planet Ethmor have?\nA:")
+    page.get_by_label("Completion (the output whose origin you want explained)").fill(" violet")
     page.get_by_label("Completion (the output whose origin you want explained)").press("Enter")
     page.get_by_role("button", name="Find influencers").click()
     expect(page.get_by_text("Proponents (pushed toward this output)")).to_be_visible()
@@ -204,6 +204,9 @@ def test_typed_prompt_influencers_and_csv(page, server):
     rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
     assert len(rows) == 20  # top 10 proponents + top 10 opponents
     assert {r["kind"] for r in rows} == {"proponent", "opponent"}
+    # ground truth of the generated sample: the two training rows that state Ethmor's colour
+    top2 = {(r["source"], int(r["row"])) for r in rows if r["kind"] == "proponent" and int(r["rank"]) <= 2}
+    assert top2 == {("planets.jsonl", 2), ("planets.jsonl", 3)}
     for r in rows:
         assert r["source"].endswith(".jsonl") and int(r["row"]) >= 1
         assert r["location"] == f"{r['source']}:{r['row']}"
