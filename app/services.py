@@ -72,6 +72,11 @@ class AppConfig:
 
     @property
     def bench_dirs(self) -> list[Path]:
+        """Folders with ``bench overhead`` JSON: TRACEPROP_BENCH_DIRS (os.pathsep-separated), or
+        the runs root's ``bench/`` then the repository's ``benchmarks/results``."""
+        env = os.environ.get("TRACEPROP_BENCH_DIRS")
+        if env:
+            return [Path(p).expanduser().resolve() for p in env.split(os.pathsep) if p]
         return [self.runs_root / BENCH_DIR, REPO / "benchmarks" / "results"]
 
 
@@ -206,7 +211,8 @@ def run_summary(cfg: AppConfig, run_dir: Path, bench: list[dict] | None = None) 
     for b in bench or []:
         bc = b.get("config", {})
         if all(bc.get(k) == tr.get(k) for k in ("k_in", "k_out", "sketch")):
-            overhead = b.get("overhead_pct")
+            overhead = b.get("overhead_pct")  # the user's own bench folder comes first
+            break
     return {
         "run": run_dir.name,
         "kind": "sample" if is_sample(cfg, run_dir) else "user",

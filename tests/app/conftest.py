@@ -22,4 +22,6 @@ def app_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(runs))
     monkeypatch.setenv("TRACEPROP_DATA_ROOT", str(data))
     monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(REPO / "sample_runs"))
+    # only this test's bench folder, not the repository's measured results
+    monkeypatch.setenv("TRACEPROP_BENCH_DIRS", str(runs / "bench"))
     return {"runs": runs, "data": data, "repo": REPO}
