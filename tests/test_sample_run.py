@@ -1,0 +1,56 @@
+"""The committed sample run opens with the current schema, its indexes are fresh (not rebuilt),
+its inputs verify, and the regeneration command reproduces its data byte for byte."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+from traceprop_engine import constants as C
+from traceprop_engine.export import verify_run
+from traceprop_engine.query import IndexSettings, open_run
+from traceprop_engine.sample_data import generate_sample_data
+from traceprop_engine.sample_run import SAMPLE_PRECONDITIONERS, default_root
+from traceprop_engine.store import Store
+
+SAMPLE = default_root() / "facts"
+
+
+def test_sample_store_has_the_current_schema_and_is_complete():
+    with Store(SAMPLE / C.STORE_FILE) as s:
+        assert s.attrs()["schema_version"] == C.SCHEMA_VERSION
+        assert s.status == C.STATUS_COMPLETED and s.n_records > 0 and s.has_covariance
+
+
+def test_sample_indexes_are_fresh(monkeypatch):
+    run = open_run(SAMPLE)
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("the committed index was stale and got rebuilt")
+
+    monkeypatch.setattr(run, "build_index", no_rebuild)
+    for pc in SAMPLE_PRECONDITIONERS:
+        index, ids, pre = run.index(IndexSettings(preconditioner=pc))
+        assert index.n == len(ids) == run.manifest["data"]["n_train"]
+
+
+def test_sample_inputs_verify():
+    rep = verify_run(SAMPLE)
+    assert rep["ok"], json.dumps(rep, indent=2)
+
+
+def test_sample_data_regenerates_identically(tmp_path):
+    generate_sample_data(tmp_path, seed=0)
+    committed = default_root() / "facts-data"
+    for p in sorted(committed.rglob("*")):
+        if p.is_file():
+            assert filecmp.cmp(p, tmp_path / p.relative_to(committed), shallow=False), p
+
+
+def test_sample_answers_a_fact_with_the_rows_that_state_it():
+    run = open_run(SAMPLE)
+    res = run.query("Q: Which colour does the planet Ethmor have?\nA:", " violet", top_k=2, opponents=False)
+    assert {(s, int(r)) for s, r in zip(res.rows["source"], res.rows["row"], strict=True)} == {
+        ("planets.jsonl", 2), ("planets.jsonl", 3)}
+    assert Path(SAMPLE / "sample_quality.json").exists()
