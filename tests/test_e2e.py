@@ -89,7 +89,7 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path):
     assert p.returncode == 2 and "invalid choice" in p.stderr
 
 
-@pytest.mark.parametrize("cmd", [["train"], ["index"], ["query"], ["bench", "overhead"], ["bench", "query"], ["audit"], ["verify"], ["info"], ["runs"], ["sample"], ["compact"], ["eval", "lds"], ["eval", "detect"]])
+@pytest.mark.parametrize("cmd", [["train"], ["index"], ["query"], ["bench", "overhead"], ["bench", "query"], ["audit"], ["verify"], ["info"], ["runs"], ["sample"], ["compact"], ["rank"], ["eval", "lds"], ["eval", "detect"]])
 def test_every_command_documents_itself(cmd, capsys):
     from traceprop_engine.cli import main
 

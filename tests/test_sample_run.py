@@ -54,3 +54,18 @@ def test_sample_answers_a_fact_with_the_rows_that_state_it():
     assert {(s, int(r)) for s, r in zip(res.rows["source"], res.rows["row"], strict=True)} == {
         ("planets.jsonl", 2), ("planets.jsonl", 3)}
     assert Path(SAMPLE / "sample_quality.json").exists()
+
+
+def test_rank_puts_the_planted_rumours_first(tmp_path):
+    import polars as pl
+
+    from traceprop_engine.cli import main
+
+    for by in ("loss", "self-influence"):
+        out = tmp_path / f"{by}.csv"
+        assert main(["rank", str(SAMPLE), "--by", by, "--csv", str(out)]) == 0
+        df = pl.read_csv(out)
+        assert df.height == open_run(SAMPLE).manifest["data"]["n_train"]
+        assert list(df["rank"][:3]) == [1, 2, 3]
+        # 6 rumours among 154 rows: at random about 0.2 would land in the top 5
+        assert (df["source"][:5] == "rumours.jsonl").sum() >= 2, df.head(5)

@@ -44,6 +44,19 @@ def register(sub) -> None:
     c.add_argument("--out", help="output file (default RUN/factors-c{rank}.h5)")
     c.set_defaults(func=_cmd_compact)
 
+    r = sub.add_parser("rank", help="rank training examples without a query: self-influence, gradient norm, training loss",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Query-independent rankings used by audits (e.g. to look for mislabelled or odd "
+                       "examples): self-influence tau(i, i) = |H^-1/2 S_i|^2 under the chosen preconditioner, the raw "
+                       "sketch norm (a gradient-norm proxy), or the example's last recorded training loss. Highest first. "
+                       "See benchmarks/EVAL.md for how well each finds planted problems.")
+    r.add_argument("run", help="run directory")
+    r.add_argument("--by", default="self-influence", choices=["self-influence", "gradient-norm", "loss"])
+    r.add_argument("--preconditioner", default="kfac", choices=["identity", "kfac", "ekfac"])
+    r.add_argument("--top-k", type=int, default=20)
+    r.add_argument("--csv", help="write the full ranking as CSV")
+    r.set_defaults(func=_cmd_rank)
+
     s = sub.add_parser("sample", help="regenerate the bundled sample data and run deterministically", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Regenerate sample_runs/facts-data (invented facts with ground truth) and sample_runs/facts "
                        "(a tracked tiny GPT-NeoX fine-tune on it, indexed with kfac, identity and ekfac). Seeded; one torch thread.")
@@ -79,6 +92,35 @@ def _cmd_verify(a) -> int:
         print(f"{rep['model']['status']:<8} model {rep['model'].get('dir', '')}")
         print("verified: nothing changed" if rep["ok"] else "MISMATCH: the run's inputs changed since training")
     return 0 if rep["ok"] else 3
+
+
+def _cmd_rank(a) -> int:
+    import numpy as np
+    import polars as pl
+
+    from .query import IndexSettings, open_run
+
+    run = open_run(a.run)
+    if a.by == "loss":
+        rec = run.store.records()
+        df = pl.DataFrame({"example_id": rec["example_index"], "step": rec["step"], "loss": rec["loss"]})
+        df = df.sort("step").group_by("example_id").agg(pl.col("loss").last())
+        col = "loss"
+    else:
+        df = run.self_influence(IndexSettings(preconditioner=a.preconditioner))
+        col = "self_influence" if a.by == "self-influence" else "gradient_norm"
+    ex = run.examples().select("example_id", "source", "row", "sha256", "text")
+    df = df.join(ex, on="example_id", how="left").sort(col, descending=True, nulls_last=True)
+    df = df.with_columns(pl.Series("rank", np.arange(1, df.height + 1)))
+    for n in run.notes:
+        print(f"note: {n}", file=sys.stderr)
+    print(f"{'rank':>4} {col:>15}  {'source:row':<28} text")
+    for row in df.head(a.top_k).iter_rows(named=True):
+        text = " ".join(str(row["text"]).split())[:60]
+        print(f"{row['rank']:>4} {row[col]:>15.6g}  {row['source'] + ':' + str(row['row']):<28} {text}")
+    if a.csv:
+        df.write_csv(a.csv)
+    return 0
 
 
 def _cmd_compact(a) -> int:
