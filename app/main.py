@@ -24,6 +24,7 @@ pages = [
     st.Page("views/launch.py", title="Launch", icon="🚀"),
     st.Page("views/influencers.py", title="Influencers", icon="🔎"),
     st.Page("views/overhead.py", title="Overhead", icon="⏱️"),
+    st.Page("views/quality.py", title="Quality", icon="📈"),
     st.Page("views/audit.py", title="Audit", icon="🧾"),
 ]
 nav = st.navigation(pages)

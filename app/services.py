@@ -276,6 +276,27 @@ def read_bench(cfg: AppConfig) -> list[tuple[str, dict]]:
     return out
 
 
+def read_lds(cfg: AppConfig) -> list[tuple[str, dict, pl.DataFrame]]:
+    """``(folder name, plotly figure dict, results table)`` of every ``traceprop eval lds`` output
+    (a folder with ``figure.json`` and ``results.csv``) directly under the bench folders."""
+    out = []
+    for d in cfg.bench_dirs:
+        if not d.is_dir():
+            continue
+        for sub in sorted(p for p in d.iterdir() if p.is_dir()):
+            fig_p, csv_p = sub / "figure.json", sub / "results.csv"
+            if not (fig_p.exists() and csv_p.exists()):
+                continue
+            try:
+                fig = json.loads(fig_p.read_text())
+                table = pl.read_csv(csv_p)
+            except (OSError, json.JSONDecodeError, pl.exceptions.PolarsError):
+                continue
+            if "lds" in table.columns and isinstance(fig, dict) and "data" in fig:
+                out.append((sub.name, fig, table))
+    return out
+
+
 def step_times(run_dir: Path) -> pl.DataFrame:
     """Per-step wall time (ms) of a run: from the store's timings, else from progress.jsonl."""
     from traceprop_engine.store import Store

@@ -189,3 +189,22 @@ def test_every_page_says_so_when_there_are_no_runs(tmp_path, monkeypatch):
         _goto(at, page)
     _goto(at, "influencers")
     assert any("No run to query" in w.value for w in at.warning)
+
+
+def test_quality_page_without_results_says_how_to_make_them(at):
+    _goto(at, "quality")
+    assert any("traceprop eval lds" in i.value for i in at.info)
+
+
+def test_quality_page_shows_the_measured_lds(app_env, monkeypatch):
+    # the repository's committed LDS results (benchmarks/results/lds-*)
+    monkeypatch.setenv("TRACEPROP_BENCH_DIRS", str(REPO / "benchmarks" / "results"))
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    _goto(at, "quality")
+    assert at.selectbox(key="quality_eval").value.startswith("lds-")
+    table = at.dataframe[0].value
+    assert {"method", "k", "lds", "ci_low", "ci_high"} <= set(table.columns)
+    assert ((table["lds"] > -1) & (table["lds"] < 1)).all()
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["data"]

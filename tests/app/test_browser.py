@@ -218,8 +218,9 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
     from playwright.sync_api import expect
 
     _nav(page, "Launch")
+    # long enough (≈ 240 steps, several seconds) that the live progress is seen before the end
     for label, value in (
-        ("Epochs", "2"),
+        ("Epochs", "12"),
         ("Max length (tokens)", "32"),
         ("Tiny model layers", "1"),
         ("Tiny model width", "32"),
@@ -256,6 +257,12 @@ def test_overhead_and_audit_pages(page, server):
     expect(page.get_by_text("Tracked vs plain (overhead benchmark)")).to_be_visible()
     expect(page.get_by_test_id("stPlotlyChart").nth(4)).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "overhead.png"), full_page=True)
+    _nav(page, "Quality")
+    expect(page.get_by_text("Attribution quality (LDS)")).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart").first).to_be_visible()
+    expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
+    page.wait_for_timeout(500)  # let the table's canvas paint before the screenshot
+    page.screenshot(path=str(ARTIFACTS / "quality.png"), full_page=True)
     _nav(page, "Audit")
     page.get_by_role("button", name="Verify").click()
     expect(page.get_by_text("match the manifest")).to_be_visible()
