@@ -181,3 +181,15 @@ def test_influence_by_source_sums_all_scores(run_dir):
     agg = run.influence_by_source(res, s)
     assert agg["examples"].sum() == run.store.manifest["data"]["n_train"]
     assert set(agg["source"]) <= set(run.examples()["source"])
+
+
+def test_a_model_that_does_not_match_the_store_is_refused(data, run_dir, tmp_path):
+    from traceprop_engine import ModelMismatchError
+
+    other = train(fast_settings(data, tmp_path / "other", tiny_width=32))
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "model")
+    shutil.copytree(other / "model", copy / "model")  # same layer names, other widths
+    with pytest.raises(ModelMismatchError, match="does not match the store"):
+        open_run(copy).query("Q: a\nA:", " b")
