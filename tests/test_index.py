@@ -138,7 +138,7 @@ def test_errors_and_small_n():
     assert (i[0, 5:] == -1).all() and np.isneginf(s[0, 5:]).all()
     with pytest.raises(ConfigError, match="dimension"):
         idx.search(np.zeros((1, 9)), 3)
-    with pytest.raises(ConfigError, match="choose one of"):
+    with pytest.raises(ConfigError, match="index kind must be one of"):
         build_index(x, 8, 5, kind="lsh")
     with pytest.raises(StoreError, match="announced"):
         build_index(x, 8, 6, kind="flat")

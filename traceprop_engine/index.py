@@ -38,6 +38,7 @@ import faiss
 import numpy as np
 
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
+from traceprop_engine.settings import parse_choice
 
 __all__ = [
     "AUTO_FLAT_MAX",
@@ -82,11 +83,7 @@ class IndexKind(str, Enum):
 
 
 def _parse_kind(kind: IndexKind | str) -> IndexKind:
-    try:
-        return IndexKind(kind)
-    except ValueError as e:
-        allowed = ", ".join(k.value for k in IndexKind)
-        raise ConfigError(f"unknown index kind {kind!r}; choose one of: {allowed}") from e
+    return parse_choice(IndexKind, kind, "index kind")
 
 
 def default_nlist(n: int) -> int:

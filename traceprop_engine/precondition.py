@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from traceprop_engine.errors import ConfigError, StoreError
+from traceprop_engine.settings import parse_choice
 
 __all__ = [
     "DEFAULT_DAMPING",
@@ -78,11 +79,7 @@ class PreconditionerKind(str, Enum):
 
 
 def _parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
-    try:
-        return PreconditionerKind(kind)
-    except ValueError as e:
-        allowed = ", ".join(k.value for k in PreconditionerKind)
-        raise ConfigError(f"unknown preconditioner kind {kind!r}; choose one of: {allowed}") from e
+    return parse_choice(PreconditionerKind, kind, "preconditioner")
 
 
 def _check_damping(damping: float | None) -> float:

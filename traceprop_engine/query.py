@@ -36,7 +36,7 @@ from .losses import example_losses
 from .models import collate, encode_example, load_saved_model, model_inputs
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 from .run import read_manifest
-from .settings import SketchKind
+from .settings import SketchKind, parse_choice
 from .store import open_run_store
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class IndexSettings:
     kind: IndexKind = IndexKind.AUTO
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "preconditioner", PreconditionerKind(self.preconditioner))
-        object.__setattr__(self, "kind", IndexKind(self.kind))
+        object.__setattr__(self, "preconditioner", parse_choice(PreconditionerKind, self.preconditioner, "preconditioner"))
+        object.__setattr__(self, "kind", parse_choice(IndexKind, self.kind, "index kind"))
 
     @property
     def name(self) -> str:

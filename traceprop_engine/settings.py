@@ -19,7 +19,8 @@ class Task(str, Enum):
     CLASSIFICATION = "classification"
 
 
-def _choice(enum: type[Enum], value: object, what: str) -> Enum:
+def parse_choice(enum: type[Enum], value: object, what: str) -> Enum:
+    """``enum(value)``, or a ConfigError that lists the allowed values."""
     try:
         return enum(value)
     except ValueError:
@@ -58,7 +59,7 @@ class TrackSettings:
     buffer_records: int = 2048
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sketch", _choice(SketchKind, self.sketch, "sketch"))
+        object.__setattr__(self, "sketch", parse_choice(SketchKind, self.sketch, "sketch"))
         for name in ("k_in", "k_out", "dense_k", "dense_nnz", "buffer_records"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -106,7 +107,7 @@ class TrainSettings:
     max_steps: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "task", _choice(Task, self.task, "task"))
+        object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))
         checks = {
             "epochs": self.epochs >= 1,
             "batch_size": self.batch_size >= 1,
