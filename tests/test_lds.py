@@ -184,3 +184,27 @@ def test_resume_retrains_nothing_twice_and_matches_a_straight_run(data, tmp_path
     # a resume with other settings is refused instead of mixing two evaluations
     with pytest.raises(ConfigError, match="other settings"):
         run_lds(_settings(data, tmp_path / "resumed", alpha=0.25))
+
+
+def test_lossless_compact_method_has_the_full_sketch_lds(data, tmp_path):
+    """At c = min(k_out, k_in) the factored (compact-storage) scores are the full-sketch scores,
+    so every eval example's Spearman correlation, and the LDS, are the same."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    s = _settings(
+        data, tmp_path / "ev", compact=((4, "kfac", 4), (4, "identity", 4), (4, "kfac", 1))
+    )
+    r = run_lds(s)
+    rows = {(row["family"], row["method"]): row for row in r.rows}
+    for p in ("kfac", "identity"):
+        full, fac = rows[("factored", p)], rows[("factored-c", f"{p} c=4")]
+        assert fac.get("error") is None, fac.get("error")
+        assert fac["k"] == 4 and fac["c"] == 4 and fac["lossless"]
+        np.testing.assert_allclose(fac["per_example"], full["per_example"], atol=TOL)
+        assert fac["lds"] == pytest.approx(full["lds"], abs=TOL)
+    lossy = rows[("factored-c", "kfac c=1")]
+    assert not lossy["lossless"] and -1 <= lossy["lds"] <= 1
+    assert (tmp_path / "ev" / "runs" / "k4" / "factors-c4.h5").exists()
+    csv = (tmp_path / "ev" / "results.csv").read_text()
+    assert "kfac c=4,factored-c,4,kfac,4," in csv
+    fig = json.loads((tmp_path / "ev" / "figure.json").read_text())
+    assert "kfac c=4 (k=4)" in fig["data"][0]["x"]

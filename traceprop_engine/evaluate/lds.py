@@ -23,6 +23,8 @@ comparable. The data order follows the training loop's own seed policy
     eval.json            settings of the evaluation (a resume with other settings is refused)
     base_model/          the shared initial model and tokenizer
     runs/k8, runs/k4...  tracked attribution runs (one per k), runs/dense (dense, last block)
+    runs/k8/factors-c1.h5  rank-c factors of a run's sketches (compact storage, ``LdsSettings.compact``;
+                         scoring only: added or rebuilt on a resume without any retraining)
     subsets.json         per subset: seed, member example ids, their sha256, a digest
     losses/subset_007.npy  eval losses of subset 7's model (written atomically, tmp + rename)
     progress.json        subsets done, seconds per subset
@@ -64,6 +66,18 @@ RUNS_DIR = "runs"
 WORK_DIR = "work"
 DENSE_RUN = "dense"
 PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac")
+COMPACT_FAMILY = "factored-c"
+COMPACT_PRECONDITIONERS = ("identity", "kfac", "ekfac")  # cosine needs the full vectors
+# (k, preconditioner, c): compact-storage (LoRIF rank-c factor) methods scored from the k runs
+COMPACT_METHODS: tuple[tuple[int, str, int], ...] = (
+    (8, "kfac", 1),
+    (8, "kfac", 2),
+    (8, "kfac", 4),
+    (8, "identity", 1),
+    (16, "kfac", 1),
+    (16, "kfac", 2),
+    (16, "kfac", 4),
+)
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -86,6 +100,11 @@ class LdsSettings:
         workers: subset retrains run in parallel in this many processes (1 = in this process).
         bootstrap: bootstrap resamples for the interval.
         damping: preconditioner damping (``None``: the engine's default).
+        compact: compact-storage methods, ``(k, preconditioner, c)``: the k run's sketches are
+            compacted to rank-``c`` factors (``runs/k{k}/factors-c{c}.h5``, reused on a resume)
+            and scored with :func:`traceprop_engine.compact.factor_scores` (family
+            ``factored-c``, method ``"{preconditioner} c={c}"``). Entries whose k is not in the
+            sweep are skipped. Scoring only: not part of the settings a resume checks.
     """
 
     train: TrainSettings
@@ -100,12 +119,25 @@ class LdsSettings:
     workers: int = 1
     bootstrap: int = 2000
     damping: float | None = None
+    compact: tuple[tuple[int, str, int], ...] = COMPACT_METHODS
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "k_values", tuple(sorted({int(k) for k in self.k_values} | {int(self.main_k)}))
         )
         problems = []
+        try:
+            compact = tuple((int(k), str(p), int(c)) for k, p, c in self.compact)
+        except (TypeError, ValueError):
+            compact = ()
+            problems.append(f"compact={self.compact!r} ((k, preconditioner, c) triples)")
+        object.__setattr__(self, "compact", compact)
+        for k, p, c in compact:
+            if p not in COMPACT_PRECONDITIONERS or c < 1 or k < 1:
+                problems.append(
+                    f"compact entry {(k, p, c)} (preconditioner one of {COMPACT_PRECONDITIONERS}, "
+                    "k and c positive)"
+                )
         if self.n_subsets < 2:
             problems.append(
                 f"n_subsets={self.n_subsets} (need at least 2 subsets for a rank correlation)"
@@ -127,6 +159,7 @@ class LdsSettings:
         d["k_values"] = list(self.k_values)
         d.pop("workers")  # how fast, not what: a resume may use another worker count
         d.pop("bootstrap")
+        d.pop("compact")  # scoring only: a resume may add compact methods without retraining
         return d
 
 
@@ -596,6 +629,77 @@ def _fix_dense_sign_dtype(run) -> None:
             layer.dense_sign = layer.dense_sign.float()
 
 
+def _factor_file(store, rank: int, run_dir: Path) -> Path:
+    """``run_dir/factors-c{rank}.h5``, built from the run's store unless a valid one is there."""
+    from ..compact import FactorStore, compact_store, factor_file_name
+    from ..errors import IndexStaleError, StoreError
+
+    path = run_dir / factor_file_name(rank)
+    if path.exists():
+        try:
+            with FactorStore(path) as fs:
+                fs.check_source(store)
+                if fs.n_records == store.n_records:
+                    return path
+        except (StoreError, IndexStaleError) as e:
+            log.warning("%s cannot be reused (%s); rebuilding it", path, e)
+    log.info("compacting %s to rank %d", run_dir.name, rank)
+    return compact_store(store, rank, out=path)
+
+
+def _compact_methods(
+    s: LdsSettings,
+    run_dir: Path,
+    k: int,
+    entries: Sequence[tuple[str, int]],
+    eval_ids: list[int],
+    n_train: int,
+):
+    """Compact-storage methods of one factored run: rank-c factor files scored by ``factor_scores``.
+
+    The test side is the same as the full-sketch method's (the run's query sketches, the
+    preconditioner of the run's persisted index for that kind), so at ``c = min(k_out, k_in)``
+    the scores equal the full-sketch scores up to float32 storage round-off.
+    """
+    from ..compact import FactorStore, factor_scores
+    from ..query import IndexSettings, open_run
+
+    run = open_run(run_dir)
+    try:
+        sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+        n_layers = len(sketches[0])
+        tests = [np.concatenate([sk[li] for sk in sketches]) for li in range(n_layers)]
+        for p, c in entries:
+            row = {
+                "method": f"{p} c={c}",
+                "family": COMPACT_FAMILY,
+                "k": k,
+                "preconditioner": p,
+                "c": c,
+            }
+            try:
+                pre = None
+                if p != "identity":
+                    _, _, pre = run.index(IndexSettings(preconditioner=p, damping=s.damping))
+                with FactorStore(_factor_file(run.store, c, run_dir)) as fs:
+                    es = factor_scores(tests, fs, pre, dtype=np.float64, with_bound=False)
+                    row["factor_bytes_per_record"] = fs.nbytes_per_record()
+                    row["lossless"] = fs.lossless
+                    row["relative_residual"] = [layer.relative_residual for layer in fs.layers]
+            except Exception as e:  # noqa: BLE001 - a method that cannot be scored is reported, not fatal
+                log.warning("%s/%s c=%d cannot be scored: %s", run_dir.name, p, c, e)
+                yield {**row, "scores": None, "error": f"{type(e).__name__}: {e}"}
+                continue
+            scores = np.zeros((len(eval_ids), n_train), np.float64)
+            scores[:, es.example_ids] = es.scores
+            row["full_bytes_per_record"] = 4 * sum(
+                int(np.prod(layer.record_shape)) for layer in run.store.layers
+            )
+            yield {**row, "scores": scores}
+    finally:
+        run.close()
+
+
 def _score_methods(
     s: LdsSettings, run_dirs: dict[str, Path], eval_ids: list[int], n_train: int, progress
 ):
@@ -646,6 +750,9 @@ def _score_methods(
             for m in attribution(rd, "factored", k, PRECONDITIONERS):
                 m["family"] = "factored" if k == s.main_k else "k-sweep"
                 yield m
+            entries = [(p, c) for kk, p, c in s.compact if kk == k]
+            if entries:
+                yield from _compact_methods(s, rd, k, entries, eval_ids, n_train)
         if progress:
             progress("scoring", list(run_dirs).index(name) + 1, len(run_dirs))
 
@@ -703,6 +810,7 @@ def _write_results(
         "what": "LDS: mean over eval examples of Spearman(sum of scores over subset, -loss of the model retrained on it); "
         "95% percentile bootstrap interval over eval examples",
         "settings": s.to_dict(),
+        "compact": [list(m) for m in s.compact],
         "n_subsets": s.n_subsets,
         "alpha": s.alpha,
         "n_eval": int(losses.shape[1]),
@@ -716,6 +824,7 @@ def _write_results(
         "family",
         "k",
         "preconditioner",
+        "c",
         "lds",
         "ci_low",
         "ci_high",
@@ -732,6 +841,13 @@ def _write_results(
     _atomic_write_text(eval_dir / FIGURE_FILE, lds_figure(table).to_json())
 
 
+def _bar_label(row: dict) -> str:
+    """The bar's x label; rows of a family scored at several k (compact storage) name their k."""
+    if row.get("family") in ("factored", "k-sweep", "dense", "baseline"):
+        return row["method"]
+    return f"{row['method']} (k={row['k']})" if row.get("k") is not None else row["method"]
+
+
 def lds_figure(table: list[dict]):
     """Plotly figure: LDS ± CI per method (main table) and the k sweep per preconditioner."""
     import plotly.graph_objects as go
@@ -740,11 +856,11 @@ def lds_figure(table: list[dict]):
     fig = make_subplots(
         rows=1, cols=2, subplot_titles=("LDS by method (95% CI)", "k sweep (k_in = k_out)")
     )
-    table = [r for r in table if not np.isnan(r["lds"])]
-    main = [r for r in table if r["family"] != "k-sweep"]
+    table = [r for r in table if r["lds"] is not None and not np.isnan(r["lds"])]
+    main = [r for r in table if r.get("family") != "k-sweep"]
     fig.add_trace(
         go.Bar(
-            x=[r["method"] for r in main],
+            x=[_bar_label(r) for r in main],
             y=[r["lds"] for r in main],
             error_y={
                 "type": "data",
@@ -758,7 +874,7 @@ def lds_figure(table: list[dict]):
         row=1,
         col=1,
     )
-    sweep = [r for r in table if r["family"] in ("factored", "k-sweep")]
+    sweep = [r for r in table if r.get("family") in ("factored", "k-sweep")]
     for p in PRECONDITIONERS:
         pts = sorted((r for r in sweep if r["preconditioner"] == p), key=lambda r: r["k"])
         if pts:
