@@ -348,3 +348,14 @@ def test_bf16_autocast_gradients_are_projected_in_fp32():
     for layer, x, y in zip(layers, got, ref, strict=True):
         assert torch.all(torch.isfinite(x))
         assert float((x - y).norm() / y.norm()) < 0.05, layer.name
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_records_each_example_once(tmp_path, reentrant):
+    """Activation checkpointing re-runs forwards inside backward: still one exact sketch per example."""
+    model = tiny_neox()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()  # checkpointing is active in training mode (dropout is 0 in this config)
+    store, _ = check_causal(tmp_path, model, TrackSettings(k_in=4, k_out=6))
+    _, mask, _, _ = causal_batch()
+    assert store.covariance(0)["n_tokens"] == int(mask.sum())  # A counted once, not per re-run
