@@ -181,7 +181,9 @@ class Capture:
             if layer.dense_index is not None:
                 layer._dense_index = layer.dense_index.to(device)
                 layer._dense_sign = layer.dense_sign.to(device)
-            if self.covariance and layer.A is None:
+            # dense layers have no Kronecker factors to precondition with, and full d×d
+            # statistics per token would cost more than the training step: none recorded
+            if self.covariance and layer.A is None and layer.sketch is SketchKind.FACTORED:
                 layer.A = torch.zeros(layer.k_in, layer.k_in, device=device)
                 layer.S = torch.zeros(layer.k_out, layer.k_out, device=device)
                 layer.a_tokens = torch.zeros((), device=device, dtype=torch.float64)

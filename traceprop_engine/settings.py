@@ -43,7 +43,8 @@ class TrackSettings:
             per-example gradient + sparse JL projection to ``dense_k`` numbers).
         dense_k: output size of the dense sketch.
         dense_nnz: non-zeros per input coordinate of the sparse JL matrix.
-        covariance: accumulate K-FAC statistics ``A``, ``S`` in the projected space.
+        covariance: accumulate K-FAC statistics ``A``, ``S`` in the projected space (factored
+            sketches only: dense layers have no Kronecker factors).
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
