@@ -134,3 +134,28 @@ def test_progress_lines_have_eta(data, tmp_path):
     lines = [json.loads(x) for x in (run / "progress.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == lines[-1]["total"] and lines[-1]["eta_s"] == 0
     assert all({"loss", "examples_per_s", "epoch"} <= set(x) for x in lines)
+
+
+def test_an_error_mid_run_marks_it_failed_and_keeps_a_readable_store(data, tmp_path):
+    def boom(line):
+        if line["step"] == 3:
+            raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        train(fast_settings(data, tmp_path / "crash", epochs=2), on_progress=boom)
+    m = read_manifest(tmp_path / "crash")
+    assert m["status"] == "failed" and "disk on fire" in m["error"]
+    store = Store(tmp_path / "crash" / "store.h5")
+    assert store.status == "failed" and store.is_partial and store.n_records == 3 * 8
+    assert store.covariance(0)["n_tokens"] > 0  # what was accumulated is kept
+
+
+def test_a_killed_run_reads_as_failed(data, tmp_path):
+    run = train(fast_settings(data, tmp_path / "k"))
+    m = json.loads((run / "run.json").read_text())
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that no longer exists
+    m.update(status="running", pid=p.pid)
+    (run / "run.json").write_text(json.dumps(m))
+    got = read_manifest(run)
+    assert got["status"] == "failed" and "without updating its status" in got["error"]
