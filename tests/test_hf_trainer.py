@@ -226,3 +226,18 @@ def test_finish_run_makes_a_queryable_run(setup, tmp_path):
     run = open_run(run_dir)
     res = run.query("Q: What colour is the planet X?\nA:", " teal", top_k=3)
     assert res.proponents.height == 3 and res.rows["example_id"].max() < N
+
+
+def test_finish_run_saves_a_peft_base_built_from_a_config(setup, tmp_path):
+    from traceprop_engine.integrations.hf_trainer import finish_run
+    from traceprop_engine.query import open_run
+
+    base, tok, enc = setup
+    cfg = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["query_key_value"], init_lora_weights=False)
+    model = get_peft_model(copy.deepcopy(base), cfg)
+    run_dir = tmp_path / "hflora"
+    run_dir.mkdir()
+    _run_trainer(model, tok, enc, run_dir / "store.h5", lr=1e-3, accum=1)
+    finish_run(run_dir, model, tok, max_length=48)
+    assert (run_dir / "model" / "base" / "config.json").exists()
+    assert open_run(run_dir).query("Q: a\nA:", " b", top_k=2).proponents.height == 2

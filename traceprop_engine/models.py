@@ -183,7 +183,9 @@ def save_model(loaded: LoadedModel, out: Path) -> dict:
     info = {"task": loaded.task, "source": loaded.source, "peft": is_peft, "labels": loaded.labels}
     if is_peft:
         base_dir = loaded.base_source
-        if loaded.base_source == TINY:
+        # a base built here (the tiny model, or one made from a config in a user's loop) has no
+        # directory to reload it from: save it beside the adapter
+        if loaded.base_source == TINY or not Path(str(loaded.base_source)).is_dir():
             base = m.get_base_model()
             base.save_pretrained(out / "base")
             base_dir = "base"
