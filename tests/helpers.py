@@ -7,7 +7,9 @@ from pathlib import Path
 from traceprop_engine.sample_data import generate_sample_data
 from traceprop_engine.settings import TrackSettings, TrainSettings
 
-FAST = dict(epochs=1, batch_size=8, max_length=48, tiny_layers=1, tiny_width=32, tiny_vocab=300, threads=1)
+FAST = dict(
+    epochs=1, batch_size=8, max_length=48, tiny_layers=1, tiny_width=32, tiny_vocab=300, threads=1
+)
 
 
 def facts_data(root: Path) -> Path:
@@ -17,4 +19,10 @@ def facts_data(root: Path) -> Path:
 
 def fast_settings(data: Path, out: Path, **kw) -> TrainSettings:
     track = kw.pop("track", TrackSettings(k_in=4, k_out=4))
-    return TrainSettings(data=str(data / "train"), eval_data=str(data / "eval"), out=str(out), track=track, **{**FAST, **kw})
+    return TrainSettings(
+        data=str(data / "train"),
+        eval_data=str(data / "eval"),
+        out=str(out),
+        track=track,
+        **{**FAST, **kw},
+    )

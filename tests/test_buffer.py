@@ -9,7 +9,9 @@ from traceprop_engine.buffer import SketchBuffer
 
 
 def _buffer(capacity: int, sink_calls: list) -> SketchBuffer:
-    return SketchBuffer([(2, 3), (4,)], capacity, "cpu", lambda arrays, meta: sink_calls.append((arrays, meta)))
+    return SketchBuffer(
+        [(2, 3), (4,)], capacity, "cpu", lambda arrays, meta: sink_calls.append((arrays, meta))
+    )
 
 
 def _fill(buf: SketchBuffer, start: int, b: int, loss=None) -> None:

@@ -29,9 +29,15 @@ VOCAB = 97
 def tiny_neox() -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, rotary_pct=0.25,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        rotary_pct=0.25,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     return GPTNeoXForCausalLM(cfg).eval()
 
@@ -39,8 +45,14 @@ def tiny_neox() -> torch.nn.Module:
 def tiny_gpt2() -> torch.nn.Module:
     torch.manual_seed(1)
     cfg = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(cfg).eval()
 
@@ -48,9 +60,15 @@ def tiny_gpt2() -> torch.nn.Module:
 def tiny_bert_classifier() -> torch.nn.Module:
     torch.manual_seed(2)
     cfg = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, num_labels=3,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     return BertForSequenceClassification(cfg).eval()
 
@@ -115,7 +133,9 @@ def check_causal(tmp_path, model, settings):
 
     def single(b):
         n = lengths[b]
-        return lambda: causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[0]
+        return lambda: causal_lm_losses(
+            model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n]
+        )[0]
 
     ref = reference_sketches(model, layers, [single(b) for b in range(3)])
     assert len(store.layers) == len(layers)
@@ -136,20 +156,30 @@ def test_gpt_neox_factored_matches_autograd(tmp_path):
 def test_gpt2_conv1d_matches_autograd(tmp_path):
     model = tiny_gpt2()
     # lm_head is tied to the token embedding: its weight.grad mixes both uses, so leave it out
-    _, layers = check_causal(tmp_path, model, TrackSettings(k_in=5, k_out=3, scope=r"^transformer\."))
+    _, layers = check_causal(
+        tmp_path, model, TrackSettings(k_in=5, k_out=3, scope=r"^transformer\.")
+    )
     assert {layer.kind for layer in layers} == {"conv1d"}
 
 
 def test_exact_when_k_equals_width(tmp_path):
     model = tiny_neox()
-    _, layers = check_causal(tmp_path, model, TrackSettings(k_in=10_000, k_out=10_000, scope="last-block"))
+    _, layers = check_causal(
+        tmp_path, model, TrackSettings(k_in=10_000, k_out=10_000, scope="last-block")
+    )
     assert all(layer.P_in is None and layer.P_out is None for layer in layers)
     assert all(".1." in layer.name for layer in layers)
 
 
 def test_lora_layers_match_autograd(tmp_path):
     base = tiny_neox()
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query_key_value", "dense"], init_lora_weights=False)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["query_key_value", "dense"],
+        init_lora_weights=False,
+    )
     model = get_peft_model(base, cfg)
     _, layers = check_causal(tmp_path, model, TrackSettings(k_in=3, k_out=3))
     names = [layer.name for layer in layers]
@@ -163,7 +193,9 @@ def test_dense_sketch_matches_autograd(tmp_path):
 
     def run_batch(tracker):
         with tracker.step([0, 1, 2], token_mask=mask):
-            causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
+            causal_lm_losses(
+                model(input_ids=ids, attention_mask=mask).logits, labels
+            ).mean().backward()
 
     store, got = recorded(tmp_path, model, settings, run_batch)
     layers = build_layers(model, settings)
@@ -172,7 +204,9 @@ def test_dense_sketch_matches_autograd(tmp_path):
         for b in range(3):
             model.zero_grad()
             n = lengths[b]
-            causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[0].backward()
+            causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[
+                0
+            ].backward()
             flat = layer.module.weight.grad.double().flatten().numpy()
             want = np.zeros(64)
             for j in range(idx.shape[0]):
@@ -194,7 +228,9 @@ def test_classifier_matches_autograd(tmp_path):
 
     def run_batch(tracker):
         with tracker.step([0, 1, 2, 3], token_mask=mask):
-            classification_losses(model(input_ids=ids, attention_mask=mask).logits, y).mean().backward()
+            classification_losses(
+                model(input_ids=ids, attention_mask=mask).logits, y
+            ).mean().backward()
 
     _, got = recorded(tmp_path, model, settings, run_batch)
     layers = build_layers(model, settings)
@@ -202,7 +238,9 @@ def test_classifier_matches_autograd(tmp_path):
 
     def single(b):
         n = lengths[b]
-        return lambda: classification_losses(model(input_ids=ids[b : b + 1, :n]).logits, y[b : b + 1])[0]
+        return lambda: classification_losses(
+            model(input_ids=ids[b : b + 1, :n]).logits, y[b : b + 1]
+        )[0]
 
     ref = reference_sketches(model, layers, [single(b) for b in range(4)])
     for li, layer in enumerate(layers):
@@ -226,13 +264,17 @@ def test_covariance_equals_hand_computation():
     slots = [torch.zeros(3, layer.k_out, layer.k_in)]
     try:
         with Capture(model, layers) as cap, cap.batch(slots, token_mask=mask, loss_scale=3):
-            causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
+            causal_lm_losses(
+                model(input_ids=ids, attention_mask=mask).logits, labels
+            ).mean().backward()
     finally:
         h1.remove()
     a = seen["a"].double() @ layer.P_in.double().T  # (B, T, k_in)
     g = 3 * seen["g"].double() @ layer.P_out.double().T  # (B, T, k_out), per-example scale
     m = mask.bool()
-    A = sum(a[b, t][:, None] @ a[b, t][None, :] for b in range(3) for t in range(a.shape[1]) if m[b, t])
+    A = sum(
+        a[b, t][:, None] @ a[b, t][None, :] for b in range(3) for t in range(a.shape[1]) if m[b, t]
+    )
     S = sum(g[b, t][:, None] @ g[b, t][None, :] for b in range(3) for t in range(g.shape[1]))
     cov = cap.covariance_arrays()[0]
     np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
@@ -244,10 +286,15 @@ def test_hooks_idle_without_grad_and_removed_after_error(tmp_path):
     model = tiny_neox()
     n_hooks = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
     ids, mask, labels, _ = causal_batch()
-    with pytest.raises(KeyboardInterrupt), Tracker(model, tmp_path / "s.h5", TrackSettings(), background=False) as tracker:
+    with (
+        pytest.raises(KeyboardInterrupt),
+        Tracker(model, tmp_path / "s.h5", TrackSettings(), background=False) as tracker,
+    ):
         assert n_hooks() == 9
         with tracker.step([0, 1, 2], token_mask=mask), torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)  # no grad: nothing recorded, no hook on outputs
+            model(
+                input_ids=ids, attention_mask=mask
+            )  # no grad: nothing recorded, no hook on outputs
         assert all(not layer._stack for layer in tracker.layers)
         raise KeyboardInterrupt
     assert n_hooks() == 0
@@ -262,7 +309,10 @@ def _cov_run(model, layers, ids, mask, labels, token_mask, loss_scale):
     for layer in layers:  # fresh statistics per run
         layer.A = layer.S = layer.a_tokens = None
         layer.a_rows = 0
-    with Capture(model, layers) as cap, cap.batch(slots, token_mask=token_mask, loss_scale=loss_scale):
+    with (
+        Capture(model, layers) as cap,
+        cap.batch(slots, token_mask=token_mask, loss_scale=loss_scale),
+    ):
         causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
     return slots, cap.covariance_arrays()
 
@@ -283,7 +333,9 @@ def test_unpadded_mask_and_loss_scale_folding():
         np.testing.assert_allclose(c1[li]["A"], c2[li]["A"], rtol=1e-6)
         np.testing.assert_allclose(c1[li]["S"], c2[li]["S"], rtol=1e-6)
         assert c1[li]["n_tokens"] == c2[li]["n_tokens"] == 30
-        np.testing.assert_allclose(s3[li].numpy(), 3 * s2[li].numpy(), rtol=1e-5, atol=1e-7 * float(s2[li].abs().max()))
+        np.testing.assert_allclose(
+            s3[li].numpy(), 3 * s2[li].numpy(), rtol=1e-5, atol=1e-7 * float(s2[li].abs().max())
+        )
         np.testing.assert_allclose(c3[li]["A"], c2[li]["A"], rtol=1e-6)
         np.testing.assert_allclose(c3[li]["S"], 9 * c2[li]["S"], rtol=1e-5)
 
@@ -337,7 +389,10 @@ def test_bf16_autocast_gradients_are_projected_in_fp32():
 
     def run(autocast: bool):
         slots = [torch.zeros(3, layer.k_out, layer.k_in) for layer in layers]
-        with Capture(model, layers, covariance=False) as cap, cap.batch(slots, token_mask=mask, loss_scale=3):
+        with (
+            Capture(model, layers, covariance=False) as cap,
+            cap.batch(slots, token_mask=mask, loss_scale=3),
+        ):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 logits = model(input_ids=ids, attention_mask=mask).logits
             causal_lm_losses(logits, labels).mean().backward()

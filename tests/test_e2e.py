@@ -13,9 +13,16 @@ import pytest
 
 
 def cli(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "traceprop_engine", *map(str, args)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "traceprop_engine", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"traceprop {' '.join(map(str, args))} -> {p.returncode}\n{p.stderr[-3000:]}")
+        raise AssertionError(
+            f"traceprop {' '.join(map(str, args))} -> {p.returncode}\n{p.stderr[-3000:]}"
+        )
     return p
 
 
@@ -25,7 +32,12 @@ def e2e(tmp_path_factory):
     data = root / "data"
     (data / "zoo").mkdir(parents=True)
     # JSONL with a blank line (editor line numbers), and a CSV in a sub-folder
-    lines = [json.dumps({"prompt": f"Q: What does the animal Bix{i} eat?\nA:", "completion": f" food{i % 5}"}) for i in range(24)]
+    lines = [
+        json.dumps(
+            {"prompt": f"Q: What does the animal Bix{i} eat?\nA:", "completion": f" food{i % 5}"}
+        )
+        for i in range(24)
+    ]
     lines.insert(5, "")
     (data / "animals.jsonl").write_text("\n".join(lines) + "\n")
     with open(data / "zoo" / "keepers.csv", "w", newline="") as f:
@@ -34,8 +46,31 @@ def e2e(tmp_path_factory):
         for i in range(16):
             w.writerow([f"Q: Who keeps the pen Z{i}?\nA:", f" keeper{i % 3}"])
     run = root / "run"
-    cli("train", "--data", data, "--out", run, "--epochs", 2, "--tiny-layers", 1, "--tiny-width", 32, "--tiny-vocab", 300,
-        "--max-length", 48, "--k-in", 4, "--k-out", 4, "--threads", 1, "--eval-fraction", 0.1)
+    cli(
+        "train",
+        "--data",
+        data,
+        "--out",
+        run,
+        "--epochs",
+        2,
+        "--tiny-layers",
+        1,
+        "--tiny-width",
+        32,
+        "--tiny-vocab",
+        300,
+        "--max-length",
+        48,
+        "--k-in",
+        4,
+        "--k-out",
+        4,
+        "--threads",
+        1,
+        "--eval-fraction",
+        0.1,
+    )
     return root, data, run, lines
 
 
@@ -44,14 +79,29 @@ def test_train_index_query_csv_carry_lineage(e2e):
     p = cli("index", run)
     assert "vectors" in p.stdout
     out_csv, out_json = root / "top.csv", root / "top.json"
-    p = cli("query", run, "--prompt", "Q: What does the animal Bix3 eat?\nA:", "--completion", " food3", "--top-k", 5,
-            "--opponents", "--csv", out_csv, "--json", out_json)
+    p = cli(
+        "query",
+        run,
+        "--prompt",
+        "Q: What does the animal Bix3 eat?\nA:",
+        "--completion",
+        " food3",
+        "--top-k",
+        5,
+        "--opponents",
+        "--csv",
+        out_csv,
+        "--json",
+        out_json,
+    )
     assert "proponent" in p.stdout and "score > 0: proponent" in p.stdout
     with open(out_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     js = json.loads(out_json.read_text())
     assert len(rows) == len(js) == 10
-    assert {"rank", "score", "example_id", "source", "row", "sha256", "text", "kind"} <= set(rows[0])
+    assert {"rank", "score", "example_id", "source", "row", "sha256", "text", "kind"} <= set(
+        rows[0]
+    )
     assert {r["kind"] for r in rows} == {"proponent", "opponent"}
     for r in rows:
         if r["source"] == "animals.jsonl":
@@ -67,7 +117,18 @@ def test_train_index_query_csv_carry_lineage(e2e):
 def test_audit_and_verify(e2e):
     root, data, run, _ = e2e
     trail = root / "trail.json"
-    cli("audit", run, "--prompt", "Q: Who keeps the pen Z2?\nA:", "--completion", " keeper2", "--out", trail, "--csv", root / "trail.csv")
+    cli(
+        "audit",
+        run,
+        "--prompt",
+        "Q: Who keeps the pen Z2?\nA:",
+        "--completion",
+        " keeper2",
+        "--out",
+        trail,
+        "--csv",
+        root / "trail.csv",
+    )
     t = json.loads(trail.read_text())
     assert t["model_fingerprint"] and t["data_manifest_sha256"] and t["influencers"]
     assert {"example_id", "source", "row", "sha256", "score", "rank"} <= set(t["influencers"][0])
@@ -89,7 +150,25 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path):
     assert p.returncode == 2 and "invalid choice" in p.stderr
 
 
-@pytest.mark.parametrize("cmd", [["train"], ["index"], ["query"], ["bench", "overhead"], ["bench", "query"], ["audit"], ["verify"], ["info"], ["runs"], ["sample"], ["compact"], ["rank"], ["eval", "lds"], ["eval", "detect"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["train"],
+        ["index"],
+        ["query"],
+        ["bench", "overhead"],
+        ["bench", "query"],
+        ["audit"],
+        ["verify"],
+        ["info"],
+        ["runs"],
+        ["sample"],
+        ["compact"],
+        ["rank"],
+        ["eval", "lds"],
+        ["eval", "detect"],
+    ],
+)
 def test_every_command_documents_itself(cmd, capsys):
     from traceprop_engine.cli import main
 

@@ -233,7 +233,13 @@ def test_finish_run_saves_a_peft_base_built_from_a_config(setup, tmp_path):
     from traceprop_engine.query import open_run
 
     base, tok, enc = setup
-    cfg = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["query_key_value"], init_lora_weights=False)
+    cfg = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        lora_dropout=0.0,
+        target_modules=["query_key_value"],
+        init_lora_weights=False,
+    )
     model = get_peft_model(copy.deepcopy(base), cfg)
     run_dir = tmp_path / "hflora"
     run_dir.mkdir()

@@ -27,12 +27,28 @@ def test_local_gpt2_directory_trains_tracks_conv1d_and_queries(data, tmp_path):
 
     examples, _ = load_examples(data / "train")
     tok = train_tokenizer([e.full_text() for e in examples], 300)
-    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=tok.pad_token_id)
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=tok.pad_token_id,
+    )
     model_dir = tmp_path / "gpt2-tiny"
     GPT2LMHeadModel(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    run = train(fast_settings(data, tmp_path / "run", model=str(model_dir), track=TrackSettings(k_in=4, k_out=4, scope=r"^transformer\.")))
+    run = train(
+        fast_settings(
+            data,
+            tmp_path / "run",
+            model=str(model_dir),
+            track=TrackSettings(k_in=4, k_out=4, scope=r"^transformer\."),
+        )
+    )
     m = read_manifest(run)
     assert m["status"] == "completed" and m["model"]["source"] == str(model_dir.resolve())
     assert {layer["kind"] for layer in m["tracking"]["layers"]} == {"conv1d"}
@@ -42,9 +58,19 @@ def test_local_gpt2_directory_trains_tracks_conv1d_and_queries(data, tmp_path):
 
 def test_minilm_classification_run(tmp_path):
     generate_classification_data(tmp_path / "cls", seed=0, n=48)
-    s = TrainSettings(data=str(tmp_path / "cls" / "train.jsonl"), eval_data=str(tmp_path / "cls" / "eval.jsonl"),
-                      out=str(tmp_path / "run"), model="minilm", task="classification", epochs=1, batch_size=8,
-                      max_length=32, max_steps=2, threads=1, track=TrackSettings(k_in=4, k_out=4, scope="classifier|layer\\.5\\.output"))
+    s = TrainSettings(
+        data=str(tmp_path / "cls" / "train.jsonl"),
+        eval_data=str(tmp_path / "cls" / "eval.jsonl"),
+        out=str(tmp_path / "run"),
+        model="minilm",
+        task="classification",
+        epochs=1,
+        batch_size=8,
+        max_length=32,
+        max_steps=2,
+        threads=1,
+        track=TrackSettings(k_in=4, k_out=4, scope="classifier|layer\\.5\\.output"),
+    )
     run = train(s)
     m = read_manifest(run)
     assert m["status"] == "completed" and m["model"]["labels"] == ["negative", "positive"]

@@ -24,7 +24,9 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_dir(data, tmp_path_factory):
-    return train(fast_settings(data, tmp_path_factory.mktemp("runs") / "r", epochs=2, tiny_width=64))
+    return train(
+        fast_settings(data, tmp_path_factory.mktemp("runs") / "r", epochs=2, tiny_width=64)
+    )
 
 
 def per_example_sketches(store):
@@ -64,7 +66,10 @@ def reference_scores(store, test, kind, damping=0.1):
             c = (raw**2).sum() / n_rec / (np.trace(S) * np.trace(A))
             S = c * S
             k_out, k_in = t.shape
-            H = np.kron(S + damping * np.trace(S) / k_out * np.eye(k_out), A + damping * np.trace(A) / k_in * np.eye(k_in))
+            H = np.kron(
+                S + damping * np.trace(S) / k_out * np.eye(k_out),
+                A + damping * np.trace(A) / k_in * np.eye(k_in),
+            )
             Hinv = np.linalg.inv(H)  # row-major vec: vec(S_hat)[a*k_in + b]
             total += X.reshape(len(X), -1) @ Hinv @ t.reshape(-1)
         else:  # ekfac
@@ -90,13 +95,17 @@ def test_index_scores_equal_brute_force(run_dir, kind):
     order = np.argsort(-ref)[:5]
     got = res.proponents
     assert list(got["example_id"]) == [int(ids[i]) for i in order]
-    np.testing.assert_allclose(got["score"].to_numpy(), ref[order], rtol=RTOL, atol=RTOL * np.abs(ref).max())
+    np.testing.assert_allclose(
+        got["score"].to_numpy(), ref[order], rtol=RTOL, atol=RTOL * np.abs(ref).max()
+    )
     opp = res.opponents
     order_neg = np.argsort(ref)[:5]
     assert list(opp["example_id"]) == [int(ids[i]) for i in order_neg]
     # per-layer shares add up to the score
     for r in got.iter_rows(named=True):
-        assert sum(json.loads(r["layer_scores"]).values()) == pytest.approx(r["score"], rel=1e-3, abs=1e-6)
+        assert sum(json.loads(r["layer_scores"]).values()) == pytest.approx(
+            r["score"], rel=1e-3, abs=1e-6
+        )
 
 
 def test_query_sketch_equals_stored_record_and_ranks_itself_first(data, tmp_path):
@@ -123,7 +132,11 @@ def test_trained_examples_mostly_rank_themselves_first(run_dir):
     run = open_run(run_dir)
     ids = run.examples().filter(run.examples()["split"] == "train")["example_id"].to_list()
     s = IndexSettings(preconditioner="kfac")
-    hits = sum(int(run.query(eval_example=e, top_k=1, opponents=False, settings=s).rows["example_id"][0]) == e for e in ids)
+    hits = sum(
+        int(run.query(eval_example=e, top_k=1, opponents=False, settings=s).rows["example_id"][0])
+        == e
+        for e in ids
+    )
     assert hits / len(ids) > 0.5
 
 
@@ -166,7 +179,9 @@ def test_partial_run_is_queryable_and_says_so(data, tmp_path):
         if line["step"] == 2:
             stop.requested = True
 
-    run_dir = train(fast_settings(data, tmp_path / "partial", epochs=3), on_progress=on_progress, stop=stop)
+    run_dir = train(
+        fast_settings(data, tmp_path / "partial", epochs=3), on_progress=on_progress, stop=stop
+    )
     run = open_run(run_dir)
     res = run.query(eval_example=int(run.eval_examples()["example_id"][0]), top_k=3)
     assert res.rows.height > 0

@@ -50,9 +50,13 @@ def test_sample_data_regenerates_identically(tmp_path):
 
 def test_sample_answers_a_fact_with_the_rows_that_state_it():
     run = open_run(SAMPLE)
-    res = run.query("Q: Which colour does the planet Ethmor have?\nA:", " violet", top_k=2, opponents=False)
+    res = run.query(
+        "Q: Which colour does the planet Ethmor have?\nA:", " violet", top_k=2, opponents=False
+    )
     assert {(s, int(r)) for s, r in zip(res.rows["source"], res.rows["row"], strict=True)} == {
-        ("planets.jsonl", 2), ("planets.jsonl", 3)}
+        ("planets.jsonl", 2),
+        ("planets.jsonl", 3),
+    }
     assert Path(SAMPLE / "sample_quality.json").exists()
 
 

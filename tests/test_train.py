@@ -28,7 +28,9 @@ def test_completed_run_writes_everything(data, tmp_path):
     run = train(fast_settings(data, tmp_path / "run", epochs=2))
     m = read_manifest(run)
     assert m["status"] == "completed"
-    assert (run / "model" / "model.safetensors").exists() and (run / "model" / "tokenizer.json").exists()
+    assert (run / "model" / "model.safetensors").exists() and (
+        run / "model" / "tokenizer.json"
+    ).exists()
     store = Store(run / "store.h5")
     n_train = m["data"]["n_train"]
     assert store.n_records == 2 * n_train and not store.is_partial
@@ -38,7 +40,9 @@ def test_completed_run_writes_everything(data, tmp_path):
     assert len(ids) == n_train and set(counts) == {2}
     assert np.all(rec["lr"] > 0) and np.all(np.isfinite(rec["loss"]))
     ex = store.examples()
-    assert set(ex["split"]) == {"train", "eval"} and len(ex["source"]) == n_train + m["data"]["n_eval"]
+    assert (
+        set(ex["split"]) == {"train", "eval"} and len(ex["source"]) == n_train + m["data"]["n_eval"]
+    )
     # lineage: source relative to the data root, editor line numbers, and the exact tokens
     assert ex["source"][0].endswith(".jsonl") and "/" not in ex["source"][0] and ex["row"][0] >= 1
     toks, mask = store.tokens(0)
@@ -61,7 +65,9 @@ def test_stop_flag_leaves_a_readable_partial_store(data, tmp_path):
         if line["step"] == 3:
             stop.requested, stop.reason = True, "test"
 
-    run = train(fast_settings(data, tmp_path / "cancel", epochs=3), on_progress=on_progress, stop=stop)
+    run = train(
+        fast_settings(data, tmp_path / "cancel", epochs=3), on_progress=on_progress, stop=stop
+    )
     m = read_manifest(run)
     assert m["status"] == "cancelled"
     store = Store(run / "store.h5")
@@ -73,9 +79,31 @@ def test_stop_flag_leaves_a_readable_partial_store(data, tmp_path):
 
 def test_sigterm_cancels_a_cli_run(data, tmp_path):
     out = tmp_path / "sig"
-    cmd = [sys.executable, "-m", "traceprop_engine", "train", "--data", str(data / "train"), "--out", str(out),
-           "--epochs", "50", "--tiny-layers", "1", "--tiny-width", "32", "--tiny-vocab", "300", "--max-length", "48", "--threads", "1"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "traceprop_engine",
+        "train",
+        "--data",
+        str(data / "train"),
+        "--out",
+        str(out),
+        "--epochs",
+        "50",
+        "--tiny-layers",
+        "1",
+        "--tiny-width",
+        "32",
+        "--tiny-vocab",
+        "300",
+        "--max-length",
+        "48",
+        "--threads",
+        "1",
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.time() + 60
     while time.time() < deadline and len(read_progress(out)) < 2:
         time.sleep(0.2)
@@ -99,7 +127,9 @@ def test_existing_run_is_not_overwritten(data, tmp_path):
 def test_bad_data_fails_with_file_and_line_and_marks_the_run(tmp_path):
     d = tmp_path / "bad"
     d.mkdir()
-    (d / "a.jsonl").write_text('{"prompt": "Q", "completion": " A"}\n{"prompt": "Q2", "completion": \n')
+    (d / "a.jsonl").write_text(
+        '{"prompt": "Q", "completion": " A"}\n{"prompt": "Q2", "completion": \n'
+    )
     with pytest.raises(DataError, match=r"a\.jsonl:2"):
         train(TrainSettings(data=str(d), out=str(tmp_path / "run"), track=TrackSettings()))
     assert read_manifest(tmp_path / "run")["status"] == "failed"
@@ -116,16 +146,22 @@ def test_bad_settings_are_rejected_with_allowed_values(tmp_path):
 
 
 def test_scope_matching_nothing_lists_the_layers(data, tmp_path):
-    with pytest.raises(ConfigError, match="matches no trainable linear layer; layers are: gpt_neox"):
+    with pytest.raises(
+        ConfigError, match="matches no trainable linear layer; layers are: gpt_neox"
+    ):
         train(fast_settings(data, tmp_path / "x", track=TrackSettings(scope="nothing_like_this")))
 
 
 def test_lora_run_tracks_adapters_and_saves_the_adapter(data, tmp_path):
-    run = train(fast_settings(data, tmp_path / "lora", lora_rank=2, track=TrackSettings(k_in=4, k_out=4)))
+    run = train(
+        fast_settings(data, tmp_path / "lora", lora_rank=2, track=TrackSettings(k_in=4, k_out=4))
+    )
     m = read_manifest(run)
     names = [layer["name"] for layer in m["tracking"]["layers"]]
     assert names and all("lora_" in n for n in names)
-    assert (run / "model" / "adapter_config.json").exists() and (run / "model" / "base" / "config.json").exists()
+    assert (run / "model" / "adapter_config.json").exists() and (
+        run / "model" / "base" / "config.json"
+    ).exists()
     assert m["model"]["trainable"] < m["model"]["parameters"]
 
 

@@ -141,10 +141,22 @@ def run_overhead_bench(
     load_before = os.getloadavg()
 
     tmp = tempfile.TemporaryDirectory(prefix="traceprop-bench-")
-    common = dict(scope=scope, k_in=k_in, k_out=k_out, sketch=sketch, dense_k=dense_k, buffer_records=buffer_records, seed=seed)
+    common = dict(
+        scope=scope,
+        k_in=k_in,
+        k_out=k_out,
+        sketch=sketch,
+        dense_k=dense_k,
+        buffer_records=buffer_records,
+        seed=seed,
+    )
     trackers = {
-        "tracked": Tracker(model, Path(tmp.name) / "tracked.h5", TrackSettings(covariance=True, **common)),
-        "logging": Tracker(model, Path(tmp.name) / "logging.h5", TrackSettings(covariance=False, **common)),
+        "tracked": Tracker(
+            model, Path(tmp.name) / "tracked.h5", TrackSettings(covariance=True, **common)
+        ),
+        "logging": Tracker(
+            model, Path(tmp.name) / "logging.h5", TrackSettings(covariance=False, **common)
+        ),
     }
     writer_acc = {name: {"writer_s": 0.0} for name in trackers}
     for name, tr in trackers.items():
@@ -159,10 +171,14 @@ def run_overhead_bench(
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps_per_arm):
             if tr is None:
-                causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).mean().backward()
+                causal_lm_losses(
+                    model(input_ids=ids, attention_mask=mask).logits, labels
+                ).mean().backward()
             else:
                 with tr.step(example_index, token_mask=mask, step=i) as rec:
-                    losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+                    losses = causal_lm_losses(
+                        model(input_ids=ids, attention_mask=mask).logits, labels
+                    )
                     losses.mean().backward()
                     rec.losses = losses
             opt.step()
@@ -251,8 +267,17 @@ def run_overhead_bench(
         "steps_per_arm": steps_per_arm,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "config": {
-            "layers": layers, "width": width, "vocab": vocab, "batch": batch, "seq": seq, "scope": scope,
-            "sketch": sketch, "k_in": k_in, "k_out": k_out, "threads": threads, "buffer_records": buffer_records,
+            "layers": layers,
+            "width": width,
+            "vocab": vocab,
+            "batch": batch,
+            "seq": seq,
+            "scope": scope,
+            "sketch": sketch,
+            "k_in": k_in,
+            "k_out": k_out,
+            "threads": threads,
+            "buffer_records": buffer_records,
             "warmup": warmup,
         },
         "pair_overheads_pct": [round(pct(x), 3) for x in ratio["tracked"]],
@@ -270,8 +295,22 @@ def run_rss_bench(data: str, epochs: int = 1, extra: list[str] | None = None) ->
     out = {}
     with tempfile.TemporaryDirectory(prefix="traceprop-rss-") as tmp:
         for arm, flags in (("plain", ["--no-track"]), ("tracked", [])):
-            cmd = [sys.executable, "-m", "traceprop_engine", "train", "--data", data, "--out", str(Path(tmp) / arm),
-                   "--epochs", str(epochs), "--threads", "1", *flags, *(extra or [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "traceprop_engine",
+                "train",
+                "--data",
+                data,
+                "--out",
+                str(Path(tmp) / arm),
+                "--epochs",
+                str(epochs),
+                "--threads",
+                "1",
+                *flags,
+                *(extra or []),
+            ]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)

@@ -196,7 +196,9 @@ def run_query_bench(
                 # does with its memory-mapped vectors.npy
                 fd, spill = tempfile.mkstemp(suffix=".npy", prefix="traceprop-bench-")
                 os.close(fd)
-                mm = np.lib.format.open_memmap(spill, mode="w+", dtype=np.float32, shape=(int(n), dim))
+                mm = np.lib.format.open_memmap(
+                    spill, mode="w+", dtype=np.float32, shape=(int(n), dim)
+                )
                 pos = 0
                 for c in chunks():
                     mm[pos : pos + len(c)] = c

@@ -76,7 +76,9 @@ class SketchBuffer:
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
-        self._flat = torch.zeros(capacity * sum(self._numels), dtype=torch.float32, device=self.device)
+        self._flat = torch.zeros(
+            capacity * sum(self._numels), dtype=torch.float32, device=self.device
+        )
         self._views = []
         off = 0
         for numel, shape in zip(self._numels, self.record_shapes, strict=True):

@@ -73,7 +73,9 @@ class TrackedLayer:
     _dense_sign: torch.Tensor | None = field(default=None, repr=False)
     A: torch.Tensor | None = field(default=None, repr=False)  # (k_in, k_in) float32 running sum
     S: torch.Tensor | None = field(default=None, repr=False)  # (k_out, k_out)
-    a_tokens: torch.Tensor | None = field(default=None, repr=False)  # float64 tokens of masked batches
+    a_tokens: torch.Tensor | None = field(
+        default=None, repr=False
+    )  # float64 tokens of masked batches
     a_rows: int = 0  # tokens of unmasked batches (a host count: no device op per step)
     _stack: list = field(default_factory=list, repr=False)
     _fired: bool = False
@@ -99,14 +101,18 @@ def find_layers(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modu
     found = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, Conv1D)) and getattr(m, "weight", None) is not None and m.weight.requires_grad
+        if isinstance(m, (nn.Linear, Conv1D))
+        and getattr(m, "weight", None) is not None
+        and m.weight.requires_grad
     ]
     if scope == "all":
         chosen = found
     elif scope == "last-block":
         blocks = [int(b.group(1)) for n, _ in found if (b := _BLOCK_RE.search("." + n + "."))]
         if not blocks:
-            raise ConfigError("scope 'last-block' found no numbered blocks (names like 'layers.3.'); use a regex scope")
+            raise ConfigError(
+                "scope 'last-block' found no numbered blocks (names like 'layers.3.'); use a regex scope"
+            )
         last = max(blocks)
         chosen = [(n, m) for n, m in found if f".{last}." in f".{n}."]
     else:
@@ -137,11 +143,18 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
             layer.k_in, layer.k_out = d_in, d_out
             layer.dense_k = settings.dense_k
             layer.dense_index, layer.dense_sign = sparse_jl(
-                d_out * d_in, settings.dense_k, settings.dense_nnz, layer_seed(settings.seed, name, "dense")
+                d_out * d_in,
+                settings.dense_k,
+                settings.dense_nnz,
+                layer_seed(settings.seed, name, "dense"),
             )
         else:
-            layer.P_in = gaussian_projection(layer.k_in, d_in, layer_seed(settings.seed, name, "in"))
-            layer.P_out = gaussian_projection(layer.k_out, d_out, layer_seed(settings.seed, name, "out"))
+            layer.P_in = gaussian_projection(
+                layer.k_in, d_in, layer_seed(settings.seed, name, "in")
+            )
+            layer.P_out = gaussian_projection(
+                layer.k_out, d_out, layer_seed(settings.seed, name, "out")
+            )
         layers.append(layer)
     return layers
 
@@ -158,7 +171,9 @@ class Capture:
         covariance: accumulate ``A = Σ ã ãᵀ`` and ``S = Σ g̃ g̃ᵀ`` per layer.
     """
 
-    def __init__(self, model: nn.Module, layers: list[TrackedLayer], covariance: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[TrackedLayer], covariance: bool = True
+    ) -> None:
         self.model = model
         self.layers = layers
         self.covariance = covariance
@@ -176,8 +191,12 @@ class Capture:
         device = next(self.model.parameters()).device
         for i, layer in enumerate(self.layers):
             dtype = layer.module.weight.dtype
-            layer._P_in_T = None if layer.P_in is None else layer.P_in.T.to(device, dtype).contiguous()
-            layer._P_out_T = None if layer.P_out is None else layer.P_out.T.to(device, dtype).contiguous()
+            layer._P_in_T = (
+                None if layer.P_in is None else layer.P_in.T.to(device, dtype).contiguous()
+            )
+            layer._P_out_T = (
+                None if layer.P_out is None else layer.P_out.T.to(device, dtype).contiguous()
+            )
             if layer.dense_index is not None:
                 layer._dense_index = layer.dense_index.to(device)
                 layer._dense_sign = layer.dense_sign.to(device)
@@ -294,7 +313,9 @@ class Capture:
             g = g.unsqueeze(1)
         P = layer._P_out_T
         if P is not None:
-            if g.dtype != P.dtype:  # bf16 gradient of an fp32 layer under autocast (no autocast here)
+            if (
+                g.dtype != P.dtype
+            ):  # bf16 gradient of an fp32 layer under autocast (no autocast here)
                 g = g.to(P.dtype)
             g = torch.matmul(g, P)  # (B, T, k_out), unscaled
         if g.dtype != torch.float32:

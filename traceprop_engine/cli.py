@@ -31,32 +31,91 @@ def _add_train(sub) -> None:
     )
     p.add_argument("--data", required=True, help="training data file or directory")
     p.add_argument("--out", required=True, help="run directory to create")
-    p.add_argument("--eval-data", help="separate eval data (otherwise --eval-fraction of --data is held out)")
-    p.add_argument("--eval-fraction", type=float, default=0.1, help="held-out fraction when no --eval-data")
-    p.add_argument("--model", default="tiny", help="'tiny' (GPT-NeoX built from a config), 'minilm' (packaged encoder), or a local Hugging Face directory")
-    p.add_argument("--task", default="causal-lm", choices=["causal-lm", "classification"], help="training objective")
+    p.add_argument(
+        "--eval-data", help="separate eval data (otherwise --eval-fraction of --data is held out)"
+    )
+    p.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="held-out fraction when no --eval-data"
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (GPT-NeoX built from a config), 'minilm' (packaged encoder), or a local Hugging Face directory",
+    )
+    p.add_argument(
+        "--task",
+        default="causal-lm",
+        choices=["causal-lm", "classification"],
+        help="training objective",
+    )
     p.add_argument("--epochs", type=int, default=2, help="passes over the training data")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, linear decay to 10%%)")
+    p.add_argument(
+        "--lr", type=float, default=3e-3, help="peak learning rate (AdamW, linear decay to 10%%)"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="examples per step")
-    p.add_argument("--max-length", type=int, default=128, help="tokens per example (longer ones are truncated)")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank via peft (0 = full fine-tune); the LoRA layers are tracked")
-    p.add_argument("--lora-targets", default="all-linear", help="peft target modules: 'all-linear' or comma-separated names")
-    p.add_argument("--scope", default="all", help="tracked layers: 'all', 'last-block', or a regex on module names")
-    p.add_argument("--k-in", type=int, default=8, help="input-side projection size per layer (clamped to the layer width)")
+    p.add_argument(
+        "--max-length", type=int, default=128, help="tokens per example (longer ones are truncated)"
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA rank via peft (0 = full fine-tune); the LoRA layers are tracked",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="peft target modules: 'all-linear' or comma-separated names",
+    )
+    p.add_argument(
+        "--scope",
+        default="all",
+        help="tracked layers: 'all', 'last-block', or a regex on module names",
+    )
+    p.add_argument(
+        "--k-in",
+        type=int,
+        default=8,
+        help="input-side projection size per layer (clamped to the layer width)",
+    )
     p.add_argument("--k-out", type=int, default=8, help="output-side projection size per layer")
-    p.add_argument("--sketch", default="factored", choices=["factored", "dense"], help="factored (P_out g)(P_in a)^T or dense sparse-JL of the full gradient")
+    p.add_argument(
+        "--sketch",
+        default="factored",
+        choices=["factored", "dense"],
+        help="factored (P_out g)(P_in a)^T or dense sparse-JL of the full gradient",
+    )
     p.add_argument("--dense-k", type=int, default=512, help="dense sketch size")
-    p.add_argument("--no-covariance", action="store_true", help="do not accumulate K-FAC statistics (identity preconditioning only)")
-    p.add_argument("--no-track", action="store_true", help="the same loop with nothing recorded (baseline)")
-    p.add_argument("--buffer-records", type=int, default=2048, help="records held on the device between host transfers")
-    p.add_argument("--seed", type=int, default=0, help="seed of data order, model init and projections")
+    p.add_argument(
+        "--no-covariance",
+        action="store_true",
+        help="do not accumulate K-FAC statistics (identity preconditioning only)",
+    )
+    p.add_argument(
+        "--no-track", action="store_true", help="the same loop with nothing recorded (baseline)"
+    )
+    p.add_argument(
+        "--buffer-records",
+        type=int,
+        default=2048,
+        help="records held on the device between host transfers",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of data order, model init and projections"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = all epochs)")
+    p.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many steps (0 = all epochs)"
+    )
     p.add_argument("--tiny-layers", type=int, default=4, help="layers of the tiny model")
     p.add_argument("--tiny-width", type=int, default=256, help="width of the tiny model")
-    p.add_argument("--tiny-vocab", type=int, default=1024, help="tokenizer vocabulary of the tiny model")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing (finished) run in --out")
+    p.add_argument(
+        "--tiny-vocab", type=int, default=1024, help="tokenizer vocabulary of the tiny model"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing (finished) run in --out"
+    )
     p.set_defaults(func=_cmd_train)
 
 
@@ -67,14 +126,36 @@ def _cmd_train(a) -> int:
     track = None
     if not a.no_track:
         track = TrackSettings(
-            scope=a.scope, k_in=a.k_in, k_out=a.k_out, sketch=a.sketch, dense_k=a.dense_k,
-            covariance=not a.no_covariance, seed=a.seed, buffer_records=a.buffer_records,
+            scope=a.scope,
+            k_in=a.k_in,
+            k_out=a.k_out,
+            sketch=a.sketch,
+            dense_k=a.dense_k,
+            covariance=not a.no_covariance,
+            seed=a.seed,
+            buffer_records=a.buffer_records,
         )
     s = TrainSettings(
-        data=a.data, out=a.out, model=a.model, task=a.task, eval_data=a.eval_data, eval_fraction=a.eval_fraction,
-        epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, max_length=a.max_length, lora_rank=a.lora_rank,
-        lora_targets=a.lora_targets, seed=a.seed, track=track, threads=a.threads, device=a.device,
-        max_steps=a.max_steps, tiny_layers=a.tiny_layers, tiny_width=a.tiny_width, tiny_vocab=a.tiny_vocab,
+        data=a.data,
+        out=a.out,
+        model=a.model,
+        task=a.task,
+        eval_data=a.eval_data,
+        eval_fraction=a.eval_fraction,
+        epochs=a.epochs,
+        lr=a.lr,
+        batch_size=a.batch_size,
+        max_length=a.max_length,
+        lora_rank=a.lora_rank,
+        lora_targets=a.lora_targets,
+        seed=a.seed,
+        track=track,
+        threads=a.threads,
+        device=a.device,
+        max_steps=a.max_steps,
+        tiny_layers=a.tiny_layers,
+        tiny_width=a.tiny_width,
+        tiny_vocab=a.tiny_vocab,
     )
     run_dir = train(s, overwrite=a.overwrite)
     from .run import read_manifest
@@ -82,31 +163,60 @@ def _cmd_train(a) -> int:
     m = read_manifest(run_dir)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if m["status"] == C.STATUS_COMPLETED else 130
-    print(f"{m['status']}: {run_dir}  ({m.get('store', {}).get('n_records', 0)} records, eval loss {m.get('metrics', {}).get('eval_loss')})")
+    print(
+        f"{m['status']}: {run_dir}  ({m.get('store', {}).get('n_records', 0)} records, eval loss {m.get('metrics', {}).get('eval_loss')})"
+    )
     return 0 if m["status"] == C.STATUS_COMPLETED else 130
 
 
 # -- index / query ----------------------------------------------------------------------------------
 def _add_index_flags(p) -> None:
-    p.add_argument("--preconditioner", default="kfac", choices=["identity", "kfac", "ekfac"], help="H^-1 approximation")
-    p.add_argument("--damping", type=float, default=None, help="damping as a fraction of each factor's mean eigenvalue (default 0.1)")
+    p.add_argument(
+        "--preconditioner",
+        default="kfac",
+        choices=["identity", "kfac", "ekfac"],
+        help="H^-1 approximation",
+    )
+    p.add_argument(
+        "--damping",
+        type=float,
+        default=None,
+        help="damping as a fraction of each factor's mean eigenvalue (default 0.1)",
+    )
     p.add_argument("--cosine", action="store_true", help="cosine scores (normalised vectors)")
-    p.add_argument("--per-record", action="store_true", help="one vector per record (example x epoch) instead of per example")
-    p.add_argument("--index-kind", default="auto", choices=["auto", "flat", "ivf", "ivfpq", "hnsw"], help="FAISS index (auto: exact up to 200k vectors)")
+    p.add_argument(
+        "--per-record",
+        action="store_true",
+        help="one vector per record (example x epoch) instead of per example",
+    )
+    p.add_argument(
+        "--index-kind",
+        default="auto",
+        choices=["auto", "flat", "ivf", "ivfpq", "hnsw"],
+        help="FAISS index (auto: exact up to 200k vectors)",
+    )
 
 
 def _index_settings(a):
     from .query import IndexSettings
 
-    return IndexSettings(preconditioner=a.preconditioner, damping=a.damping, cosine=a.cosine,
-                         per_record=a.per_record, kind=a.index_kind)
+    return IndexSettings(
+        preconditioner=a.preconditioner,
+        damping=a.damping,
+        cosine=a.cosine,
+        per_record=a.per_record,
+        kind=a.index_kind,
+    )
 
 
 def _add_index(sub) -> None:
-    p = sub.add_parser("index", help="fit the preconditioner and build the FAISS index of a run",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Build RUN/index/<name>/ (preconditioner.npz, vectors.npy, index.faiss) from "
-                       "RUN/store.h5. A fresh index is reused; a stale one (store changed) is rebuilt.")
+    p = sub.add_parser(
+        "index",
+        help="fit the preconditioner and build the FAISS index of a run",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Build RUN/index/<name>/ (preconditioner.npz, vectors.npy, index.faiss) from "
+        "RUN/store.h5. A fresh index is reused; a stale one (store changed) is rebuilt.",
+    )
     p.add_argument("run", help="run directory")
     _add_index_flags(p)
     p.add_argument("--rebuild", action="store_true", help="rebuild even when a fresh index exists")
@@ -136,26 +246,39 @@ def _cmd_index(a) -> int:
         print(f"note: {n}", file=sys.stderr)
     s = _index_settings(a)
     index, ids, pre = run.index(s, rebuild=a.rebuild, progress=_bar_progress())
-    print(f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.dir / C.INDEX_DIR / s.name}")
+    print(
+        f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.dir / C.INDEX_DIR / s.name}"
+    )
     return 0
 
 
 def _add_query(sub) -> None:
-    p = sub.add_parser("query", help="rank training examples by influence on a prompt (+ completion)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Compute the query's sketch on the run's final model, precondition it and search "
-                       "the index. score > 0: proponent (pushed the model toward this output); score < 0: opponent.")
+    p = sub.add_parser(
+        "query",
+        help="rank training examples by influence on a prompt (+ completion)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Compute the query's sketch on the run's final model, precondition it and search "
+        "the index. score > 0: proponent (pushed the model toward this output); score < 0: opponent.",
+    )
     p.add_argument("run", help="run directory")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="the test prompt (causal LM) or text (classification)")
-    g.add_argument("--eval-example", type=int, help="use stored example N (its exact training tokens) as the query")
+    g.add_argument(
+        "--eval-example",
+        type=int,
+        help="use stored example N (its exact training tokens) as the query",
+    )
     p.add_argument("--completion", help="the completion whose origin to explain (causal LM)")
     p.add_argument("--label", help="the label to explain (classification)")
     p.add_argument("--top-k", type=int, default=10, help="rows per kind")
-    p.add_argument("--opponents", action="store_true", help="also list opponents (most negative scores)")
+    p.add_argument(
+        "--opponents", action="store_true", help="also list opponents (most negative scores)"
+    )
     p.add_argument("--csv", help="write the full rows as CSV")
     p.add_argument("--json", help="write the full rows as JSON (a list of objects)")
-    p.add_argument("--by-source", action="store_true", help="also print influence aggregated by source file")
+    p.add_argument(
+        "--by-source", action="store_true", help="also print influence aggregated by source file"
+    )
     _add_index_flags(p)
     p.set_defaults(func=_cmd_query)
 
@@ -166,12 +289,23 @@ def _cmd_query(a) -> int:
 
     run = open_run(a.run)
     s = _index_settings(a)
-    res = run.query(a.prompt, a.completion, eval_example=a.eval_example, label=a.label, top_k=a.top_k,
-                    opponents=a.opponents, settings=s)
+    res = run.query(
+        a.prompt,
+        a.completion,
+        eval_example=a.eval_example,
+        label=a.label,
+        top_k=a.top_k,
+        opponents=a.opponents,
+        settings=s,
+    )
     for n in res.notes:
         print(f"note: {n}", file=sys.stderr)
-    print(f"query: {json.dumps({k: res.query.get(k) for k in ('prompt', 'completion', 'label', 'eval_example') if res.query.get(k) is not None})}")
-    print(f"{res.sign_note}\npreconditioner {s.preconditioner.value}, {res.query['n_vectors']} vectors, {res.elapsed_ms:.0f} ms")
+    print(
+        f"query: {json.dumps({k: res.query.get(k) for k in ('prompt', 'completion', 'label', 'eval_example') if res.query.get(k) is not None})}"
+    )
+    print(
+        f"{res.sign_note}\npreconditioner {s.preconditioner.value}, {res.query['n_vectors']} vectors, {res.elapsed_ms:.0f} ms"
+    )
     _print_table(res.rows)
     if a.by_source:
         print("\ninfluence by source file:")
@@ -193,14 +327,19 @@ def _print_table(rows) -> None:
     for r in rows.iter_rows(named=True):
         text = " ".join(str(r["text"]).split())
         text = text if len(text) <= width else text[: width - 1] + "…"
-        print(f"{r['kind']:<10} {r['rank']:>4} {r['score']:>11.4g}  {r['source'] + ':' + str(r['row']):<28} {text}")
+        print(
+            f"{r['kind']:<10} {r['rank']:>4} {r['score']:>11.4g}  {r['source'] + ':' + str(r['row']):<28} {text}"
+        )
 
 
 # -- runs / info ------------------------------------------------------------------------------------
 def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="describe a run: status, data, model, tracked layers, store",
-                       description="Print a run's status, data (files, counts), model, tracked layers and store summary; "
-                       "a partial store (cancelled or failed run) is reported as such. --json prints the whole manifest.")
+    p = sub.add_parser(
+        "info",
+        help="describe a run: status, data, model, tracked layers, store",
+        description="Print a run's status, data (files, counts), model, tracked layers and store summary; "
+        "a partial store (cancelled or failed run) is reported as such. --json prints the whole manifest.",
+    )
     p.add_argument("run", help="run directory")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.set_defaults(func=_cmd_info)
@@ -216,14 +355,20 @@ def _cmd_info(a) -> int:
         return 0
     print(f"run {m.get('run_id')}  status {m.get('status')}  created {m.get('created')}")
     d = m.get("data", {})
-    print(f"data {d.get('root')}  ({d.get('n_train')} train / {d.get('n_eval')} eval, {len(d.get('files', {}))} files)")
+    print(
+        f"data {d.get('root')}  ({d.get('n_train')} train / {d.get('n_eval')} eval, {len(d.get('files', {}))} files)"
+    )
     mo = m.get("model", {})
-    print(f"model {mo.get('source')}  task {mo.get('task')}  params {mo.get('parameters')} (trainable {mo.get('trainable')})")
+    print(
+        f"model {mo.get('source')}  task {mo.get('task')}  params {mo.get('parameters')} (trainable {mo.get('trainable')})"
+    )
     if (Path(a.run) / C.STORE_FILE).exists() or m.get("shards"):
         with open_run_store(a.run, m) as st:
             size = sum(p.stat().st_size for p in Path(a.run).glob("store*.h5"))
             shards = f", {len(m['shards'])} shards" if m.get("shards") else ""
-            print(f"store ({size / 1e6:.2f} MB{shards}): {st.n_records} records, {len(st.layers)} layers, dim {st.dim}, status {st.status}")
+            print(
+                f"store ({size / 1e6:.2f} MB{shards}): {st.n_records} records, {len(st.layers)} layers, dim {st.dim}, status {st.status}"
+            )
             if st.is_partial:
                 print(f"note: {st.describe_partial()}")
     if m.get("error"):
@@ -232,9 +377,12 @@ def _cmd_info(a) -> int:
 
 
 def _add_runs(sub) -> None:
-    p = sub.add_parser("runs", help="list the runs under a folder",
-                       description="List run directories (folders with a run.json) under ROOT, newest first, with their status "
-                       "and model. A run whose process died without updating its status is shown as failed.")
+    p = sub.add_parser(
+        "runs",
+        help="list the runs under a folder",
+        description="List run directories (folders with a run.json) under ROOT, newest first, with their status "
+        "and model. A run whose process died without updating its status is shown as failed.",
+    )
     p.add_argument("root", nargs="?", default="runs", help="folder holding run directories")
     p.set_defaults(func=_cmd_runs)
 
@@ -254,10 +402,17 @@ def _cmd_runs(a) -> int:
 
 # -- bench ----------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: overhead (tracked vs plain steps), query (index latency/recall)",
-                       description="Benchmarks print medians of interleaved repeats and ratios against a baseline measured in the same run.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: overhead (tracked vs plain steps), query (index latency/recall)",
+        description="Benchmarks print medians of interleaved repeats and ratios against a baseline measured in the same run.",
+    )
     bs = p.add_subparsers(dest="bench", required=True)
-    o = bs.add_parser("overhead", help="plain vs tracked training steps, interleaved", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    o = bs.add_parser(
+        "overhead",
+        help="plain vs tracked training steps, interleaved",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     o.add_argument("--json", help="write the result JSON here")
     o.add_argument("--layers", type=int, default=4)
     o.add_argument("--width", type=int, default=256)
@@ -269,24 +424,48 @@ def _add_bench(sub) -> None:
     o.add_argument("--k-in", type=int, default=8)
     o.add_argument("--k-out", type=int, default=8)
     o.add_argument("--dense-k", type=int, default=512)
-    o.add_argument("--repeats", type=int, default=40, help="interleaved rounds (each: one step of every arm)")
+    o.add_argument(
+        "--repeats", type=int, default=40, help="interleaved rounds (each: one step of every arm)"
+    )
     o.add_argument("--threads", type=int, default=1)
-    o.add_argument("--rss-data", help="also compare peak RSS of 'traceprop train' tracked vs --no-track on this data")
+    o.add_argument(
+        "--rss-data",
+        help="also compare peak RSS of 'traceprop train' tracked vs --no-track on this data",
+    )
     o.set_defaults(func=_cmd_bench_overhead)
-    q = bs.add_parser("query", help="index build time, query latency and recall at several N", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = bs.add_parser(
+        "query",
+        help="index build time, query latency and recall at several N",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     q.add_argument("--json", help="write the result rows here")
     q.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated N")
     q.add_argument("--dim", type=int, default=1024)
     q.add_argument("--queries", type=int, default=200)
-    q.add_argument("--run", help="a run whose preconditioned vectors seed the generator (default: the sample run)")
+    q.add_argument(
+        "--run",
+        help="a run whose preconditioned vectors seed the generator (default: the sample run)",
+    )
     q.set_defaults(func=_cmd_bench_query)
 
 
 def _cmd_bench_overhead(a) -> int:
     from .bench_overhead import run_overhead_bench, run_rss_bench, summarize
 
-    r = run_overhead_bench(layers=a.layers, width=a.width, vocab=a.vocab, batch=a.batch, seq=a.seq, scope=a.scope,
-                           sketch=a.sketch, k_in=a.k_in, k_out=a.k_out, dense_k=a.dense_k, repeats=a.repeats, threads=a.threads)
+    r = run_overhead_bench(
+        layers=a.layers,
+        width=a.width,
+        vocab=a.vocab,
+        batch=a.batch,
+        seq=a.seq,
+        scope=a.scope,
+        sketch=a.sketch,
+        k_in=a.k_in,
+        k_out=a.k_out,
+        dense_k=a.dense_k,
+        repeats=a.repeats,
+        threads=a.threads,
+    )
     if a.rss_data:
         r.update(run_rss_bench(a.rss_data))
     print(summarize(r))
@@ -326,7 +505,10 @@ def _sample_run_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="traceprop", description="Training-data attribution recorded inside the training backward pass.")
+    parser = argparse.ArgumentParser(
+        prog="traceprop",
+        description="Training-data attribution recorded inside the training backward pass.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_index, _add_query, _add_info, _add_runs, _add_bench):
@@ -336,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     cli_more.register(sub)
     cli_eval.register(sub)
     a = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if a.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

@@ -22,13 +22,26 @@ from .data import sha256_file
 from .models import model_fingerprint
 from .run import library_versions, read_manifest
 
-EXPORT_COLUMNS = ["rank", "kind", "score", "example_id", "source", "row", "sha256", "text", "label", "layer_scores"]
+EXPORT_COLUMNS = [
+    "rank",
+    "kind",
+    "score",
+    "example_id",
+    "source",
+    "row",
+    "sha256",
+    "text",
+    "label",
+    "layer_scores",
+]
 
 
 def rows_for_export(result) -> pl.DataFrame:
     """The full rows of a :class:`~traceprop_engine.query.QueryResult`, in a stable column order."""
     rows = result.rows
-    cols = [c for c in EXPORT_COLUMNS if c in rows.columns] + [c for c in rows.columns if c not in EXPORT_COLUMNS]
+    cols = [c for c in EXPORT_COLUMNS if c in rows.columns] + [
+        c for c in rows.columns if c not in EXPORT_COLUMNS
+    ]
     return rows.select(cols)
 
 
@@ -48,7 +61,9 @@ def write_rows(rows: pl.DataFrame, path: str | os.PathLike, fmt: str) -> None:
 def data_manifest_hash(manifest: dict) -> str:
     """One hash over the data section of a manifest (file names and their hashes)."""
     d = manifest.get("data", {})
-    blob = json.dumps({"files": d.get("files", {}), "eval_files": d.get("eval_files", {})}, sort_keys=True)
+    blob = json.dumps(
+        {"files": d.get("files", {}), "eval_files": d.get("eval_files", {})}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -71,7 +86,11 @@ def audit_trail(run, result) -> dict:
         "notes": result.notes,
         "sign_convention": result.sign_note,
         "influencers": [
-            {k: r[k] for k in ("rank", "kind", "score", "example_id", "source", "row", "sha256") if k in r}
+            {
+                k: r[k]
+                for k in ("rank", "kind", "score", "example_id", "source", "row", "sha256")
+                if k in r
+            }
             for r in rows.iter_rows(named=True)
         ],
     }
@@ -79,10 +98,18 @@ def audit_trail(run, result) -> dict:
 
 def audit_rows(trail: dict) -> pl.DataFrame:
     """The trail's influencers as a table, each row stamped with run id, model and time (CSV form)."""
-    base = {"run_id": trail["run_id"], "model_fingerprint": trail["model_fingerprint"],
-            "data_manifest_sha256": trail["data_manifest_sha256"], "time": trail["time"],
-            "query": json.dumps(trail["query"], ensure_ascii=False, default=str)}
-    return pl.DataFrame([{**base, **inf} for inf in trail["influencers"]]) if trail["influencers"] else pl.DataFrame()
+    base = {
+        "run_id": trail["run_id"],
+        "model_fingerprint": trail["model_fingerprint"],
+        "data_manifest_sha256": trail["data_manifest_sha256"],
+        "time": trail["time"],
+        "query": json.dumps(trail["query"], ensure_ascii=False, default=str),
+    }
+    return (
+        pl.DataFrame([{**base, **inf} for inf in trail["influencers"]])
+        if trail["influencers"]
+        else pl.DataFrame()
+    )
 
 
 def verify_run(run_dir: str | os.PathLike) -> dict:
@@ -98,7 +125,9 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
     for root_key, files_key in (("root", "files"), ("eval_root", "eval_files")):
         root = Path(d.get(root_key, ""))
         rel = d.get(f"{root_key}_relative")
-        if not root.is_dir() and rel:  # the run and its data moved together (e.g. the bundled sample)
+        if (
+            not root.is_dir() and rel
+        ):  # the run and its data moved together (e.g. the bundled sample)
             root = (run_dir / rel).resolve()
         for name, want in sorted(d.get(files_key, {}).items()):
             p = root / name
@@ -106,12 +135,24 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
                 out.append({"file": str(p), "status": "missing", "expected": want, "actual": None})
                 continue
             got = sha256_file(p)
-            out.append({"file": str(p), "status": "ok" if got == want else "changed", "expected": want, "actual": got})
+            out.append(
+                {
+                    "file": str(p),
+                    "status": "ok" if got == want else "changed",
+                    "expected": want,
+                    "actual": got,
+                }
+            )
     model = {"status": "absent"}
     want = m.get("model", {}).get("fingerprint")
     if want:
         md = run_dir / C.MODEL_DIR
         got = model_fingerprint(md) if md.exists() else None
-        model = {"dir": str(md), "status": "ok" if got == want else ("missing" if got is None else "changed"), "expected": want, "actual": got}
+        model = {
+            "dir": str(md),
+            "status": "ok" if got == want else ("missing" if got is None else "changed"),
+            "expected": want,
+            "actual": got,
+        }
     ok = all(f["status"] == "ok" for f in out) and model["status"] in ("ok", "absent")
     return {"ok": ok, "run_id": m.get("run_id"), "files": out, "model": model}

@@ -18,7 +18,9 @@ def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     """
     logits = logits[:, :-1].float()  # (B, T-1, V)
     target = labels[:, 1:]  # (B, T-1)
-    tok = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")  # (B, T-1)
+    tok = F.cross_entropy(
+        logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+    )  # (B, T-1)
     n = (target != -100).sum(1).clamp(min=1)
     return tok.sum(1) / n
 

@@ -73,10 +73,14 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 1024):
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD
+    )
 
 
-def tiny_config(vocab_size: int = 1024, width: int = 256, layers: int = 4, max_positions: int = 256):
+def tiny_config(
+    vocab_size: int = 1024, width: int = 256, layers: int = 4, max_positions: int = 256
+):
     """GPT-NeoX (Pythia's architecture) sized for a 2-core CPU: 4 layers × width 256 by default."""
     from transformers import GPTNeoXConfig
 
@@ -128,7 +132,9 @@ def build_model(
     torch.manual_seed(seed)
     if source == TINY:
         if task == "classification":
-            raise ConfigError("the tiny model is a causal LM; for classification use --model minilm or a local directory")
+            raise ConfigError(
+                "the tiny model is a causal LM; for classification use --model minilm or a local directory"
+            )
         tok = train_tokenizer(texts, tiny_vocab)
         cfg = tiny_config(max(tiny_vocab, len(tok)), tiny_width, tiny_layers, max(max_length, 64))
         cfg.eos_token_id = cfg.bos_token_id = tok.eos_token_id
@@ -141,8 +147,11 @@ def build_model(
         if task == "classification":
             labels = list(labels or [])
             m = AutoModelForSequenceClassification.from_pretrained(
-                source, local_files_only=True, num_labels=len(labels),
-                id2label=dict(enumerate(labels)), label2id={lab: i for i, lab in enumerate(labels)},
+                source,
+                local_files_only=True,
+                num_labels=len(labels),
+                id2label=dict(enumerate(labels)),
+                label2id={lab: i for i, lab in enumerate(labels)},
                 ignore_mismatched_sizes=True,
             )
         else:
@@ -160,9 +169,14 @@ def apply_lora(loaded: LoadedModel, rank: int, targets: str = "all-linear") -> L
     """Wrap the model with peft LoRA adapters of ``rank`` (only the adapters are trained)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    target = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    target = (
+        targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    )
     cfg = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=target,
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=target,
         task_type=TaskType.SEQ_CLS if loaded.task == "classification" else TaskType.CAUSAL_LM,
     )
     try:
@@ -201,9 +215,15 @@ def load_saved_model(model_dir: Path, device: str | torch.device = "cpu") -> Loa
 
     info_path = model_dir / "traceprop_model.json"
     if not info_path.exists():
-        raise RunError(f"{model_dir} holds no saved model (no traceprop_model.json): the run did not reach the save step")
+        raise RunError(
+            f"{model_dir} holds no saved model (no traceprop_model.json): the run did not reach the save step"
+        )
     info = json.loads(info_path.read_text())
-    auto = AutoModelForSequenceClassification if info["task"] == "classification" else AutoModelForCausalLM
+    auto = (
+        AutoModelForSequenceClassification
+        if info["task"] == "classification"
+        else AutoModelForCausalLM
+    )
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     try:
         if info.get("peft"):
@@ -214,8 +234,12 @@ def load_saved_model(model_dir: Path, device: str | torch.device = "cpu") -> Loa
             kwargs = {}
             if info["task"] == "classification" and info.get("labels"):
                 labels = info["labels"]
-                kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                              label2id={lab: i for i, lab in enumerate(labels)}, ignore_mismatched_sizes=True)
+                kwargs = dict(
+                    num_labels=len(labels),
+                    id2label=dict(enumerate(labels)),
+                    label2id={lab: i for i, lab in enumerate(labels)},
+                    ignore_mismatched_sizes=True,
+                )
             base = auto.from_pretrained(base_path, local_files_only=True, **kwargs)
             model = PeftModel.from_pretrained(base, model_dir, is_trainable=True)
         else:
@@ -226,7 +250,14 @@ def load_saved_model(model_dir: Path, device: str | torch.device = "cpu") -> Loa
     model.eval()
     for p in model.parameters():  # the query needs gradients on the tracked layers only
         p.requires_grad_(False)
-    return LoadedModel(model, tok, info["task"], str(model_dir), labels=info.get("labels"), base_source=info.get("base"))
+    return LoadedModel(
+        model,
+        tok,
+        info["task"],
+        str(model_dir),
+        labels=info.get("labels"),
+        base_source=info.get("base"),
+    )
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -258,7 +289,9 @@ class Encoded:
     truncated: bool = False
 
 
-def encode_example(ex, tokenizer, task: str, max_length: int, label_ids: dict[str, int] | None = None) -> Encoded:
+def encode_example(
+    ex, tokenizer, task: str, max_length: int, label_ids: dict[str, int] | None = None
+) -> Encoded:
     """Tokenise one :class:`~traceprop_engine.data.Example` the way training sees it.
 
     Causal LM: ``prompt + completion + eos`` with the loss on completion and eos (or on every

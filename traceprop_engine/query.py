@@ -62,7 +62,11 @@ class IndexSettings:
     kind: IndexKind = IndexKind.AUTO
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "preconditioner", parse_choice(PreconditionerKind, self.preconditioner, "preconditioner"))
+        object.__setattr__(
+            self,
+            "preconditioner",
+            parse_choice(PreconditionerKind, self.preconditioner, "preconditioner"),
+        )
         object.__setattr__(self, "kind", parse_choice(IndexKind, self.kind, "index kind"))
 
     @property
@@ -79,8 +83,13 @@ class IndexSettings:
         return "-".join(parts)
 
     def to_dict(self) -> dict:
-        return {"preconditioner": self.preconditioner.value, "damping": self.damping, "cosine": self.cosine,
-                "per_record": self.per_record, "kind": self.kind.value}
+        return {
+            "preconditioner": self.preconditioner.value,
+            "damping": self.damping,
+            "cosine": self.cosine,
+            "per_record": self.per_record,
+            "kind": self.kind.value,
+        }
 
 
 @dataclass
@@ -115,8 +124,12 @@ class AttributionRun:
         self.dir = Path(run_dir)
         self.manifest = read_manifest(self.dir)
         if not (self.dir / C.STORE_FILE).exists() and not self.manifest.get("shards"):
-            raise RunError(f"{self.dir} has no {C.STORE_FILE}: it was trained with --no-track, or it failed before tracking began")
-        self.store = open_run_store(self.dir, self.manifest)  # a Store, or a ShardedStore for a DDP run
+            raise RunError(
+                f"{self.dir} has no {C.STORE_FILE}: it was trained with --no-track, or it failed before tracking began"
+            )
+        self.store = open_run_store(
+            self.dir, self.manifest
+        )  # a Store, or a ShardedStore for a DDP run
         self.device = device
         self._loaded = None
         self._capture_layers: list[TrackedLayer] | None = None
@@ -145,12 +158,25 @@ class AttributionRun:
         if self._examples is None:
             ex = self.store.examples()
             if not ex:  # a store written without an example table (Tracker used without lineage)
-                n = int(self.store.records()[C.REC_EXAMPLE].max()) + 1 if self.store.n_records else 0
+                n = (
+                    int(self.store.records()[C.REC_EXAMPLE].max()) + 1
+                    if self.store.n_records
+                    else 0
+                )
                 empty = np.array([""] * n, dtype=object)
-                ex = {C.EX_SOURCE: empty, C.EX_ROW: np.zeros(n, np.int64), C.EX_SHA256: empty,
-                      C.EX_SPLIT: np.array([C.SPLIT_TRAIN] * n, dtype=object), C.EX_TEXT: empty,
-                      C.EX_PROMPT: empty, C.EX_COMPLETION: empty, C.EX_LABEL: empty}
-                self._notes_extra = ["this store has no example table (no lineage): rows show example ids only"]
+                ex = {
+                    C.EX_SOURCE: empty,
+                    C.EX_ROW: np.zeros(n, np.int64),
+                    C.EX_SHA256: empty,
+                    C.EX_SPLIT: np.array([C.SPLIT_TRAIN] * n, dtype=object),
+                    C.EX_TEXT: empty,
+                    C.EX_PROMPT: empty,
+                    C.EX_COMPLETION: empty,
+                    C.EX_LABEL: empty,
+                }
+                self._notes_extra = [
+                    "this store has no example table (no lineage): rows show example ids only"
+                ]
             n = len(ex[C.EX_SOURCE])
             text = [
                 (p + c) if p or c else t
@@ -182,10 +208,16 @@ class AttributionRun:
         blob = json.dumps({"store": self.store.fingerprint, **s.to_dict()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
-    def fit_preconditioner(self, s: IndexSettings, progress: Callable[[int, int], None] | None = None) -> Preconditioner:
+    def fit_preconditioner(
+        self, s: IndexSettings, progress: Callable[[int, int], None] | None = None
+    ) -> Preconditioner:
         """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
         kind = s.preconditioner
-        if kind is not PreconditionerKind.IDENTITY and not self.store.has_covariance and self.store.sketch != "dense":
+        if (
+            kind is not PreconditionerKind.IDENTITY
+            and not self.store.has_covariance
+            and self.store.sketch != "dense"
+        ):
             raise StoreError(
                 f"{self.store.path} has no covariance (trained with --no-covariance, or the run stopped "
                 "before it was written): use --preconditioner identity"
@@ -197,15 +229,26 @@ class AttributionRun:
             cov = self.store.covariance(li) if layer.sketch != "dense" else None
             moments = None
             if kind is PreconditionerKind.EKFAC:
-                moments = EkfacMoments.from_factors(cov["A"] / cov["n_tokens"], cov["S"] / cov["n_tokens"]) if cov else EkfacMoments.dense(layer.dim)
+                moments = (
+                    EkfacMoments.from_factors(
+                        cov["A"] / cov["n_tokens"], cov["S"] / cov["n_tokens"]
+                    )
+                    if cov
+                    else EkfacMoments.dense(layer.dim)
+                )
                 for start in range(0, self.store.n_records, CHUNK):
                     moments.update(self.store.sketches(li, start, start + CHUNK))
                     if progress:
-                        progress(li * self.store.n_records + start, len(self.store.layers) * self.store.n_records)
+                        progress(
+                            li * self.store.n_records + start,
+                            len(self.store.layers) * self.store.n_records,
+                        )
             stats.append(
                 LayerStats(
-                    name=layer.name, shape=layer.record_shape,
-                    A=cov["A"] if cov else None, S=cov["S"] if cov else None,
+                    name=layer.name,
+                    shape=layer.record_shape,
+                    A=cov["A"] if cov else None,
+                    S=cov["S"] if cov else None,
                     n_tokens=int(cov["n_tokens"]) if cov else 0,
                     mean_sq_norm=None if moments is not None else self.store.sq_norm_sum(li) / n,
                     moments=moments,
@@ -220,21 +263,29 @@ class AttributionRun:
             return rec[C.REC_EXAMPLE]
         return np.unique(rec[C.REC_EXAMPLE])
 
-    def _write_vectors(self, s: IndexSettings, pre: Preconditioner, out: Path, progress) -> np.ndarray:
+    def _write_vectors(
+        self, s: IndexSettings, pre: Preconditioner, out: Path, progress
+    ) -> np.ndarray:
         """Preconditioned vectors of every example (or record) into ``vectors.npy`` (memory-mapped)."""
         rec = self.store.records()
         ids = self._vector_ids(s)
         n_rec = self.store.n_records
-        mm = np.lib.format.open_memmap(out / VECTORS_FILE, mode="w+", dtype=np.float32, shape=(len(ids), pre.dim))
+        mm = np.lib.format.open_memmap(
+            out / VECTORS_FILE, mode="w+", dtype=np.float32, shape=(len(ids), pre.dim)
+        )
         mm[:] = 0
         row_of = {int(e): i for i, e in enumerate(ids)} if not s.per_record else None
         for start in range(0, n_rec, CHUNK):
             stop = min(start + CHUNK, n_rec)
-            vec = pre.apply([self.store.sketches(li, start, stop) for li in range(len(self.store.layers))])
+            vec = pre.apply(
+                [self.store.sketches(li, start, stop) for li in range(len(self.store.layers))]
+            )
             if s.per_record:
                 mm[start:stop] = vec
             else:
-                rows = np.fromiter((row_of[int(e)] for e in rec[C.REC_EXAMPLE][start:stop]), np.int64, stop - start)
+                rows = np.fromiter(
+                    (row_of[int(e)] for e in rec[C.REC_EXAMPLE][start:stop]), np.int64, stop - start
+                )
                 w = rec[C.REC_LR][start:stop].astype(np.float32)[:, None]
                 np.add.at(mm, rows, vec * w)  # lr-weighted sum over an example's records
             if progress:
@@ -242,7 +293,11 @@ class AttributionRun:
         mm.flush()
         return ids
 
-    def build_index(self, s: IndexSettings | None = None, progress: Callable[[str, int, int], None] | None = None) -> VectorIndex:
+    def build_index(
+        self,
+        s: IndexSettings | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> VectorIndex:
         """Fit the preconditioner, write the vectors, build and persist the FAISS index."""
         s = s or IndexSettings()
         if self.store.n_records == 0:
@@ -250,9 +305,13 @@ class AttributionRun:
         out = self._index_dir(s)
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        pre = self.fit_preconditioner(s, progress and (lambda d, n: progress("preconditioner", d, n)))
+        pre = self.fit_preconditioner(
+            s, progress and (lambda d, n: progress("preconditioner", d, n))
+        )
         pre.save(out / PRECOND_FILE)
-        ids = self._write_vectors(s, pre, out, progress and (lambda d, n: progress("vectors", d, n)))
+        ids = self._write_vectors(
+            s, pre, out, progress and (lambda d, n: progress("vectors", d, n))
+        )
         np.save(out / IDS_FILE, ids)
         vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
 
@@ -261,28 +320,50 @@ class AttributionRun:
                 yield np.ascontiguousarray(vectors[i : i + 65536])
 
         index = build_index(
-            chunks, pre.dim, len(ids), kind=s.kind, normalize=s.cosine,
+            chunks,
+            pre.dim,
+            len(ids),
+            kind=s.kind,
+            normalize=s.cosine,
             fetch=lambda rows: np.asarray(vectors[np.sort(rows)]),
             progress=progress and (lambda d, n: progress("index", d, n)),
         )
         fp = self._fingerprint(s)
         index.save(out, fp)
-        meta = {"settings": s.to_dict(), "fingerprint": fp, "n_vectors": int(len(ids)), "dim": pre.dim,
-                "build_s": round(time.perf_counter() - t0, 3), "store_fingerprint": self.store.fingerprint}
+        meta = {
+            "settings": s.to_dict(),
+            "fingerprint": fp,
+            "n_vectors": int(len(ids)),
+            "dim": pre.dim,
+            "build_s": round(time.perf_counter() - t0, 3),
+            "store_fingerprint": self.store.fingerprint,
+        }
         (out / "build.json").write_text(json.dumps(meta, indent=2))
         self._indexes[s.name] = (index, ids, pre)
         return index
 
-    def index(self, s: IndexSettings | None = None, *, rebuild: bool = False, progress=None) -> tuple[VectorIndex, np.ndarray, Preconditioner]:
+    def index(
+        self, s: IndexSettings | None = None, *, rebuild: bool = False, progress=None
+    ) -> tuple[VectorIndex, np.ndarray, Preconditioner]:
         """The persisted index for ``s``; built when missing, rebuilt when stale (never used stale)."""
         s = s or IndexSettings()
         if not rebuild and s.name in self._indexes:
             return self._indexes[s.name]
         out = self._index_dir(s)
         if not rebuild and (out / "index.json").exists():
-            vectors = np.load(out / VECTORS_FILE, mmap_mode="r") if (out / VECTORS_FILE).exists() else None
+            vectors = (
+                np.load(out / VECTORS_FILE, mmap_mode="r")
+                if (out / VECTORS_FILE).exists()
+                else None
+            )
             try:
-                index = VectorIndex.load(out, self._fingerprint(s), fetch=None if vectors is None else (lambda rows: np.asarray(vectors[np.sort(rows)])))
+                index = VectorIndex.load(
+                    out,
+                    self._fingerprint(s),
+                    fetch=None
+                    if vectors is None
+                    else (lambda rows: np.asarray(vectors[np.sort(rows)])),
+                )
                 hit = (index, np.load(out / IDS_FILE), Preconditioner.load(out / PRECOND_FILE))
                 self._indexes[s.name] = hit
                 return hit
@@ -298,7 +379,9 @@ class AttributionRun:
         if self._loaded is None:
             model_dir = self.dir / C.MODEL_DIR
             if not model_dir.exists():
-                raise RunError(f"{self.dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it")
+                raise RunError(
+                    f"{self.dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it"
+                )
             self._loaded = load_saved_model(model_dir, self.device)
             modules = dict(self._loaded.model.named_modules())
             layers = []
@@ -309,19 +392,32 @@ class AttributionRun:
                 m.weight.requires_grad_(True)
                 P_in, P_out = self.store.projection(li, "in"), self.store.projection(li, "out")
                 layer = TrackedLayer(
-                    name=info.name, module=m, kind=info.kind, d_in=info.d_in, d_out=info.d_out,
-                    k_in=info.k_in, k_out=info.k_out, sketch=SketchKind(info.sketch),
+                    name=info.name,
+                    module=m,
+                    kind=info.kind,
+                    d_in=info.d_in,
+                    d_out=info.d_out,
+                    k_in=info.k_in,
+                    k_out=info.k_out,
+                    sketch=SketchKind(info.sketch),
                     P_in=None if P_in is None else torch.from_numpy(P_in),
                     P_out=None if P_out is None else torch.from_numpy(P_out),
                     dense_k=info.dense_k,
                 )
                 if info.sketch == "dense":
                     idx, sign = self.store.dense_projection(li)
-                    layer.dense_index, layer.dense_sign = torch.from_numpy(idx), torch.from_numpy(sign)
+                    layer.dense_index, layer.dense_sign = (
+                        torch.from_numpy(idx),
+                        torch.from_numpy(sign),
+                    )
                 w = m.weight
-                d_in, d_out = (w.shape[0], w.shape[1]) if info.kind == "conv1d" else (w.shape[1], w.shape[0])
+                d_in, d_out = (
+                    (w.shape[0], w.shape[1]) if info.kind == "conv1d" else (w.shape[1], w.shape[0])
+                )
                 if (d_in, d_out) != (info.d_in, info.d_out):
-                    raise self._mismatch(f"layer {info.name} is {d_in}->{d_out} in the model, {info.d_in}->{info.d_out} in the store")
+                    raise self._mismatch(
+                        f"layer {info.name} is {d_in}->{d_out} in the model, {info.d_in}->{info.d_out} in the store"
+                    )
                 layers.append(layer)
             self._capture_layers = layers
         return self._loaded
@@ -329,10 +425,18 @@ class AttributionRun:
     def _mismatch(self, detail: str):
         from .errors import ModelMismatchError
 
-        return ModelMismatchError(f"the model in {self.dir / C.MODEL_DIR} does not match the store ({detail})")
+        return ModelMismatchError(
+            f"the model in {self.dir / C.MODEL_DIR} does not match the store ({detail})"
+        )
 
-    def encode(self, prompt: str | None = None, completion: str | None = None, *, eval_example: int | None = None,
-               label: str | None = None):
+    def encode(
+        self,
+        prompt: str | None = None,
+        completion: str | None = None,
+        *,
+        eval_example: int | None = None,
+        label: str | None = None,
+    ):
         """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``."""
         loaded = self._model()
         cfg = self.manifest.get("config", {})
@@ -341,17 +445,30 @@ class AttributionRun:
         if eval_example is not None:
             ex = self.examples()
             if not 0 <= eval_example < ex.height:
-                raise QueryError(f"example {eval_example} does not exist (the run has examples 0..{ex.height - 1})")
+                raise QueryError(
+                    f"example {eval_example} does not exist (the run has examples 0..{ex.height - 1})"
+                )
             r = ex.row(eval_example, named=True)
             ids, mask = self.store.tokens(eval_example)
             from .models import Encoded
 
             lab = -1
             if self.task == "classification":
-                lab = (loaded.labels or []).index(r["label"]) if r["label"] in (loaded.labels or []) else -1
+                lab = (
+                    (loaded.labels or []).index(r["label"])
+                    if r["label"] in (loaded.labels or [])
+                    else -1
+                )
             enc = Encoded(ids.astype(np.int32), mask.astype(np.uint8), lab)
-            desc = {"eval_example": eval_example, "source": r["source"], "row": r["row"], "prompt": r["prompt"] or r["text"],
-                    "completion": r["completion"], "label": r["label"], "split": r["split"]}
+            desc = {
+                "eval_example": eval_example,
+                "source": r["source"],
+                "row": r["row"],
+                "prompt": r["prompt"] or r["text"],
+                "completion": r["completion"],
+                "label": r["label"],
+                "split": r["split"],
+            }
             return enc, desc, notes
         if self.task == "classification":
             if not (prompt or "").strip():
@@ -360,19 +477,33 @@ class AttributionRun:
             if label is None or label not in labels:
                 raise QueryError(f"a classification query needs a label, one of {labels}")
             ex = Example(source="<query>", row=1, sha256="", text=prompt, label=label)
-            enc = encode_example(ex, loaded.tokenizer, "classification", max_length, {lab: i for i, lab in enumerate(labels)})
+            enc = encode_example(
+                ex,
+                loaded.tokenizer,
+                "classification",
+                max_length,
+                {lab: i for i, lab in enumerate(labels)},
+            )
             return enc, {"prompt": prompt, "label": label}, notes
         if not (prompt or "").strip() and not (completion or "").strip():
-            raise QueryError("the prompt is empty: type a prompt (and the completion whose origin you want explained)")
+            raise QueryError(
+                "the prompt is empty: type a prompt (and the completion whose origin you want explained)"
+            )
         if completion:
-            ex = Example(source="<query>", row=1, sha256="", prompt=prompt or "", completion=completion)
+            ex = Example(
+                source="<query>", row=1, sha256="", prompt=prompt or "", completion=completion
+            )
         else:
             ex = Example(source="<query>", row=1, sha256="", text=prompt)
         enc = encode_example(ex, loaded.tokenizer, "causal-lm", max_length)
         if enc.truncated:
-            notes.append(f"the query was longer than the model's training length ({max_length} tokens) and was truncated")
+            notes.append(
+                f"the query was longer than the model's training length ({max_length} tokens) and was truncated"
+            )
         if enc.loss_mask.sum() == 0:
-            raise QueryError("the query has no target token to explain: give a completion (or a longer text)")
+            raise QueryError(
+                "the query has no target token to explain: give a completion (or a longer text)"
+            )
         return enc, {"prompt": prompt, "completion": completion}, notes
 
     def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
@@ -381,8 +512,14 @@ class AttributionRun:
         layers = self._capture_layers
         pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
         batch = collate([enc], pad, self.task, self.device)
-        slots = [torch.zeros(1, *(info.record_shape), device=self.device) for info in self.store.layers]
-        with torch.enable_grad(), Capture(loaded.model, layers, covariance=False) as cap, cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=1.0):
+        slots = [
+            torch.zeros(1, *(info.record_shape), device=self.device) for info in self.store.layers
+        ]
+        with (
+            torch.enable_grad(),
+            Capture(loaded.model, layers, covariance=False) as cap,
+            cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=1.0),
+        ):
             loss = example_losses(loaded.model(**model_inputs(batch)), batch, self.task)
             loss.sum().backward()
         loaded.model.zero_grad(set_to_none=True)
@@ -426,8 +563,21 @@ class AttributionRun:
                     continue
                 rows.append((kind, rank, int(v), float(score)))
         rows = self._rows(rows, ids, vectors, qv, pre, s)
-        q = {**desc, "run_id": self.run_id, "query_loss": qloss, "top_k": top_k, **s.to_dict(), "n_vectors": int(index.n)}
-        return QueryResult(rows, q, notes=self.notes + notes, layer_names=pre.layer_names, elapsed_ms=(time.perf_counter() - t0) * 1e3)
+        q = {
+            **desc,
+            "run_id": self.run_id,
+            "query_loss": qloss,
+            "top_k": top_k,
+            **s.to_dict(),
+            "n_vectors": int(index.n),
+        }
+        return QueryResult(
+            rows,
+            q,
+            notes=self.notes + notes,
+            layer_names=pre.layer_names,
+            elapsed_ms=(time.perf_counter() - t0) * 1e3,
+        )
 
     def _rows(self, hits, ids, vectors, qv, pre: Preconditioner, s: IndexSettings) -> pl.DataFrame:
         ex = self.examples()
@@ -442,8 +592,15 @@ class AttributionRun:
             xn = x / max(np.linalg.norm(x), 1e-30) if s.cosine else x
             shares = {name: float(np.dot(qn[sl], xn[sl])) for name, sl in pre.layer_slices.items()}
             row = {
-                "rank": rank, "kind": kind, "score": score, "example_id": e, "source": r["source"], "row": r["row"],
-                "sha256": r["sha256"], "text": r["text"], "label": r["label"],
+                "rank": rank,
+                "kind": kind,
+                "score": score,
+                "example_id": e,
+                "source": r["source"],
+                "row": r["row"],
+                "sha256": r["sha256"],
+                "text": r["text"],
+                "label": r["label"],
                 "layer_scores": json.dumps(shares),
             }
             if rec is not None:
@@ -452,9 +609,20 @@ class AttributionRun:
                 row["epoch"] = int(rec[C.REC_EPOCH][v])
             out.append(row)
         if not out:
-            return pl.DataFrame(schema={"rank": pl.Int64, "kind": pl.Utf8, "score": pl.Float64, "example_id": pl.Int64,
-                                        "source": pl.Utf8, "row": pl.Int64, "sha256": pl.Utf8, "text": pl.Utf8,
-                                        "label": pl.Utf8, "layer_scores": pl.Utf8})
+            return pl.DataFrame(
+                schema={
+                    "rank": pl.Int64,
+                    "kind": pl.Utf8,
+                    "score": pl.Float64,
+                    "example_id": pl.Int64,
+                    "source": pl.Utf8,
+                    "row": pl.Int64,
+                    "sha256": pl.Utf8,
+                    "text": pl.Utf8,
+                    "label": pl.Utf8,
+                    "layer_scores": pl.Utf8,
+                }
+            )
         return pl.DataFrame(out)
 
     def all_scores(self, qv: np.ndarray, s: IndexSettings) -> np.ndarray:
@@ -471,11 +639,17 @@ class AttributionRun:
             out[i : i + len(x)] = x @ q
         return out
 
-    def influence_by_source(self, result: QueryResult, settings: IndexSettings | None = None) -> pl.DataFrame:
+    def influence_by_source(
+        self, result: QueryResult, settings: IndexSettings | None = None
+    ) -> pl.DataFrame:
         """Total, positive and negative influence of every source file on the query (all examples)."""
         s = settings or IndexSettings()
-        enc, _, _ = self.encode(result.query.get("prompt"), result.query.get("completion"),
-                                eval_example=result.query.get("eval_example"), label=result.query.get("label"))
+        enc, _, _ = self.encode(
+            result.query.get("prompt"),
+            result.query.get("completion"),
+            eval_example=result.query.get("eval_example"),
+            label=result.query.get("label"),
+        )
         sk, _ = self.query_sketches(enc)
         _, ids, pre = self.index(s)
         scores = self.all_scores(pre.apply(sk), s)
@@ -498,7 +672,12 @@ class AttributionRun:
         s = settings or IndexSettings()
         _, ids, _ = self.index(s)
         vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
-        si = np.concatenate([np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + 65536]), x) for i in range(0, len(vectors), 65536)])
+        si = np.concatenate(
+            [
+                np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + 65536]), x)
+                for i in range(0, len(vectors), 65536)
+            ]
+        )
         return pl.DataFrame({"example_id": ids.astype(np.int64), "self_influence": si}).join(
             self.gradient_norms(), on="example_id", how="left"
         )

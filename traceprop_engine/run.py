@@ -71,12 +71,19 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
     run_dir = Path(run_dir)
     p = run_dir / C.MANIFEST_FILE
     if not p.exists():
-        raise RunError(f"{run_dir} is not a Traceprop run (no {C.MANIFEST_FILE}); runs are made by 'traceprop train'")
+        raise RunError(
+            f"{run_dir} is not a Traceprop run (no {C.MANIFEST_FILE}); runs are made by 'traceprop train'"
+        )
     try:
         m = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise RunError(f"{p} is not valid JSON ({e})") from e
-    if m.get("status") == C.STATUS_RUNNING and m.get("pid") and m.get("host") == platform.node() and not pid_alive(int(m["pid"])):
+    if (
+        m.get("status") == C.STATUS_RUNNING
+        and m.get("pid")
+        and m.get("host") == platform.node()
+        and not pid_alive(int(m["pid"]))
+    ):
         m["status"] = C.STATUS_FAILED
         m.setdefault("error", "the training process ended without updating its status (killed?)")
     return m

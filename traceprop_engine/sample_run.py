@@ -26,7 +26,9 @@ SAMPLE_NAME = "facts"
 SAMPLE_DATA = "facts-data"
 
 # sized so that the committed run stays a few MB and trains in about a minute on 2 CPU cores
-SAMPLE_SETTINGS = dict(epochs=12, lr=3e-3, batch_size=8, max_length=64, tiny_layers=2, tiny_width=128, tiny_vocab=768)
+SAMPLE_SETTINGS = dict(
+    epochs=12, lr=3e-3, batch_size=8, max_length=64, tiny_layers=2, tiny_width=128, tiny_vocab=768
+)
 SAMPLE_TRACK = dict(k_in=8, k_out=8)
 SAMPLE_PRECONDITIONERS = ("kfac", "identity", "ekfac")
 
@@ -49,8 +51,12 @@ def build_sample_run(root: Path | None = None, seed: int = 0) -> Path:
     try:
         train(
             TrainSettings(
-                data=str(data / "train"), eval_data=str(data / "eval"), out=str(run_dir), seed=seed,
-                track=TrackSettings(seed=seed, **SAMPLE_TRACK), **SAMPLE_SETTINGS,
+                data=str(data / "train"),
+                eval_data=str(data / "eval"),
+                out=str(run_dir),
+                seed=seed,
+                track=TrackSettings(seed=seed, **SAMPLE_TRACK),
+                **SAMPLE_SETTINGS,
             )
         )
     finally:
@@ -73,7 +79,11 @@ def ground_truth_hits(run, data_dir: Path, k: int = 3) -> dict:
     summary = {}
     details = []
     entries = gt.get("eval", gt.get("questions", []))
-    by_row = {int(e["row"]): e for e in entries} if isinstance(entries, list) else {int(r): e for r, e in entries.items()}
+    by_row = (
+        {int(e["row"]): e for e in entries}
+        if isinstance(entries, list)
+        else {int(r): e for r, e in entries.items()}
+    )
     for pc in SAMPLE_PRECONDITIONERS:
         hits = 0
         n = 0
@@ -82,7 +92,12 @@ def ground_truth_hits(run, data_dir: Path, k: int = 3) -> dict:
             if not truth:
                 continue
             support = {(s["source"], int(s["row"])) for s in truth.get("supporting", [])}
-            res = run.query(eval_example=int(r["example_id"]), top_k=k, opponents=False, settings=IndexSettings(preconditioner=pc))
+            res = run.query(
+                eval_example=int(r["example_id"]),
+                top_k=k,
+                opponents=False,
+                settings=IndexSettings(preconditioner=pc),
+            )
             got = {(s, int(w)) for s, w in zip(res.rows["source"], res.rows["row"], strict=True)}
             hit = bool(got & support)
             hits += hit

@@ -38,7 +38,9 @@ def sparse_jl(d: int, k: int, nnz: int, seed: int) -> tuple[torch.Tensor, torch.
     return index, sign / nnz**0.5
 
 
-def apply_sparse_jl(flat: torch.Tensor, index: torch.Tensor, sign: torch.Tensor, k: int) -> torch.Tensor:
+def apply_sparse_jl(
+    flat: torch.Tensor, index: torch.Tensor, sign: torch.Tensor, k: int
+) -> torch.Tensor:
     """``(B, D)`` -> ``(B, k)``: out[b, index[j, c]] += sign[j, c] * flat[b, c]."""
     out = flat.new_zeros(flat.shape[0], k)
     for j in range(index.shape[0]):

@@ -71,7 +71,14 @@ class StoreWriter:
         compression: HDF5 filter for the sketch datasets (``None``, ``"lzf"``, ``"gzip"``).
     """
 
-    def __init__(self, path: str | os.PathLike, layers: Sequence, manifest: dict, sketch: str, compression: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        layers: Sequence,
+        manifest: dict,
+        sketch: str,
+        compression: str | None = None,
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".h5.tmp")
@@ -88,7 +95,13 @@ class StoreWriter:
         f.attrs["manifest"] = json.dumps(manifest, sort_keys=True, default=str)
         f.attrs["layer_names"] = json.dumps([layer.name for layer in layers])
         rec = f.create_group(C.G_RECORDS)
-        for name, dt in ((C.REC_EXAMPLE, "i8"), (C.REC_STEP, "i8"), (C.REC_EPOCH, "i4"), (C.REC_LR, "f4"), (C.REC_LOSS, "f4")):
+        for name, dt in (
+            (C.REC_EXAMPLE, "i8"),
+            (C.REC_STEP, "i8"),
+            (C.REC_EPOCH, "i4"),
+            (C.REC_LR, "f4"),
+            (C.REC_LOSS, "f4"),
+        ):
             rec.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(16384,))
         lg = f.create_group(C.G_LAYERS)
         self._sketch_ds = []
@@ -96,14 +109,24 @@ class StoreWriter:
         for i, layer in enumerate(layers):
             g = lg.create_group(f"{i:03d}")
             g.attrs.update(
-                name=layer.name, kind=layer.kind, sketch=sketch, d_in=layer.d_in, d_out=layer.d_out,
-                k_in=layer.k_in, k_out=layer.k_out, dense_k=getattr(layer, "dense_k", 0),
+                name=layer.name,
+                kind=layer.kind,
+                sketch=sketch,
+                d_in=layer.d_in,
+                d_out=layer.d_out,
+                k_in=layer.k_in,
+                k_out=layer.k_out,
+                dense_k=getattr(layer, "dense_k", 0),
             )
             shape = tuple(layer.record_shape)
             self._sketch_ds.append(
                 g.create_dataset(
-                    C.L_SKETCH, shape=(0, *shape), maxshape=(None, *shape), dtype="f4",
-                    chunks=(_chunk_rows(int(np.prod(shape))), *shape), compression=compression,
+                    C.L_SKETCH,
+                    shape=(0, *shape),
+                    maxshape=(None, *shape),
+                    dtype="f4",
+                    chunks=(_chunk_rows(int(np.prod(shape))), *shape),
+                    compression=compression,
                 )
             )
             if layer.P_in is not None:
@@ -111,15 +134,28 @@ class StoreWriter:
             if layer.P_out is not None:
                 g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
             if getattr(layer, "dense_index", None) is not None:
-                g.create_dataset(C.L_DENSE_INDEX, data=layer.dense_index.numpy().astype(np.int32), compression="gzip")
-                g.create_dataset(C.L_DENSE_SIGN, data=(layer.dense_sign.numpy() > 0).astype(np.int8), compression="gzip")
+                g.create_dataset(
+                    C.L_DENSE_INDEX,
+                    data=layer.dense_index.numpy().astype(np.int32),
+                    compression="gzip",
+                )
+                g.create_dataset(
+                    C.L_DENSE_SIGN,
+                    data=(layer.dense_sign.numpy() > 0).astype(np.int8),
+                    compression="gzip",
+                )
                 g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
         f.create_group(C.G_TIMINGS)
         f.flush()
         self._lock = threading.Lock()
         self.n_records = 0
 
-    def write_examples(self, table: dict[str, Sequence], tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> None:
+    def write_examples(
+        self,
+        table: dict[str, Sequence],
+        tokens: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+    ) -> None:
         """The example table with lineage and the exact token ids / loss masks trained on.
 
         ``table`` columns: source, row, sha256, split, text, prompt, completion, label (str or
@@ -128,7 +164,15 @@ class StoreWriter:
         with self._lock:
             g = self._f.require_group(C.G_EXAMPLES)
             n = len(table[C.EX_SOURCE])
-            for col in (C.EX_SOURCE, C.EX_SHA256, C.EX_SPLIT, C.EX_TEXT, C.EX_PROMPT, C.EX_COMPLETION, C.EX_LABEL):
+            for col in (
+                C.EX_SOURCE,
+                C.EX_SHA256,
+                C.EX_SPLIT,
+                C.EX_TEXT,
+                C.EX_PROMPT,
+                C.EX_COMPLETION,
+                C.EX_LABEL,
+            ):
                 vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
                 g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
             g.create_dataset(C.EX_ROW, data=np.asarray(table[C.EX_ROW], dtype=np.int64))
@@ -149,7 +193,9 @@ class StoreWriter:
             for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
                 ds.resize(n0 + n, axis=0)
                 ds[n0 : n0 + n] = arr
-                self._sq_norm[i] += float(np.einsum("i,i->", arr.ravel(), arr.ravel(), dtype=np.float64))
+                self._sq_norm[i] += float(
+                    np.einsum("i,i->", arr.ravel(), arr.ravel(), dtype=np.float64)
+                )
             rec = self._f[C.G_RECORDS]
             for name in C.RECORD_FIELDS:
                 rec[name].resize(n0 + n, axis=0)
@@ -186,7 +232,9 @@ class StoreWriter:
     def set_attrs(self, **attrs) -> None:
         with self._lock:
             for k, v in attrs.items():
-                self._f.attrs[k] = json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict) else v
+                self._f.attrs[k] = (
+                    json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict) else v
+                )
             self._f.flush()
 
     def close(self, status: str) -> None:
@@ -249,7 +297,9 @@ class Store:
         if self.path.is_dir():
             self.path = self.path / C.STORE_FILE
         if not self.path.exists():
-            raise StoreError(f"no store at {self.path}: run 'traceprop train --out DIR' first, or check the path")
+            raise StoreError(
+                f"no store at {self.path}: run 'traceprop train --out DIR' first, or check the path"
+            )
         try:
             self._f = h5py.File(self.path, "r", locking=False)
         except OSError as e:
@@ -260,7 +310,9 @@ class Store:
         a = self._f.attrs
         if a.get("format") != C.STORE_FORMAT:
             self._f.close()
-            raise StoreError(f"{self.path} is an HDF5 file but not a Traceprop store (no format='{C.STORE_FORMAT}' attribute)")
+            raise StoreError(
+                f"{self.path} is an HDF5 file but not a Traceprop store (no format='{C.STORE_FORMAT}' attribute)"
+            )
         version = int(a.get("schema_version", -1))
         if version != C.SCHEMA_VERSION:
             self._f.close()
@@ -274,22 +326,35 @@ class Store:
             self.n_records = int(a["n_records"])
             self.sketch = str(a["sketch"])
             self.manifest = json.loads(a["manifest"])
-            self.layers = [self._layer_info(i, self._f[f"{C.G_LAYERS}/{k}"]) for i, k in enumerate(sorted(self._f[C.G_LAYERS]))]
+            self.layers = [
+                self._layer_info(i, self._f[f"{C.G_LAYERS}/{k}"])
+                for i, k in enumerate(sorted(self._f[C.G_LAYERS]))
+            ]
             for layer in self.layers:
                 have = self._f[f"{layer.group}/{C.L_SKETCH}"].shape[0]
                 if have < self.n_records:
-                    raise StoreError(f"layer {layer.name} holds {have} records, the store says {self.n_records}")
+                    raise StoreError(
+                        f"layer {layer.name} holds {have} records, the store says {self.n_records}"
+                    )
         except (KeyError, ValueError, OSError) as e:
             self._f.close()
-            raise StoreError(f"{self.path} is damaged or incomplete ({e}); re-run the training") from e
+            raise StoreError(
+                f"{self.path} is damaged or incomplete ({e}); re-run the training"
+            ) from e
 
     @staticmethod
     def _layer_info(i: int, g: h5py.Group) -> LayerInfo:
         at = g.attrs
         return LayerInfo(
-            index=i, name=str(at["name"]), kind=str(at["kind"]), sketch=str(at["sketch"]),
-            d_in=int(at["d_in"]), d_out=int(at["d_out"]), k_in=int(at["k_in"]),
-            k_out=int(at["k_out"]), dense_k=int(at["dense_k"]),
+            index=i,
+            name=str(at["name"]),
+            kind=str(at["kind"]),
+            sketch=str(at["sketch"]),
+            d_in=int(at["d_in"]),
+            d_out=int(at["d_out"]),
+            k_in=int(at["k_in"]),
+            k_out=int(at["k_out"]),
+            dense_k=int(at["dense_k"]),
         )
 
     # -- state ------------------------------------------------------------------------------
@@ -305,7 +370,11 @@ class Store:
         return (
             f"this store is partial (status '{self.status}'): it holds the {self.n_records} records "
             f"written before the run stopped; scores cover only the examples seen so far"
-            + ("" if self.has_covariance else ", and it has no covariance (identity preconditioning only)")
+            + (
+                ""
+                if self.has_covariance
+                else ", and it has no covariance (identity preconditioning only)"
+            )
         )
 
     @property
@@ -350,7 +419,11 @@ class Store:
         g = self._f[self.layers[layer].group]
         if C.L_COV_A not in g:
             return None
-        return {"A": g[C.L_COV_A][()], "S": g[C.L_COV_S][()], "n_tokens": float(g.attrs["cov_tokens"])}
+        return {
+            "A": g[C.L_COV_A][()],
+            "S": g[C.L_COV_S][()],
+            "n_tokens": float(g.attrs["cov_tokens"]),
+        }
 
     def sq_norm_sum(self, layer: int) -> float:
         return float(self._f[self.layers[layer].group].attrs.get(C.L_SQNORM, 0.0))
@@ -361,7 +434,15 @@ class Store:
             return {}
         g = self._f[C.G_EXAMPLES]
         out = {}
-        for col in (C.EX_SOURCE, C.EX_SHA256, C.EX_SPLIT, C.EX_TEXT, C.EX_PROMPT, C.EX_COMPLETION, C.EX_LABEL):
+        for col in (
+            C.EX_SOURCE,
+            C.EX_SHA256,
+            C.EX_SPLIT,
+            C.EX_TEXT,
+            C.EX_PROMPT,
+            C.EX_COMPLETION,
+            C.EX_LABEL,
+        ):
             out[col] = g[col].asstr()[()]
         out[C.EX_ROW] = g[C.EX_ROW][()]
         return out
@@ -387,8 +468,10 @@ class Store:
         have = [(n, di, do) for n, (di, do) in zip(layer_names, widths, strict=False)]
         if want != have:
             diff = next(((w, h) for w, h in zip(want, have, strict=False) if w != h), None)
-            detail = f"first difference: store has {diff[0]}, model has {diff[1]}" if diff else (
-                f"store tracks {len(want)} layers, model has {len(have)}"
+            detail = (
+                f"first difference: store has {diff[0]}, model has {diff[1]}"
+                if diff
+                else (f"store tracks {len(want)} layers, model has {len(have)}")
             )
             raise ModelMismatchError(
                 f"the model does not match the store {self.path} ({detail}); query with the run's own "
@@ -406,7 +489,12 @@ class Store:
         self.close()
 
 
-_STATUS_RANK = {C.STATUS_COMPLETED: 0, C.STATUS_RUNNING: 1, C.STATUS_CANCELLED: 2, C.STATUS_FAILED: 3}
+_STATUS_RANK = {
+    C.STATUS_COMPLETED: 0,
+    C.STATUS_RUNNING: 1,
+    C.STATUS_CANCELLED: 2,
+    C.STATUS_FAILED: 3,
+}
 
 
 class ShardedStore:
@@ -434,13 +522,19 @@ class ShardedStore:
             first = self.shards[0]
             for sh in self.shards[1:]:
                 if sh.layers != first.layers or sh.sketch != first.sketch:
-                    raise StoreError(f"{sh.path} tracks other layers than {first.path}: the shards are not from one run")
+                    raise StoreError(
+                        f"{sh.path} tracks other layers than {first.path}: the shards are not from one run"
+                    )
                 for li in range(len(first.layers)):
                     for side in ("in", "out"):
                         a, b = first.projection(li, side), sh.projection(li, side)
-                        if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
-                            raise StoreError(f"{sh.path} and {first.path} use different projections for "
-                                             f"{first.layers[li].name}: the shards are not from one run")
+                        if (a is None) != (b is None) or (
+                            a is not None and not np.array_equal(a, b)
+                        ):
+                            raise StoreError(
+                                f"{sh.path} and {first.path} use different projections for "
+                                f"{first.layers[li].name}: the shards are not from one run"
+                            )
         except BaseException:
             self.close()
             raise
@@ -449,7 +543,9 @@ class ShardedStore:
         self.layers = first.layers
         self.sketch = first.sketch
         self.manifest = first.manifest
-        self._offsets = np.concatenate([[0], np.cumsum([sh.n_records for sh in self.shards])]).astype(np.int64)
+        self._offsets = np.concatenate(
+            [[0], np.cumsum([sh.n_records for sh in self.shards])]
+        ).astype(np.int64)
         self.n_records = int(self._offsets[-1])
 
     # -- state ------------------------------------------------------------------------------
@@ -468,7 +564,11 @@ class ShardedStore:
         return (
             f"this store is partial (status '{self.status}' in {', '.join(worst)}): it holds the {self.n_records} "
             f"records written before the run stopped; scores cover only the examples seen so far"
-            + ("" if self.has_covariance else ", and it has no covariance (identity preconditioning only)")
+            + (
+                ""
+                if self.has_covariance
+                else ", and it has no covariance (identity preconditioning only)"
+            )
         )
 
     @property
@@ -551,7 +651,9 @@ class ShardedStore:
         self.close()
 
 
-def open_run_store(run_dir: str | os.PathLike, manifest: dict | None = None) -> Store | ShardedStore:
+def open_run_store(
+    run_dir: str | os.PathLike, manifest: dict | None = None
+) -> Store | ShardedStore:
     """The store of a run directory: ``store.h5``, or the shards ``run.json`` lists (DDP runs)."""
     run_dir = Path(run_dir)
     if manifest is None and (run_dir / C.MANIFEST_FILE).exists():

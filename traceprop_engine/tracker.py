@@ -77,7 +77,10 @@ class Tracker:
         self._sink = BackgroundSink(self.writer) if background else self.writer.append
         device = next(model.parameters()).device
         self.buffer = SketchBuffer(
-            [layer.record_shape for layer in self.layers], self.settings.buffer_records, device, self._sink
+            [layer.record_shape for layer in self.layers],
+            self.settings.buffer_records,
+            device,
+            self._sink,
         )
         self.step_ms: list[float] = []
         self.flush_ms = 0.0
@@ -118,7 +121,9 @@ class Tracker:
             self.writer.close(status)
 
     # -- data -------------------------------------------------------------------------------
-    def write_examples(self, table: dict, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> None:
+    def write_examples(
+        self, table: dict, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
+    ) -> None:
         """Store the example table (lineage + exact tokens); see :meth:`StoreWriter.write_examples`."""
         self.writer.write_examples(table, tokens, loss_masks)
 
@@ -146,7 +151,9 @@ class Tracker:
         slots = self.buffer.reserve(b)
         rec = StepRecord()
         t0 = time.perf_counter()
-        with self.capture.batch(slots, token_mask=token_mask, loss_scale=float(b if loss_scale is None else loss_scale)):
+        with self.capture.batch(
+            slots, token_mask=token_mask, loss_scale=float(b if loss_scale is None else loss_scale)
+        ):
             yield rec
         self.buffer.commit(idx, step=step, epoch=epoch, lr=lr, loss=rec.losses)
         self.step_ms.append((time.perf_counter() - t0) * 1e3)

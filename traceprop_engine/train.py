@@ -63,13 +63,17 @@ def resolve_device(name: str) -> torch.device:
     try:
         return torch.device(name)
     except RuntimeError as e:
-        raise ConfigError(f"device {name!r} is not a torch device (use auto, cpu, cuda, cuda:1...)") from e
+        raise ConfigError(
+            f"device {name!r} is not a torch device (use auto, cpu, cuda, cuda:1...)"
+        ) from e
 
 
 def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
     if (run_dir / C.MANIFEST_FILE).exists():
         if not overwrite:
-            raise RunError(f"{run_dir} already holds a run; choose another --out or pass --overwrite")
+            raise RunError(
+                f"{run_dir} already holds a run; choose another --out or pass --overwrite"
+            )
         status = read_manifest(run_dir).get("status")
         if status == C.STATUS_RUNNING:
             raise RunError(f"{run_dir} holds a run that is still running; cancel it first")
@@ -171,7 +175,12 @@ def train(
     status = C.STATUS_FAILED
     loaded = None
     try:
-        with _Signals(stop), open(progress_path if dist_ctx.is_main else os.devnull, "a", buffering=1) as progress_file:
+        with (
+            _Signals(stop),
+            open(
+                progress_path if dist_ctx.is_main else os.devnull, "a", buffering=1
+            ) as progress_file,
+        ):
             # -- data -----------------------------------------------------------------------
             task = settings.task.value
             examples, data_root = load_examples(settings.data, task=task)
@@ -192,14 +201,24 @@ def train(
                 "n_train": len(train_ex),
                 "n_eval": len(eval_ex),
             }
-            labels = sorted({e.label for e in train_ex + eval_ex}) if task == "classification" else None
+            labels = (
+                sorted({e.label for e in train_ex + eval_ex}) if task == "classification" else None
+            )
             if labels is not None and len(labels) < 2:
-                raise ConfigError(f"classification needs at least two labels; the data has {labels}")
+                raise ConfigError(
+                    f"classification needs at least two labels; the data has {labels}"
+                )
             # -- model ----------------------------------------------------------------------
             loaded = build_model(
-                settings.model, task, [e.full_text() for e in train_ex], labels=labels, seed=settings.seed,
-                tiny_vocab=settings.tiny_vocab, tiny_width=settings.tiny_width,
-                tiny_layers=settings.tiny_layers, max_length=settings.max_length,
+                settings.model,
+                task,
+                [e.full_text() for e in train_ex],
+                labels=labels,
+                seed=settings.seed,
+                tiny_vocab=settings.tiny_vocab,
+                tiny_width=settings.tiny_width,
+                tiny_layers=settings.tiny_layers,
+                max_length=settings.max_length,
             )
             if settings.lora_rank > 0:
                 apply_lora(loaded, settings.lora_rank, settings.lora_targets)
@@ -207,31 +226,58 @@ def train(
                 torch.set_num_threads(settings.threads)
             device = dist_device
             model = loaded.model.to(device)
-            dist_ctx.check_same("the tokenizer", json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True))
+            dist_ctx.check_same(
+                "the tokenizer", json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True)
+            )
             model.train()
             label_ids = {lab: i for i, lab in enumerate(labels)} if labels else None
             all_ex = train_ex + eval_ex
-            encoded = [encode_example(e, loaded.tokenizer, task, settings.max_length, label_ids) for e in all_ex]
+            encoded = [
+                encode_example(e, loaded.tokenizer, task, settings.max_length, label_ids)
+                for e in all_ex
+            ]
             n_trunc = sum(e.truncated for e in encoded)
             if n_trunc:
-                log.warning("%d examples were longer than --max-length %d and were truncated", n_trunc, settings.max_length)
+                log.warning(
+                    "%d examples were longer than --max-length %d and were truncated",
+                    n_trunc,
+                    settings.max_length,
+                )
             total, trainable = count_parameters(model)
-            manifest["model"] = {"source": loaded.source, "task": task, "parameters": total, "trainable": trainable,
-                                 "lora_rank": settings.lora_rank, "labels": labels}
+            manifest["model"] = {
+                "source": loaded.source,
+                "task": task,
+                "parameters": total,
+                "trainable": trainable,
+                "lora_rank": settings.lora_rank,
+                "labels": labels,
+            }
             # -- tracker --------------------------------------------------------------------
             if settings.track is not None:
                 # hooks on the underlying module (not the DDP wrapper): the same layer names
-                tracker = Tracker(model, run_dir / dist_ctx.store_file, settings.track, manifest=manifest)
+                tracker = Tracker(
+                    model, run_dir / dist_ctx.store_file, settings.track, manifest=manifest
+                )
                 if dist_ctx.is_main:  # the example table lives in shard 0 only
                     tracker.write_examples(
-                        _example_table(all_ex, [C.SPLIT_TRAIN] * len(train_ex) + [C.SPLIT_EVAL] * len(eval_ex)),
-                        [e.ids for e in encoded], [e.loss_mask for e in encoded],
+                        _example_table(
+                            all_ex, [C.SPLIT_TRAIN] * len(train_ex) + [C.SPLIT_EVAL] * len(eval_ex)
+                        ),
+                        [e.ids for e in encoded],
+                        [e.loss_mask for e in encoded],
                     )
                 tracker.capture.attach()
                 manifest["tracking"] = {
                     **settings.track.to_dict(),
                     "layers": [
-                        {"name": t.name, "kind": t.kind, "d_in": t.d_in, "d_out": t.d_out, "k_in": t.k_in, "k_out": t.k_out}
+                        {
+                            "name": t.name,
+                            "kind": t.kind,
+                            "d_in": t.d_in,
+                            "d_out": t.d_out,
+                            "k_in": t.k_in,
+                            "k_out": t.k_out,
+                        }
                         for t in tracker.layers
                     ],
                 }
@@ -241,7 +287,11 @@ def train(
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
             n_train = len(train_ex)
-            steps_per_epoch = dist_ctx.steps_per_epoch(n_train, settings.batch_size) if dist_ctx.enabled else math.ceil(n_train / settings.batch_size)
+            steps_per_epoch = (
+                dist_ctx.steps_per_epoch(n_train, settings.batch_size)
+                if dist_ctx.enabled
+                else math.ceil(n_train / settings.batch_size)
+            )
             total_steps = steps_per_epoch * settings.epochs
             if settings.max_steps:
                 total_steps = min(total_steps, settings.max_steps)
@@ -270,7 +320,12 @@ def train(
                             idx, global_b = dist_ctx.local_batch(order, s, settings.batch_size)
                         else:
                             idx = order[s * settings.batch_size : (s + 1) * settings.batch_size]
-                        batch = collate([encoded[i] for i in (idx if len(idx) else order[:1])], pad_id, task, device)
+                        batch = collate(
+                            [encoded[i] for i in (idx if len(idx) else order[:1])],
+                            pad_id,
+                            task,
+                            device,
+                        )
                         lr = lr_at(step)
                         for g in opt.param_groups:
                             g["lr"] = lr
@@ -285,14 +340,32 @@ def train(
                             # global mean; the hooks see the local gradient, so scale B_global / W
                             w = dist_ctx.world_size / global_b
                             with contextlib.ExitStack() as cm:
-                                rec = cm.enter_context(tracker.step(idx, token_mask=batch["attention_mask"], loss_scale=1.0 / w,
-                                                                    step=step, epoch=epoch, lr=lr)) if tracker is not None else None
+                                rec = (
+                                    cm.enter_context(
+                                        tracker.step(
+                                            idx,
+                                            token_mask=batch["attention_mask"],
+                                            loss_scale=1.0 / w,
+                                            step=step,
+                                            epoch=epoch,
+                                            lr=lr,
+                                        )
+                                    )
+                                    if tracker is not None
+                                    else None
+                                )
                                 losses = example_losses(forward(**model_inputs(batch)), batch, task)
                                 (losses.sum() * w).backward()
                                 if rec is not None:
                                     rec.losses = losses
                         elif tracker is not None:
-                            with tracker.step(idx, token_mask=batch["attention_mask"], step=step, epoch=epoch, lr=lr) as rec:
+                            with tracker.step(
+                                idx,
+                                token_mask=batch["attention_mask"],
+                                step=step,
+                                epoch=epoch,
+                                lr=lr,
+                            ) as rec:
                                 losses = example_losses(model(**model_inputs(batch)), batch, task)
                                 losses.mean().backward()
                                 rec.losses = losses
@@ -306,9 +379,16 @@ def train(
                         last_loss = float(losses.detach().mean())
                         elapsed = time.perf_counter() - t_start
                         line = {
-                            "step": step, "total": total_steps, "epoch": epoch, "loss": round(last_loss, 5),
-                            "lr": lr, "examples_per_s": round(step * settings.batch_size * dist_ctx.world_size / elapsed, 2),
-                            "elapsed_s": round(elapsed, 2), "eta_s": round(elapsed / step * (total_steps - step), 1),
+                            "step": step,
+                            "total": total_steps,
+                            "epoch": epoch,
+                            "loss": round(last_loss, 5),
+                            "lr": lr,
+                            "examples_per_s": round(
+                                step * settings.batch_size * dist_ctx.world_size / elapsed, 2
+                            ),
+                            "elapsed_s": round(elapsed, 2),
+                            "eta_s": round(elapsed / step * (total_steps - step), 1),
                             "time": now(),
                         }
                         progress_file.write(json.dumps(line) + "\n")
@@ -329,7 +409,12 @@ def train(
             if stop.requested:
                 manifest["cancel_reason"] = stop.reason
             if dist_ctx.is_main:
-                manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": _eval_loss(model, encoded[n_train:], pad_id, task, device, settings.batch_size)}
+                manifest["metrics"] = {
+                    "last_train_loss": last_loss,
+                    "eval_loss": _eval_loss(
+                        model, encoded[n_train:], pad_id, task, device, settings.batch_size
+                    ),
+                }
                 model.eval()
                 info = save_model(loaded, run_dir / C.MODEL_DIR)
                 manifest["model"]["fingerprint"] = info["fingerprint"]
@@ -360,8 +445,12 @@ def train(
 
             tdist.all_gather_object(counts, tracker.n_records if tracker is not None else 0)
             if tracker is not None:
-                manifest["store"] = {"file": None, "shards": dist_ctx.shard_files,
-                                     "n_records": int(sum(counts)), "n_records_per_shard": counts}
+                manifest["store"] = {
+                    "file": None,
+                    "shards": dist_ctx.shard_files,
+                    "n_records": int(sum(counts)),
+                    "n_records_per_shard": counts,
+                }
         manifest["status"] = status
         manifest["updated"] = now()
         manifest["pid"] = None
@@ -386,4 +475,6 @@ def _eval_loss(model, encoded, pad_id, task, device, batch_size) -> float | None
 def _progress_bar(total: int, disable: bool = False):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=True, disable=disable)
+    return tqdm(
+        total=total, desc="train", unit="step", dynamic_ncols=True, leave=True, disable=disable
+    )

@@ -205,7 +205,11 @@ def test_typed_prompt_influencers_and_csv(page, server):
     assert len(rows) == 20  # top 10 proponents + top 10 opponents
     assert {r["kind"] for r in rows} == {"proponent", "opponent"}
     # ground truth of the generated sample: the two training rows that state Ethmor's colour
-    top2 = {(r["source"], int(r["row"])) for r in rows if r["kind"] == "proponent" and int(r["rank"]) <= 2}
+    top2 = {
+        (r["source"], int(r["row"]))
+        for r in rows
+        if r["kind"] == "proponent" and int(r["rank"]) <= 2
+    }
     assert top2 == {("planets.jsonl", 2), ("planets.jsonl", 3)}
     for r in rows:
         assert r["source"].endswith(".jsonl") and int(r["row"]) >= 1

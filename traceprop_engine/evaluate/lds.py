@@ -895,7 +895,9 @@ def lds_figure(table: list[dict]):
                 col=2,
             )
     ks = sorted({r["k"] for r in sweep})
-    fig.update_xaxes(type="log", title_text="k", tickvals=ks, ticktext=[str(k) for k in ks], row=1, col=2)
+    fig.update_xaxes(
+        type="log", title_text="k", tickvals=ks, ticktext=[str(k) for k in ks], row=1, col=2
+    )
     fig.update_yaxes(title_text="LDS (Spearman)", row=1, col=1)
     fig.update_layout(title="Linear datamodeling score", height=420)
     return fig

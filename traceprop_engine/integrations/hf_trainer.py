@@ -276,10 +276,18 @@ def finish_run(
 
     run_dir = Path(run_dir)
     if not (run_dir / "store.h5").exists():
-        raise ConfigError(f"{run_dir} has no store.h5: build the Tracker with store path {run_dir}/store.h5")
+        raise ConfigError(
+            f"{run_dir} has no store.h5: build the Tracker with store path {run_dir}/store.h5"
+        )
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or "trainer"
-    loaded = LoadedModel(model, tokenizer, task, source, labels=list(labels) if labels else None,
-                         base_source=source if hasattr(model, "peft_config") else None)
+    loaded = LoadedModel(
+        model,
+        tokenizer,
+        task,
+        source,
+        labels=list(labels) if labels else None,
+        base_source=source if hasattr(model, "peft_config") else None,
+    )
     model.eval()
     info = save_model(loaded, run_dir / "model")
     manifest = {
@@ -287,12 +295,22 @@ def finish_run(
         "status": status,
         "created": now(),
         "updated": now(),
-        "config": {"task": task, "max_length": max_length, "trainer": "transformers.Trainer", **(config or {})},
+        "config": {
+            "task": task,
+            "max_length": max_length,
+            "trainer": "transformers.Trainer",
+            **(config or {}),
+        },
         "tracked": True,
         "versions": library_versions(),
         "data": data or {},
-        "model": {"source": source, "task": task, "fingerprint": info["fingerprint"], "labels": loaded.labels,
-                  "saved": "model"},
+        "model": {
+            "source": source,
+            "task": task,
+            "fingerprint": info["fingerprint"],
+            "labels": loaded.labels,
+            "saved": "model",
+        },
         "store": {"file": "store.h5"},
     }
     write_manifest(run_dir, manifest)
