@@ -58,7 +58,7 @@ import numpy as np
 from . import constants as C
 from .errors import ConfigError, IndexStaleError, StoreError
 from .precondition import Preconditioner
-from .store import Store
+from .store import Store, append_records, create_records_group
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +173,7 @@ class FactorWriter:
         )
         for k, v in (source or {}).items():
             f.attrs[k] = v
-        rec = f.create_group(C.G_RECORDS)
-        for name, dt in (
-            (C.REC_EXAMPLE, "i8"),
-            (C.REC_STEP, "i8"),
-            (C.REC_EPOCH, "i4"),
-            (C.REC_LR, "f4"),
-            (C.REC_LOSS, "f4"),
-        ):
-            rec.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(16384,))
+        create_records_group(f)
         lg = f.create_group(C.G_LAYERS)
         self._ranks, self._sq, self._res = [], np.zeros(len(layers)), np.zeros(len(layers))
         lossless = True
@@ -236,10 +228,7 @@ class FactorWriter:
                 g[name][n0 : n0 + n] = val
             self._sq[i] += float((s**2).sum())
             self._res[i] += float((tail**2).sum())
-        rec = self._f[C.G_RECORDS]
-        for name in C.RECORD_FIELDS:
-            rec[name].resize(n0 + n, axis=0)
-            rec[name][n0 : n0 + n] = meta[name]
+        append_records(self._f[C.G_RECORDS], n0, meta)
         self.n_records = n0 + n
         self._f.attrs["n_records"] = self.n_records
         for i in range(len(self._ranks)):

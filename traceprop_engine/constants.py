@@ -52,6 +52,7 @@ REC_EPOCH = "epoch"
 REC_LR = "lr"
 REC_LOSS = "loss"
 RECORD_FIELDS = (REC_EXAMPLE, REC_STEP, REC_EPOCH, REC_LR, REC_LOSS)
+RECORD_DTYPES = {REC_EXAMPLE: "i8", REC_STEP: "i8", REC_EPOCH: "i4", REC_LR: "f4", REC_LOSS: "f4"}
 
 L_SKETCH = "sketch"
 L_P_IN = "P_in"

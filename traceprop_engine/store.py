@@ -60,6 +60,24 @@ def _chunk_rows(record_numel: int, target_bytes: int = 1 << 17) -> int:
     return max(1, min(4096, target_bytes // (4 * max(1, record_numel))))
 
 
+def create_records_group(f: h5py.File) -> h5py.Group:
+    """The resizable per-record metadata datasets (names and types in constants)."""
+    rec = f.create_group(C.G_RECORDS)
+    for name in C.RECORD_FIELDS:
+        rec.create_dataset(
+            name, shape=(0,), maxshape=(None,), dtype=C.RECORD_DTYPES[name], chunks=(16384,)
+        )
+    return rec
+
+
+def append_records(rec: h5py.Group, n0: int, meta: dict[str, np.ndarray]) -> None:
+    """Write rows ``n0 .. n0 + len(meta)`` of every record field."""
+    n = len(meta[C.REC_EXAMPLE])
+    for name in C.RECORD_FIELDS:
+        rec[name].resize(n0 + n, axis=0)
+        rec[name][n0 : n0 + n] = meta[name]
+
+
 class StoreWriter:
     """Creates a store and appends records; thread-safe for one background writer.
 
@@ -94,15 +112,7 @@ class StoreWriter:
         f.attrs["n_records"] = 0
         f.attrs["manifest"] = json.dumps(manifest, sort_keys=True, default=str)
         f.attrs["layer_names"] = json.dumps([layer.name for layer in layers])
-        rec = f.create_group(C.G_RECORDS)
-        for name, dt in (
-            (C.REC_EXAMPLE, "i8"),
-            (C.REC_STEP, "i8"),
-            (C.REC_EPOCH, "i4"),
-            (C.REC_LR, "f4"),
-            (C.REC_LOSS, "f4"),
-        ):
-            rec.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(16384,))
+        create_records_group(f)
         lg = f.create_group(C.G_LAYERS)
         self._sketch_ds = []
         self._sq_norm = np.zeros(len(layers), dtype=np.float64)
@@ -196,10 +206,7 @@ class StoreWriter:
                 self._sq_norm[i] += float(
                     np.einsum("i,i->", arr.ravel(), arr.ravel(), dtype=np.float64)
                 )
-            rec = self._f[C.G_RECORDS]
-            for name in C.RECORD_FIELDS:
-                rec[name].resize(n0 + n, axis=0)
-                rec[name][n0 : n0 + n] = meta[name]
+            append_records(self._f[C.G_RECORDS], n0, meta)
             self.n_records = n0 + n
             self._f.attrs["n_records"] = self.n_records
             for i, ds in enumerate(self._sketch_ds):
