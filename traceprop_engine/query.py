@@ -102,6 +102,7 @@ class QueryResult:
     layer_names: list[str] = field(default_factory=list)
     elapsed_ms: float = 0.0
     sign_note: str = SIGN_NOTE
+    sketches: list[np.ndarray] | None = field(default=None, repr=False)  # the query's raw sketches
 
     @property
     def proponents(self) -> pl.DataFrame:
@@ -577,6 +578,7 @@ class AttributionRun:
             notes=self.notes + notes,
             layer_names=pre.layer_names,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
+            sketches=sk,
         )
 
     def _rows(self, hits, ids, vectors, qv, pre: Preconditioner, s: IndexSettings) -> pl.DataFrame:
@@ -644,13 +646,15 @@ class AttributionRun:
     ) -> pl.DataFrame:
         """Total, positive and negative influence of every source file on the query (all examples)."""
         s = settings or IndexSettings()
-        enc, _, _ = self.encode(
-            result.query.get("prompt"),
-            result.query.get("completion"),
-            eval_example=result.query.get("eval_example"),
-            label=result.query.get("label"),
-        )
-        sk, _ = self.query_sketches(enc)
+        sk = result.sketches
+        if sk is None:  # a result rebuilt from its description (e.g. an audit trail)
+            enc, _, _ = self.encode(
+                result.query.get("prompt"),
+                result.query.get("completion"),
+                eval_example=result.query.get("eval_example"),
+                label=result.query.get("label"),
+            )
+            sk, _ = self.query_sketches(enc)
         _, ids, pre = self.index(s)
         scores = self.all_scores(pre.apply(sk), s)
         src = self.examples()["source"].to_numpy()[ids]
