@@ -6,6 +6,13 @@ contiguous ``(capacity, *record_shape)`` view and a step's rows ``[pos, pos+B)``
 too: the hooks write with ``out=`` into that slice (no allocation, no copy), and a flush is a
 single ``device -> host`` copy of the whole flat tensor. Host memory stays bounded: the sink
 (the HDF5 writer) receives at most ``capacity`` records at a time.
+
+Factored records stored as rank-r factors (``TrackSettings.rank > 0``): the hooks write each
+step's full ``(B, k_out, k_in)`` sketches into a per-step *scratch* tensor instead, and
+:meth:`SketchBuffer.commit` factorises the scratch of every layer of one shape in one batched
+call (:func:`~traceprop_engine.sketch.top_factors`, on the device) and keeps only ``U`` and
+``V`` in the buffer, as a ``(k_out + k_in, r)`` record (``U`` rows first). Only factors cross
+to the host, and the buffer holds ``r (k_out + k_in)`` numbers per record and layer.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .sketch import top_factors
 
 FlushSink = Callable[[list[np.ndarray], dict[str, np.ndarray]], None]
 
@@ -49,10 +58,14 @@ class SketchBuffer:
     """A bounded device buffer of per-record sketches for several layers.
 
     Args:
-        record_shapes: per layer, the shape of one record (``(k_out, k_in)`` or ``(k,)``).
+        record_shapes: per layer, the shape of one record as the hooks write it (``(k_out, k_in)``
+            or ``(k,)``).
         capacity: records held before a flush (grown once if a single batch is larger).
         device: where the buffer lives (the model's device).
-        sink: called on flush with ``(per-layer arrays (n, *shape) float32, record metadata)``.
+        sink: called on flush with ``(per-layer arrays (n, *shape) float32, record metadata)``;
+            a factored layer's array is ``(n, k_out + k_in, r)`` (``U`` rows, then ``V`` rows).
+        ranks: per layer, ``r > 0`` to keep rank-``r`` factors of its ``(k_out, k_in)`` records
+            (``r`` at most ``min(k_out, k_in)``), ``0`` to keep the records as written.
     """
 
     def __init__(
@@ -61,9 +74,23 @@ class SketchBuffer:
         capacity: int,
         device: torch.device | str,
         sink: FlushSink,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.record_shapes = [tuple(s) for s in record_shapes]
-        self._numels = [math.prod(s) for s in self.record_shapes]
+        self.ranks = [int(r) for r in ranks] if ranks is not None else [0] * len(record_shapes)
+        if len(self.ranks) != len(self.record_shapes):
+            raise ValueError("one rank per layer")
+        self.stored_shapes = [
+            (shape[0] + shape[1], r) if r else shape
+            for shape, r in zip(self.record_shapes, self.ranks, strict=True)
+        ]
+        # layers factorised together: same (k_out, k_in, r)
+        self._groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, (shape, r) in enumerate(zip(self.record_shapes, self.ranks, strict=True)):
+            if r:
+                self._groups.setdefault((shape[0], shape[1], r), []).append(i)
+        self._scratch: dict[int, tuple[dict, list[torch.Tensor | None]]] = {}
+        self._numels = [math.prod(s) for s in self.stored_shapes]
         self.device = torch.device(device)
         self.sink = sink
         self.pos = 0
@@ -81,10 +108,25 @@ class SketchBuffer:
         )
         self._views = []
         off = 0
-        for numel, shape in zip(self._numels, self.record_shapes, strict=True):
+        for numel, shape in zip(self._numels, self.stored_shapes, strict=True):
             self._views.append(self._flat[off : off + capacity * numel].view(capacity, *shape))
             off += capacity * numel
         self._slot_cache = {}
+
+    def _scratch_for(self, batch: int) -> tuple[dict, list[torch.Tensor | None]]:
+        """Per shape group one ``(n_layers, batch, k_out, k_in)`` tensor; per layer its slice."""
+        hit = self._scratch.get(batch)
+        if hit is None:
+            if len(self._scratch) > 4:  # a few batch sizes recur (the last batch of an epoch)
+                self._scratch.clear()
+            tensors, slots = {}, [None] * len(self.record_shapes)
+            for key, members in self._groups.items():
+                t = torch.empty(len(members), batch, key[0], key[1], device=self.device)
+                tensors[key] = t
+                for j, i in enumerate(members):
+                    slots[i] = t[j]  # (batch, k_out, k_in), contiguous
+            hit = self._scratch[batch] = (tensors, slots)
+        return hit
 
     @property
     def n_records(self) -> int:
@@ -101,7 +143,24 @@ class SketchBuffer:
         slots = self._slot_cache.get(key)
         if slots is None:  # the same few (pos, batch) windows recur every buffer cycle
             slots = self._slot_cache[key] = [v[self.pos : self.pos + batch] for v in self._views]
+        if self._groups:  # factored layers: the hooks write the full sketch into scratch
+            scratch = self._scratch_for(batch)[1]
+            slots = [sc if sc is not None else sl for sc, sl in zip(scratch, slots, strict=True)]
         return slots
+
+    def _factorise(self, batch: int) -> None:
+        """Rank-r factors of the scratch sketches into the buffer rows ``[pos, pos + batch)``."""
+        tensors = self._scratch_for(batch)[0]
+        rows = slice(self.pos, self.pos + batch)
+        for (k_out, k_in, r), members in self._groups.items():
+            t = tensors[(k_out, k_in, r)]
+            u, v = top_factors(t.view(-1, k_out, k_in), r)  # (G*B, k_out, r), (G*B, k_in, r)
+            u = u.view(len(members), batch, k_out, r)
+            v = v.view(len(members), batch, k_in, r)
+            for j, i in enumerate(members):
+                dst = self._views[i][rows]  # (B, k_out + k_in, r)
+                dst[:, :k_out].copy_(u[j])
+                dst[:, k_out:].copy_(v[j])
 
     def commit(
         self,
@@ -116,6 +175,8 @@ class SketchBuffer:
         A ``loss`` tensor stays on its device until the flush (no synchronisation per step).
         """
         b = len(example_index)
+        if self._groups:
+            self._factorise(b)
         self._meta.example_index.append(np.asarray(example_index))
         self._meta.step.append(np.full(b, step))
         self._meta.epoch.append(np.full(b, epoch))
@@ -144,7 +205,7 @@ class SketchBuffer:
         self.n_transfers += 1
         arrays = []
         off = 0
-        for numel, shape in zip(self._numels, self.record_shapes, strict=True):
+        for numel, shape in zip(self._numels, self.stored_shapes, strict=True):
             region = host[off : off + self.pos * numel].view(self.pos, *shape)
             arrays.append(region.numpy().copy())  # the device buffer is reused after this
             off += self.capacity * numel

@@ -61,6 +61,8 @@ class TrackedLayer:
     k_in: int
     k_out: int
     sketch: SketchKind
+    rank: int = 0  # stored as rank-r factors (0: the full record)
+    factor_dtype: str = "float32"  # storage dtype of the factors
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
     P_out: torch.Tensor | None = None  # (k_out, d_out)
     dense_k: int = 0
@@ -155,6 +157,9 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
             layer.P_out = gaussian_projection(
                 layer.k_out, d_out, layer_seed(settings.seed, name, "out")
             )
+            if settings.rank:
+                layer.rank = min(settings.rank, layer.k_out, layer.k_in)
+                layer.factor_dtype = settings.factor_dtype.value
         layers.append(layer)
     return layers
 

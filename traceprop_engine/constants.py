@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1: full sketches only; 2 adds rank-r factor storage (layers/NNN/U, V), still reads 1
+READABLE_SCHEMA_VERSIONS = (1, 2)
 STORE_FORMAT = "traceprop-store"
 
 # run directory layout
@@ -55,6 +57,10 @@ RECORD_FIELDS = (REC_EXAMPLE, REC_STEP, REC_EPOCH, REC_LR, REC_LOSS)
 RECORD_DTYPES = {REC_EXAMPLE: "i8", REC_STEP: "i8", REC_EPOCH: "i4", REC_LR: "f4", REC_LOSS: "f4"}
 
 L_SKETCH = "sketch"
+L_U = "U"  # (n, k_out, r) factor with the singular values folded in
+L_V = "V"  # (n, k_in, r) orthonormal columns; record = U @ V^T
+L_RANK = "rank"  # layer attribute: r (0 or absent: full sketches in L_SKETCH)
+L_FACTOR_DTYPE = "factor_dtype"  # layer attribute: "bfloat16" (uint16 bit patterns) or "float32"
 L_P_IN = "P_in"
 L_P_OUT = "P_out"
 L_DENSE_INDEX = "dense_index"

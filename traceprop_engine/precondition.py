@@ -38,6 +38,8 @@ Kinds:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -188,6 +190,13 @@ class LayerPreconditioner:
     - EK-FAC: ``left = Q_Sᵀ``, ``right = Q_A``, ``scale = 1/sqrt(Λ+λ)``.
     - dense: ``scale`` a (k,) vector (or None for identity).
 
+    Index projection (large sketches): with ``index_left`` ``(m, k_out)`` and ``index_right``
+    ``(m, k_in)`` (Gaussian, variance ``1/m``), :meth:`apply` returns the ``m × m`` matrix
+    ``index_left · (preconditioned Ŝ) · index_rightᵀ`` instead: a second Kronecker JL
+    projection, so inner products of index vectors are unbiased estimates of the exact scores
+    and FAISS holds ``m²`` numbers per layer however large k is. :meth:`pullback` ignores it:
+    exact scores come from the stored records (:mod:`traceprop_engine.scoring`).
+
     Attributes:
         name: layer name (as in the store).
         kind: the preconditioner kind this was fitted as.
@@ -201,10 +210,24 @@ class LayerPreconditioner:
     right: np.ndarray | None = None
     scale: np.ndarray | None = None
     info: dict = field(default_factory=dict)  # fitted constants (c, λ) for reports
+    index_left: np.ndarray | None = None  # (m, k_out) second projection of the index vectors
+    index_right: np.ndarray | None = None  # (m, k_in)
 
     @property
     def dim(self) -> int:
+        """Length of this layer's index vector (``m²`` with an index projection)."""
+        if self.index_left is not None:
+            return int(self.index_left.shape[0] * self.index_right.shape[0])
         return int(np.prod(self.shape))
+
+    def with_index_projection(self, m: int, seed: int) -> LayerPreconditioner:
+        """This preconditioner with an ``m × m`` index projection (only when it shrinks the vector)."""
+        if len(self.shape) != 2 or m * m >= self.shape[0] * self.shape[1]:
+            return self
+        gen = np.random.default_rng(seed)
+        left = gen.standard_normal((m, self.shape[0])) / np.sqrt(m)
+        right = gen.standard_normal((m, self.shape[1])) / np.sqrt(m)
+        return dataclasses.replace(self, index_left=left, index_right=right)
 
     def apply(self, sketches: np.ndarray, dtype: type = np.float32) -> np.ndarray:
         """Precondition and flatten.
@@ -226,6 +249,10 @@ class LayerPreconditioner:
             x = np.matmul(np.matmul(self.left.astype(dtype), x), self.right.astype(dtype))
         if self.scale is not None:
             x = x * self.scale.astype(dtype)
+        if self.index_left is not None:  # (n, m, m) second Kronecker projection
+            x = np.matmul(
+                np.matmul(self.index_left.astype(dtype), x), self.index_right.T.astype(dtype)
+            )
         return np.ascontiguousarray(x.reshape(x.shape[0], -1))
 
     def pullback(self, test_sketches: np.ndarray) -> np.ndarray:
@@ -264,7 +291,7 @@ class LayerPreconditioner:
             "info": self.info,
         }
         out = {"meta": np.array(json.dumps(meta))}
-        for key in ("left", "right", "scale"):
+        for key in ("left", "right", "scale", "index_left", "index_right"):
             val = getattr(self, key)
             if val is not None:
                 out[key] = np.asarray(val, dtype=np.float64)
@@ -281,6 +308,8 @@ class LayerPreconditioner:
             right=arrays.get("right"),
             scale=arrays.get("scale"),
             info=meta.get("info", {}),
+            index_left=arrays.get("index_left"),
+            index_right=arrays.get("index_right"),
         )
 
 
@@ -437,6 +466,10 @@ def _positive(x: np.ndarray, name: str) -> np.ndarray:
     return x
 
 
+def _name_seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"index|{name}".encode()).digest()[:8], "little")
+
+
 @dataclass(frozen=True)
 class LayerStats:
     """What the store provides per layer to fit a preconditioner.
@@ -489,8 +522,14 @@ class Preconditioner:
         kind: PreconditionerKind | str,
         layers: Sequence[LayerStats],
         damping: float | None = None,
+        index_side: int = 0,
     ) -> Preconditioner:
-        """Fit every layer with the same kind and damping (see :func:`fit_layer`)."""
+        """Fit every layer with the same kind and damping (see :func:`fit_layer`).
+
+        ``index_side = m > 0`` adds an ``m × m`` index projection to every factored layer whose
+        sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the
+        layer's name.
+        """
         fitted = [
             fit_layer(
                 kind,
@@ -505,6 +544,8 @@ class Preconditioner:
             )
             for st in layers
         ]
+        if index_side:
+            fitted = [lp.with_index_projection(index_side, _name_seed(lp.name)) for lp in fitted]
         return cls(kind, fitted, damping)
 
     @property

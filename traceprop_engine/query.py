@@ -30,12 +30,13 @@ import torch
 from . import constants as C
 from .capture import Capture, TrackedLayer
 from .data import Example
-from .errors import IndexStaleError, QueryError, RunError, StoreError
+from .errors import ConfigError, IndexStaleError, QueryError, RunError, StoreError
 from .index import IndexKind, VectorIndex, build_index
 from .losses import example_losses
 from .models import collate, encode_example, load_saved_model, model_inputs
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 from .run import read_manifest
+from .scoring import ExactScorer
 from .settings import SketchKind, parse_choice
 from .store import open_run_store
 
@@ -49,6 +50,15 @@ CHUNK = 4096
 VECTORS_FILE = "vectors.npy"
 IDS_FILE = "ids.npy"
 PRECOND_FILE = "preconditioner.npz"
+NORMS_FILE = "norms.npy"  # exact ‖H^{-1/2} x_i‖² per row (cosine, self-influence)
+INDEX_SIDE = 8
+"""m of the m × m index projection of layers with larger sketches (IndexSettings.index_side):
+64 numbers per layer, the size of a k = 8 sketch, so a k = 64 store indexes at the same size as
+before (1088 dims on the default 17-layer model). Its scores only pick candidates: every
+returned score is recomputed exactly from the store (:mod:`traceprop_engine.scoring`)."""
+CANDIDATES = 4
+"""FAISS returns ``max(CANDIDATES · top_k, MIN_CANDIDATES)`` rows per side for the exact re-rank."""
+MIN_CANDIDATES = 200
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,15 @@ class IndexSettings:
     cosine: bool = False
     per_record: bool = False
     kind: IndexKind = IndexKind.AUTO
+    index_side: int = INDEX_SIDE
 
     def __post_init__(self) -> None:
+        if isinstance(self.index_side, bool) or not isinstance(self.index_side, int):
+            raise ConfigError(f"index_side must be an integer >= 0, got {self.index_side!r}")
+        if self.index_side < 0:
+            raise ConfigError(
+                f"index_side must be >= 0 (0: no index projection), got {self.index_side}"
+            )
         object.__setattr__(
             self,
             "preconditioner",
@@ -89,6 +106,7 @@ class IndexSettings:
             "cosine": self.cosine,
             "per_record": self.per_record,
             "kind": self.kind.value,
+            "index_side": self.index_side,
         }
 
 
@@ -135,6 +153,7 @@ class AttributionRun:
         self._loaded = None
         self._capture_layers: list[TrackedLayer] | None = None
         self._indexes: dict[str, tuple[VectorIndex, np.ndarray, Preconditioner]] = {}
+        self._scorers: dict[str, ExactScorer] = {}
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
 
@@ -255,7 +274,7 @@ class AttributionRun:
                     moments=moments,
                 )
             )
-        return Preconditioner.fit(kind, stats, s.damping)
+        return Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
 
     def _vector_ids(self, s: IndexSettings) -> np.ndarray:
         """Row -> example index (per-example vectors: the training examples with records)."""
@@ -315,6 +334,11 @@ class AttributionRun:
         )
         np.save(out / IDS_FILE, ids)
         vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+        norms = ExactScorer(self.store, pre, ids, s.per_record).example_sq_norms()
+        if norms is not None:
+            np.save(out / NORMS_FILE, norms)
+        elif (out / NORMS_FILE).exists():
+            (out / NORMS_FILE).unlink()
 
         def chunks():
             for i in range(0, len(ids), 65536):
@@ -550,20 +574,25 @@ class AttributionRun:
         enc, desc, notes = self.encode(prompt, completion, eval_example=eval_example, label=label)
         sk, qloss = self.query_sketches(enc)
         index, ids, pre = self.index(s)
-        qv = pre.apply(sk)  # (1, D)
-        k = min(top_k, index.n)
-        res = index.search_both(qv, k)
-        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        qv = pre.apply(sk)  # (1, D) index vector: picks candidates
+        n_cand = min(max(CANDIDATES * top_k, MIN_CANDIDATES), index.n)
+        res = index.search_both(qv, n_cand)
+        cand = np.unique(
+            np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
+        ).astype(np.int64)
+        cand = cand[cand >= 0]
+        # exact scores of the candidates (re-rank), split by layer for the rows
+        per_layer = self.exact_scores(sk, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
+        exact = per_layer.sum(0)
         rows = []
-        kinds = [("proponent", res.proponent_ids[0], res.proponent_scores[0])]
+        kinds = [("proponent", np.argsort(-exact, kind="stable"), exact > 0)]
         if opponents:
-            kinds.append(("opponent", res.opponent_ids[0], res.opponent_scores[0]))
-        for kind, vid, sc in kinds:
-            for rank, (v, score) in enumerate(zip(vid, sc, strict=True), start=1):
-                if v < 0:
-                    continue
-                rows.append((kind, rank, int(v), float(score)))
-        rows = self._rows(rows, ids, vectors, qv, pre, s)
+            kinds.append(("opponent", np.argsort(exact, kind="stable"), exact < 0))
+        for kind, order, ok in kinds:
+            chosen = [j for j in order if ok[j]][:top_k]
+            for rank, j in enumerate(chosen, start=1):
+                rows.append((kind, rank, int(cand[j]), float(exact[j]), per_layer[:, j]))
+        rows = self._rows(rows, ids, pre, s)
         q = {
             **desc,
             "run_id": self.run_id,
@@ -581,18 +610,14 @@ class AttributionRun:
             sketches=sk,
         )
 
-    def _rows(self, hits, ids, vectors, qv, pre: Preconditioner, s: IndexSettings) -> pl.DataFrame:
+    def _rows(self, hits, ids, pre: Preconditioner, s: IndexSettings) -> pl.DataFrame:
         ex = self.examples()
         rec = self.store.records() if s.per_record else None
         out = []
-        q = qv[0]
-        qn = q / max(np.linalg.norm(q), 1e-30) if s.cosine else q
-        for kind, rank, v, score in hits:
+        for kind, rank, v, score, layer_scores in hits:
             e = int(ids[v])
             r = ex.row(e, named=True)
-            x = np.asarray(vectors[v], dtype=np.float32)
-            xn = x / max(np.linalg.norm(x), 1e-30) if s.cosine else x
-            shares = {name: float(np.dot(qn[sl], xn[sl])) for name, sl in pre.layer_slices.items()}
+            shares = {name: float(x) for name, x in zip(pre.layer_names, layer_scores, strict=True)}
             row = {
                 "rank": rank,
                 "kind": kind,
@@ -627,8 +652,64 @@ class AttributionRun:
             )
         return pl.DataFrame(out)
 
-    def all_scores(self, qv: np.ndarray, s: IndexSettings) -> np.ndarray:
-        """Exact scores of the query against every indexed vector (streamed from vectors.npy)."""
+    def _scorer(self, s: IndexSettings) -> ExactScorer:
+        _, ids, pre = self.index(s)
+        hit = self._scorers.get(s.name)
+        if hit is None or hit.pre is not pre:
+            hit = self._scorers[s.name] = ExactScorer(self.store, pre, ids, s.per_record)
+        return hit
+
+    def _row_sq_norms(self, s: IndexSettings) -> np.ndarray:
+        """Exact ``‖H^{-1/2} x_i‖²`` per index row (index vectors' norms when too large to keep)."""
+        path = self._index_dir(s) / NORMS_FILE
+        if path.exists():
+            return np.load(path)
+        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        return np.concatenate(
+            [
+                np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + 65536]), x)
+                for i in range(0, len(vectors), 65536)
+            ]
+        )
+
+    def exact_scores(
+        self,
+        sketches: list[np.ndarray],
+        s: IndexSettings,
+        rows: np.ndarray | None = None,
+        per_layer: bool = False,
+    ) -> np.ndarray:
+        """Exact scores of query sketches against index rows, from the stored records.
+
+        Args:
+            sketches: per layer the query's (q, *record_shape) sketches (``query_sketches``).
+            s: which index (preconditioner, cosine, per-record).
+            rows: index rows to score (default: all), in this order.
+            per_layer: split every score by layer.
+
+        Returns:
+            (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms.
+        """
+        scorer = self._scorer(s)
+        out = scorer.scores(sketches, rows=rows, per_layer=per_layer)
+        if s.cosine:
+            qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches), 1e-60))  # (q,)
+            xn = np.sqrt(np.maximum(self._row_sq_norms(s), 1e-60))
+            xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]
+            out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
+        return out
+
+    def all_scores(self, sketches, s: IndexSettings) -> np.ndarray:
+        """Exact scores of one query against every index row (example-id order of ``ids``).
+
+        Args:
+            sketches: the query's per-layer sketches (``query_sketches``). A (1, D) index
+                vector (``pre.apply(sketches)``, the older call) is still accepted and scored
+                against ``vectors.npy``: exact only when the index has no index projection.
+        """
+        if isinstance(sketches, (list, tuple)):
+            return self.exact_scores(list(sketches), s)[0]
+        qv = sketches
         vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
         q = qv[0].astype(np.float32)
         if s.cosine:
@@ -655,8 +736,8 @@ class AttributionRun:
                 label=result.query.get("label"),
             )
             sk, _ = self.query_sketches(enc)
-        _, ids, pre = self.index(s)
-        scores = self.all_scores(pre.apply(sk), s)
+        _, ids, _ = self.index(s)
+        scores = self.all_scores(sk, s)
         src = self.examples()["source"].to_numpy()[ids]
         df = pl.DataFrame({"source": src, "score": scores})
         return (
@@ -675,13 +756,7 @@ class AttributionRun:
         """``τ(i, i) = ‖v_i‖²`` of every indexed example, and the raw sketch norm (gradient norm)."""
         s = settings or IndexSettings()
         _, ids, _ = self.index(s)
-        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
-        si = np.concatenate(
-            [
-                np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + 65536]), x)
-                for i in range(0, len(vectors), 65536)
-            ]
-        )
+        si = self._row_sq_norms(s)
         return pl.DataFrame({"example_id": ids.astype(np.int64), "self_influence": si}).join(
             self.gradient_norms(), on="example_id", how="left"
         )

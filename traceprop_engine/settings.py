@@ -14,6 +14,13 @@ class SketchKind(str, Enum):
     DENSE = "dense"
 
 
+class FactorDtype(str, Enum):
+    """How rank-r factors are stored: bfloat16 (2 bytes, float32's range) or float32."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
 class Task(str, Enum):
     CAUSAL_LM = "causal-lm"
     CLASSIFICATION = "classification"
@@ -45,6 +52,13 @@ class TrackSettings:
         dense_nnz: non-zeros per input coordinate of the sparse JL matrix.
         covariance: accumulate K-FAC statistics ``A``, ``S`` in the projected space (factored
             sketches only: dense layers have no Kronecker factors).
+        rank: store each factored record as rank-``rank`` factors ``U Vᵀ`` computed inline on
+            the device (subspace iteration, :func:`traceprop_engine.sketch.top_factors`):
+            ``rank·(k_out + k_in)`` numbers instead of ``k_out·k_in``. ``0`` stores the full
+            sketch. Per-example records are nearly rank 1, so a large k stored as rank-1
+            factors beats a small full sketch of the same bytes (benchmarks/EVAL.md).
+        factor_dtype: ``bfloat16`` (2 bytes per number, float32's exponent range) or
+            ``float32`` for the stored factors.
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
@@ -56,11 +70,20 @@ class TrackSettings:
     dense_k: int = 512
     dense_nnz: int = 2
     covariance: bool = True
+    rank: int = 0
+    factor_dtype: FactorDtype = FactorDtype.BFLOAT16
     seed: int = 0
     buffer_records: int = 2048
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sketch", parse_choice(SketchKind, self.sketch, "sketch"))
+        object.__setattr__(
+            self, "factor_dtype", parse_choice(FactorDtype, self.factor_dtype, "factor_dtype")
+        )
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(
+                f"rank must be a non-negative integer (0 = store full sketches), got {self.rank!r}"
+            )
         for name in ("k_in", "k_out", "dense_k", "dense_nnz", "buffer_records"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -77,6 +100,7 @@ class TrackSettings:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["sketch"] = self.sketch.value
+        d["factor_dtype"] = self.factor_dtype.value
         return d
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import constants as C
 from .errors import ModelMismatchError, SchemaVersionError, StoreError
+from .sketch import bf16_bits, from_bf16_bits
 
 log = logging.getLogger(__name__)
 _STR = h5py.string_dtype("utf-8")
@@ -42,10 +43,21 @@ class LayerInfo:
     k_in: int
     k_out: int
     dense_k: int
+    rank: int = 0  # > 0: records stored as rank-r factors U (k_out, r), V (k_in, r)
+    factor_dtype: str = ""
 
     @property
     def record_shape(self) -> tuple[int, ...]:
+        """Shape of one record as read (factored records are rebuilt as ``U Vᵀ``)."""
         return (self.dense_k,) if self.sketch == "dense" else (self.k_out, self.k_in)
+
+    @property
+    def bytes_per_record(self) -> int:
+        if self.rank:
+            return (
+                self.rank * (self.k_out + self.k_in) * (2 if self.factor_dtype == "bfloat16" else 4)
+            )
+        return 4 * self.dim
 
     @property
     def dim(self) -> int:
@@ -76,6 +88,18 @@ def append_records(rec: h5py.Group, n0: int, meta: dict[str, np.ndarray]) -> Non
     for name in C.RECORD_FIELDS:
         rec[name].resize(n0 + n, axis=0)
         rec[name][n0 : n0 + n] = meta[name]
+
+
+def _rows_at(ds: h5py.Dataset, records: np.ndarray) -> np.ndarray:
+    """Rows ``records`` (sorted, unique) of a dataset: one contiguous read when they are dense
+    enough (h5py's point selection is slow for many rows), else a point selection."""
+    records = np.asarray(records, dtype=np.int64)
+    if len(records) == 0:
+        return np.zeros((0, *ds.shape[1:]), ds.dtype)
+    lo, hi = int(records[0]), int(records[-1]) + 1
+    if hi - lo <= 4 * len(records) + 64:
+        return ds[lo:hi][records - lo]
+    return ds[records]
 
 
 class StoreWriter:
@@ -128,17 +152,36 @@ class StoreWriter:
                 k_out=layer.k_out,
                 dense_k=getattr(layer, "dense_k", 0),
             )
-            shape = tuple(layer.record_shape)
-            self._sketch_ds.append(
-                g.create_dataset(
-                    C.L_SKETCH,
-                    shape=(0, *shape),
-                    maxshape=(None, *shape),
-                    dtype="f4",
-                    chunks=(_chunk_rows(int(np.prod(shape))), *shape),
-                    compression=compression,
+            rank = int(getattr(layer, "rank", 0))
+            if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
+                bf16 = getattr(layer, "factor_dtype", "float32") == "bfloat16"
+                g.attrs[C.L_RANK] = rank
+                g.attrs[C.L_FACTOR_DTYPE] = "bfloat16" if bf16 else "float32"
+                pair = []
+                for name, rows in ((C.L_U, layer.k_out), (C.L_V, layer.k_in)):
+                    pair.append(
+                        g.create_dataset(
+                            name,
+                            shape=(0, rows, rank),
+                            maxshape=(None, rows, rank),
+                            dtype="u2" if bf16 else "f4",
+                            chunks=(_chunk_rows(rows * rank), rows, rank),
+                            compression=compression,
+                        )
+                    )
+                self._sketch_ds.append((pair[0], pair[1], layer.k_out, bf16))
+            else:
+                shape = tuple(layer.record_shape)
+                self._sketch_ds.append(
+                    g.create_dataset(
+                        C.L_SKETCH,
+                        shape=(0, *shape),
+                        maxshape=(None, *shape),
+                        dtype="f4",
+                        chunks=(_chunk_rows(int(np.prod(shape))), *shape),
+                        compression=compression,
+                    )
                 )
-            )
             if layer.P_in is not None:
                 g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
             if layer.P_out is not None:
@@ -201,6 +244,22 @@ class StoreWriter:
         with self._lock:
             n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
             for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
+                if isinstance(ds, tuple):  # (U, V, k_out, bf16): arr is (n, k_out + k_in, r)
+                    ds_u, ds_v, k_out, bf16 = ds
+                    u, v = arr[:, :k_out], arr[:, k_out:]
+                    if bf16:
+                        u, v = bf16_bits(u), bf16_bits(v)
+                        ru, rv = from_bf16_bits(u), from_bf16_bits(v)
+                    else:
+                        ru, rv = u, v
+                    for d, val in ((ds_u, u), (ds_v, v)):
+                        d.resize(n0 + n, axis=0)
+                        d[n0 : n0 + n] = val
+                    # ||U V^T||_F^2 = sum((U^T U) * (V^T V)) of what is stored
+                    gu = np.matmul(ru.transpose(0, 2, 1).astype(np.float64), ru)
+                    gv = np.matmul(rv.transpose(0, 2, 1).astype(np.float64), rv)
+                    self._sq_norm[i] += float((gu * gv).sum())
+                    continue
                 ds.resize(n0 + n, axis=0)
                 ds[n0 : n0 + n] = arr
                 self._sq_norm[i] += float(
@@ -210,7 +269,8 @@ class StoreWriter:
             self.n_records = n0 + n
             self._f.attrs["n_records"] = self.n_records
             for i, ds in enumerate(self._sketch_ds):
-                ds.parent.attrs[C.L_SQNORM] = self._sq_norm[i]
+                group = ds[0].parent if isinstance(ds, tuple) else ds.parent
+                group.attrs[C.L_SQNORM] = self._sq_norm[i]
             self._f.flush()
 
     def write_covariance(self, cov: list[dict]) -> None:
@@ -321,7 +381,7 @@ class Store:
                 f"{self.path} is an HDF5 file but not a Traceprop store (no format='{C.STORE_FORMAT}' attribute)"
             )
         version = int(a.get("schema_version", -1))
-        if version != C.SCHEMA_VERSION:
+        if version not in C.READABLE_SCHEMA_VERSIONS:
             self._f.close()
             raise SchemaVersionError(
                 f"{self.path} has store schema version {version}; this Traceprop reads version "
@@ -338,7 +398,8 @@ class Store:
                 for i, k in enumerate(sorted(self._f[C.G_LAYERS]))
             ]
             for layer in self.layers:
-                have = self._f[f"{layer.group}/{C.L_SKETCH}"].shape[0]
+                data = C.L_U if layer.rank else C.L_SKETCH
+                have = self._f[f"{layer.group}/{data}"].shape[0]
                 if have < self.n_records:
                     raise StoreError(
                         f"layer {layer.name} holds {have} records, the store says {self.n_records}"
@@ -362,6 +423,8 @@ class Store:
             k_in=int(at["k_in"]),
             k_out=int(at["k_out"]),
             dense_k=int(at["dense_k"]),
+            rank=int(at.get(C.L_RANK, 0)),
+            factor_dtype=str(at.get(C.L_FACTOR_DTYPE, "")),
         )
 
     # -- state ------------------------------------------------------------------------------
@@ -404,8 +467,55 @@ class Store:
 
     # -- data -------------------------------------------------------------------------------
     def sketches(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Records ``start:stop`` of one layer, (n, *record_shape) float32.
+
+        A layer stored as rank-r factors is rebuilt as ``U Vᵀ`` (what was recorded, to the
+        factors' precision); scoring code that can use the factors directly calls
+        :meth:`factors` instead.
+        """
+        info = self.layers[layer]
+        if info.rank:
+            u, v = self.factors(layer, start, stop)
+            return np.matmul(u, v.transpose(0, 2, 1))
         stop = self.n_records if stop is None else min(stop, self.n_records)
-        return self._f[f"{self.layers[layer].group}/{C.L_SKETCH}"][start:stop]
+        return self._f[f"{info.group}/{C.L_SKETCH}"][start:stop]
+
+    def factors(
+        self, layer: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``U`` (n, k_out, r) and ``V`` (n, k_in, r) float32 of a factor-stored layer.
+
+        Raises:
+            StoreError: the layer stores full sketches (``rank`` 0).
+        """
+        info = self.layers[layer]
+        if not info.rank:
+            raise StoreError(f"layer {info.name} stores full sketches, not factors")
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        g = self._f[info.group]
+        u, v = g[C.L_U][start:stop], g[C.L_V][start:stop]
+        if info.factor_dtype == "bfloat16":
+            return from_bf16_bits(u), from_bf16_bits(v)
+        return u, v
+
+    def sketches_at(self, layer: int, records: np.ndarray) -> np.ndarray:
+        """Like :meth:`sketches` for a sorted array of record numbers."""
+        info = self.layers[layer]
+        if info.rank:
+            u, v = self.factors_at(layer, records)
+            return np.matmul(u, v.transpose(0, 2, 1))
+        return _rows_at(self._f[f"{info.group}/{C.L_SKETCH}"], records)
+
+    def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`factors` for a sorted array of record numbers."""
+        info = self.layers[layer]
+        if not info.rank:
+            raise StoreError(f"layer {info.name} stores full sketches, not factors")
+        g = self._f[info.group]
+        u, v = _rows_at(g[C.L_U], records), _rows_at(g[C.L_V], records)
+        if info.factor_dtype == "bfloat16":
+            return from_bf16_bits(u), from_bf16_bits(v)
+        return u, v
 
     def records(self) -> dict[str, np.ndarray]:
         g = self._f[C.G_RECORDS]
@@ -605,6 +715,44 @@ class ShardedStore:
         if not parts:
             return np.zeros((0, *self.layers[layer].record_shape), np.float32)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def factors(
+        self, layer: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        us, vs = [], []
+        for sh, lo, hi in zip(self.shards, self._offsets[:-1], self._offsets[1:], strict=True):
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                u, v = sh.factors(layer, int(a - lo), int(b - lo))
+                us.append(u)
+                vs.append(v)
+        if not us:
+            info = self.layers[layer]
+            return (
+                np.zeros((0, info.k_out, info.rank), np.float32),
+                np.zeros((0, info.k_in, info.rank), np.float32),
+            )
+        return np.concatenate(us), np.concatenate(vs)
+
+    def _split(self, records: np.ndarray):
+        records = np.asarray(records, dtype=np.int64)
+        for sh, lo, hi in zip(self.shards, self._offsets[:-1], self._offsets[1:], strict=True):
+            sel = records[(records >= lo) & (records < hi)]
+            if len(sel):
+                yield sh, sel - lo
+
+    def sketches_at(self, layer: int, records: np.ndarray) -> np.ndarray:
+        parts = [sh.sketches_at(layer, sel) for sh, sel in self._split(records)]
+        if not parts:
+            return np.zeros((0, *self.layers[layer].record_shape), np.float32)
+        return np.concatenate(parts)
+
+    def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        parts = [sh.factors_at(layer, sel) for sh, sel in self._split(records)]
+        if not parts:
+            return self.factors(layer, 0, 0)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def records(self) -> dict[str, np.ndarray]:
         recs = [sh.records() for sh in self.shards]

@@ -81,6 +81,7 @@ class Tracker:
             self.settings.buffer_records,
             device,
             self._sink,
+            ranks=[layer.rank for layer in self.layers],
         )
         self.step_ms: list[float] = []
         self.flush_ms = 0.0

@@ -1,0 +1,121 @@
+"""Rank-r factor storage: what the store holds equals the best rank-r approximation of the
+per-example autograd sketch (exact at full rank), in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_capture import ATOL_REL, RTOL, causal_batch, check_causal, reference_sketches, tiny_neox
+
+from traceprop_engine import Store, Tracker, TrackSettings
+from traceprop_engine.capture import build_layers
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.losses import causal_lm_losses
+from traceprop_engine.sketch import bf16_bits, from_bf16_bits, top_factors
+
+# subspace iteration against LAPACK's SVD, on records with a clear spectral gap
+FACTOR_RTOL = 1e-3
+# bfloat16 keeps 8 significant bits: 2^-8 relative per number
+BF16_RTOL = 2.0**-8
+
+
+def test_full_rank_factors_are_exact(tmp_path):
+    """rank = min(k_out, k_in): U Vᵀ is the recorded sketch, equal to the autograd reference."""
+    store, _ = check_causal(
+        tmp_path, tiny_neox(), TrackSettings(k_in=4, k_out=6, rank=4, factor_dtype="float32")
+    )
+    assert all(layer.rank == 4 for layer in store.layers)
+    u, v = store.factors(0)
+    assert u.shape == (3, 6, 4) and v.shape == (3, 4, 4)
+
+
+def _top_svd(m: np.ndarray, r: int) -> np.ndarray:
+    u, s, vt = np.linalg.svd(m)
+    return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", FACTOR_RTOL), ("bfloat16", 4 * BF16_RTOL)])
+def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
+    model = tiny_neox()
+    settings = TrackSettings(k_in=8, k_out=8, rank=1, factor_dtype=dtype)
+    ids, mask, labels, lengths = causal_batch()
+    with Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker:
+        with tracker.step([0, 1, 2], token_mask=mask) as rec:
+            losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+            losses.mean().backward()
+            rec.losses = losses
+    store = Store(tmp_path / "store.h5")
+    layers = build_layers(model, settings)
+
+    def single(b):
+        n = lengths[b]
+        return lambda: causal_lm_losses(
+            model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n]
+        )[0]
+
+    ref = reference_sketches(model, layers, [single(b) for b in range(3)])
+    checked = 0
+    for li in range(len(layers)):
+        got = store.sketches(li)
+        for b in range(3):
+            s = np.linalg.svd(ref[b][li], compute_uv=False)
+            if s[1] > 0.5 * s[0]:  # no clear top direction: the pair is not identifiable
+                continue
+            want = _top_svd(ref[b][li], 1)
+            np.testing.assert_allclose(
+                got[b], want, rtol=0, atol=rtol * np.abs(want).max(), err_msg=f"{li}/{b}"
+            )
+            checked += 1
+    assert checked >= len(layers)  # most records here have a clear top singular value
+    # the stored squared norm is that of what is stored (for K-FAC's trace calibration)
+    for li in range(len(layers)):
+        want = float((store.sketches(li).astype(np.float64) ** 2).sum())
+        assert store.sq_norm_sum(li) == pytest.approx(want, rel=1e-5)
+
+
+def test_top_factors_against_svd():
+    g = torch.Generator().manual_seed(0)
+    # singular values 10, 5, 1, 0.01...: the top-1 and top-2 subspaces are well separated
+    qu = torch.linalg.qr(torch.randn(50, 16, 12, generator=g)).Q
+    qv = torch.linalg.qr(torch.randn(50, 12, 12, generator=g)).Q
+    sv = torch.tensor([10.0, 5.0, 1.0] + [0.01] * 9)
+    m = qu @ torch.diag(sv) @ qv.transpose(1, 2)
+    for r in (1, 2):
+        u, v = top_factors(m, r)
+        assert u.shape == (50, 16, r) and v.shape == (50, 12, r)
+        vtv = v.transpose(1, 2) @ v
+        torch.testing.assert_close(vtv, torch.eye(r).expand(50, r, r), atol=1e-5, rtol=0)
+        want = np.stack([_top_svd(x, r) for x in m.double().numpy()])
+        got = (u @ v.transpose(1, 2)).double().numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=FACTOR_RTOL * np.abs(want).max())
+    # full rank is exact; zero records give zero factors (no NaN)
+    u, v = top_factors(m, 12)
+    torch.testing.assert_close(u @ v.transpose(1, 2), m, rtol=RTOL, atol=ATOL_REL)
+    u, v = top_factors(torch.zeros(4, 8, 8), 1)
+    assert torch.all(u == 0) and torch.isfinite(v).all()
+
+
+def test_bf16_bits_round_trip():
+    x = np.array([1.0, -2.5, 3.14159265, 1e-30, 1e30, 0.0], np.float32)
+    back = from_bf16_bits(bf16_bits(x))
+    np.testing.assert_allclose(back, x, rtol=BF16_RTOL, atol=0)
+    assert back[0] == 1.0 and back[1] == -2.5  # exactly representable values stay exact
+
+
+def test_bytes_per_record_and_bad_settings(tmp_path):
+    model = tiny_neox()
+    settings = TrackSettings(k_in=16, k_out=16, rank=1)  # bfloat16 by default
+    ids, mask, labels, _ = causal_batch()
+    with Tracker(model, tmp_path / "s.h5", settings, background=False) as tracker:
+        with tracker.step([0, 1, 2], token_mask=mask):
+            causal_lm_losses(
+                model(input_ids=ids, attention_mask=mask).logits, labels
+            ).mean().backward()
+    store = Store(tmp_path / "s.h5")
+    assert [layer.bytes_per_record for layer in store.layers] == [2 * 32] * len(store.layers)
+    assert store.sketches(0).shape == (3, 16, 16)
+    with pytest.raises(ConfigError, match="rank"):
+        TrackSettings(rank=-1)
+    with pytest.raises(ConfigError, match="factor_dtype"):
+        TrackSettings(rank=1, factor_dtype="int4")

@@ -1,0 +1,161 @@
+"""Exact influence scores from the stored records, for any preconditioner and any storage.
+
+The FAISS index holds *index vectors*: the preconditioned sketches, compressed by a second
+Kronecker projection when the sketch is large (``LayerPreconditioner.index_left/right``), so
+their inner products are unbiased estimates of the scores. This module computes the scores
+themselves, from what the store holds (full sketches or rank-r factors), so that every number
+a user sees is exact:
+
+    τ(test, i) = Σ_layers Σ_records w_r ⟨T'_l, X_{r,l}⟩,   T'_l = pullback_l(T_l) = H_l⁻¹ T_l
+
+with ``w_r`` the record's learning rate (per-example vectors, TracIn along the trajectory) or 1
+(per-record vectors). For a record stored as factors ``X = U Vᵀ`` the inner product is
+``Σ_c u_cᵀ T' v_c``: one ``(k_out × k_in)·(k_in × r)`` product, never the full sketch.
+
+Used by the query path to re-rank FAISS candidates exactly, and for full score vectors (LDS,
+influence by source, self-influence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+from . import constants as C
+from .precondition import Preconditioner
+
+CHUNK = 4096  # records per streamed chunk
+NORM_BUFFER_BYTES = 1 << 30  # exact per-example norms accumulate at most this much in memory
+
+
+class ExactScorer:
+    """Exact scores of test sketches against the vectors of an index (its rows).
+
+    Args:
+        store: the run's store (``Store`` or ``ShardedStore``).
+        pre: the fitted preconditioner of the index.
+        ids: the index's row -> example id (per-example) or row -> record (per-record).
+        per_record: rows are records (weight 1) instead of examples (weight = lr).
+    """
+
+    def __init__(self, store, pre: Preconditioner, ids: np.ndarray, per_record: bool = False):
+        self.store = store
+        self.pre = pre
+        self.ids = np.asarray(ids)
+        rec = store.records()
+        n_rec = store.n_records
+        if per_record:
+            self.rec_row = np.arange(n_rec, dtype=np.int64)
+            self.rec_weight = np.ones(n_rec, dtype=np.float64)
+        else:
+            row_of = np.full(int(rec[C.REC_EXAMPLE].max(initial=-1)) + 1, -1, dtype=np.int64)
+            row_of[self.ids.astype(np.int64)] = np.arange(len(self.ids))
+            self.rec_row = row_of[rec[C.REC_EXAMPLE]]
+            self.rec_weight = rec[C.REC_LR].astype(np.float64)
+        order = np.argsort(self.rec_row, kind="stable")
+        self._by_row = order  # records sorted by row
+        self._row_start = np.searchsorted(self.rec_row[order], np.arange(len(self.ids) + 1))
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.ids)
+
+    def pullbacks(self, test_sketches: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Per layer ``T' = H⁻¹ T``, (q, *record_shape) float64."""
+        return [lp.pullback(t) for lp, t in zip(self.pre.layers, test_sketches, strict=True)]
+
+    def query_sq_norm(self, test_sketches: Sequence[np.ndarray]) -> np.ndarray:
+        """``‖H^{-1/2} T‖²`` per query (the cosine denominator of the test side), (q,)."""
+        pb = self.pullbacks(test_sketches)
+        return sum(
+            np.einsum("qi,qi->q", t.reshape(len(t), -1), p.reshape(len(p), -1))
+            for t, p in zip(test_sketches, pb, strict=True)
+        )
+
+    def scores(
+        self,
+        test_sketches: Sequence[np.ndarray],
+        rows: np.ndarray | None = None,
+        per_layer: bool = False,
+    ) -> np.ndarray:
+        """Exact scores.
+
+        Args:
+            test_sketches: per layer (q, *record_shape) test-side sketches.
+            rows: index rows to score (all when None); the output columns follow this order.
+            per_layer: also split every score by layer.
+
+        Returns:
+            (q, n) scores, or (q, L, n) per-layer scores when ``per_layer``.
+        """
+        pb = self.pullbacks(test_sketches)
+        q = len(pb[0])
+        n_layers = len(pb)
+        if rows is None:
+            out = np.zeros((q, n_layers, self.n_rows))
+            for start in range(0, self.store.n_records, CHUNK):
+                stop = min(start + CHUNK, self.store.n_records)
+                recs = np.arange(start, stop)
+                self._accumulate(out, pb, recs, self.rec_row[start:stop], slice(start, stop))
+        else:
+            rows = np.asarray(rows, dtype=np.int64)
+            out = np.zeros((q, n_layers, len(rows)))
+            recs = np.concatenate(
+                [self._by_row[self._row_start[r] : self._row_start[r + 1]] for r in rows]
+                or [np.zeros(0, np.int64)]
+            )
+            col_of_row = {int(r): i for i, r in enumerate(rows)}
+            cols = np.fromiter(
+                (col_of_row[int(r)] for r in self.rec_row[recs]), np.int64, len(recs)
+            )
+            order = np.argsort(recs)
+            recs, cols = recs[order], cols[order]
+            for start in range(0, len(recs), CHUNK):
+                sel = recs[start : start + CHUNK]
+                self._accumulate(out, pb, sel, cols[start : start + CHUNK], sel)
+        return out if per_layer else out.sum(1)
+
+    def _accumulate(self, out, pb, recs, cols, where) -> None:
+        """Add ``w_r ⟨T', X_r⟩`` of records ``recs`` into ``out[:, layer, cols]``."""
+        w = self.rec_weight[recs]
+        m = sp.csr_matrix((w, (cols, np.arange(len(recs)))), shape=(out.shape[2], len(recs)))
+        for li, t in enumerate(pb):
+            s = self._record_scores(li, t, where)  # (q, n)
+            out[:, li, :] += (m @ s.T).T
+
+    def _record_scores(self, li: int, t: np.ndarray, where) -> np.ndarray:
+        info = self.store.layers[li]
+        if info.rank:
+            u, v = _read(self.store, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
+            tv = np.matmul(t[:, None], v[None].astype(np.float64))  # (q, n, k_out, r)
+            return np.einsum("qnor,nor->qn", tv, u.astype(np.float64))
+        x = _read(self.store, "sketches", li, where)
+        return t.reshape(len(t), -1) @ x.reshape(len(x), -1).astype(np.float64).T
+
+    def example_sq_norms(self) -> np.ndarray | None:
+        """``‖H^{-1/2} Σ_r w_r X_r‖²`` of every row (self-influence, cosine), or None when the
+        per-row accumulation would exceed :data:`NORM_BUFFER_BYTES` (then callers fall back to
+        the index vectors' norms, an unbiased estimate)."""
+        out = np.zeros(self.n_rows)
+        for li, lp in enumerate(self.pre.layers):
+            exact = dataclasses.replace(lp, index_left=None, index_right=None)
+            if self.n_rows * exact.dim * 4 > NORM_BUFFER_BYTES:
+                return None
+            acc = np.zeros((self.n_rows, exact.dim), np.float32)
+            for start in range(0, self.store.n_records, CHUNK):
+                stop = min(start + CHUNK, self.store.n_records)
+                x = exact.apply(self.store.sketches(li, start, stop))
+                w = self.rec_weight[start:stop].astype(np.float32)[:, None]
+                np.add.at(acc, self.rec_row[start:stop], x * w)
+            out += np.einsum("ij,ij->i", acc, acc, dtype=np.float64)
+        return out
+
+
+def _read(store, what: str, li: int, where):
+    """Records ``where`` (a slice, or sorted record numbers) of one layer."""
+    if isinstance(where, slice):
+        return getattr(store, what)(li, where.start, where.stop)
+    return getattr(store, f"{what}_at")(li, where)
