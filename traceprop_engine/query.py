@@ -637,15 +637,8 @@ class AttributionRun:
         k = min(top_k, index.n)
         res = index.search_both(qv, k)
         vectors = self._vectors(s)
-        rows = []
-        kinds = [("proponent", res.proponent_ids[0], res.proponent_scores[0])]
-        if opponents:
-            kinds.append(("opponent", res.opponent_ids[0], res.opponent_scores[0]))
-        for kind, vid, sc in kinds:
-            for rank, (v, score) in enumerate(zip(vid, sc, strict=True), start=1):
-                if v < 0:
-                    continue
-                rows.append((kind, rank, int(v), float(score)))
+        rows, sign_notes = signed_hits(res, top_k, opponents)
+        notes += sign_notes
         rows = self._rows(rows, ids, vectors, qv, pre, s)
         q = {
             **desc,
@@ -796,6 +789,30 @@ class AttributionRun:
 
     def close(self) -> None:
         self.store.close()
+
+
+def signed_hits(res, top_k: int, opponents: bool) -> tuple[list[tuple], list[str]]:
+    """``(kind, rank, vector row, score)`` hits of a search, labelled by sign, and notes.
+
+    The index returns the k highest and the k most negative scores whatever their sign: when k
+    exceeds the number of positive (or negative) scores, the tail of a list has the other sign
+    and an example can appear in both. A proponent has score > 0 and an opponent score < 0, so
+    those tails are dropped (an example is in at most one list, a zero score in none), and a
+    note says when a list is shorter than ``top_k``.
+    """
+    kinds = [("proponent", res.proponent_ids[0], res.proponent_scores[0], 1.0, "positive")]
+    if opponents:
+        kinds.append(("opponent", res.opponent_ids[0], res.opponent_scores[0], -1.0, "negative"))
+    hits, notes = [], []
+    for kind, vid, sc, sign, word in kinds:
+        keep = [(int(v), float(x)) for v, x in zip(vid, sc, strict=True) if v >= 0 and sign * x > 0]
+        hits += [(kind, rank, v, x) for rank, (v, x) in enumerate(keep, start=1)]
+        if len(keep) < top_k:
+            notes.append(
+                f"{len(keep)} {kind}{'s' if len(keep) != 1 else ''} of the {top_k} asked: no "
+                f"other indexed training example has a {word} score"
+            )
+    return hits, notes
 
 
 def _reserve(path: Path) -> None:
