@@ -624,7 +624,7 @@ def audit_bytes(run, result) -> tuple[bytes, bytes, dict]:
     trail = export.audit_trail(run, result)
     js = json.dumps(trail, indent=2, ensure_ascii=False, default=str).encode()
     rows = export.audit_rows(trail)
-    return js, rows.write_csv().encode() if rows.height else b"", trail
+    return js, export.csv_bytes(rows) if rows.height else b"", trail
 
 
 def layer_scores_table(layer_scores: str) -> pl.DataFrame:

@@ -3,6 +3,7 @@
 from .errors import (
     ConfigError,
     DataError,
+    IndexBuildError,
     IndexStaleError,
     ModelMismatchError,
     QueryError,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "DataError",
+    "IndexBuildError",
     "IndexStaleError",
     "ModelMismatchError",
     "QueryError",

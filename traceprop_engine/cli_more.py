@@ -87,7 +87,7 @@ def register(sub) -> None:
 
 
 def _cmd_audit(a) -> int:
-    from .export import audit_rows, audit_trail
+    from .export import audit_rows, audit_trail, write_csv
     from .query import IndexSettings, open_run
 
     run = open_run(a.run)
@@ -103,7 +103,7 @@ def _cmd_audit(a) -> int:
     trail = audit_trail(run, res)
     Path(a.out).write_text(json.dumps(trail, indent=2, ensure_ascii=False, default=str))
     if a.csv:
-        audit_rows(trail).write_csv(a.csv)
+        write_csv(audit_rows(trail), a.csv)
     print(
         f"audit trail: {a.out} ({len(trail['influencers'])} influencers, model {str(trail['model_fingerprint'])[:12]}…)"
     )
@@ -157,7 +157,9 @@ def _cmd_rank(a) -> int:
             f"{row['rank']:>4} {row[col]:>15.6g}  {row['source'] + ':' + str(row['row']):<28} {text}"
         )
     if a.csv:
-        df.write_csv(a.csv)
+        from .export import write_csv
+
+        write_csv(df, a.csv)
     return 0
 
 

@@ -33,6 +33,10 @@ class ModelMismatchError(TracepropError, ValueError):
     """A model does not match the store it is used with (layers, shapes, fingerprint)."""
 
 
+class IndexBuildError(StoreError):
+    """An index could not be written (disk full, permissions...); the previous one is intact."""
+
+
 class IndexStaleError(TracepropError, RuntimeError):
     """A persisted index was built from another store (or another version of it)."""
 

@@ -45,10 +45,45 @@ def rows_for_export(result) -> pl.DataFrame:
     return rows.select(cols)
 
 
+CSV_FORMULA_CHARS = ("=", "+", "-", "@", "\t", "\r")
+"""A text cell starting with one of these is read as a formula by spreadsheet programs (CSV
+injection, e.g. ``=HYPERLINK(...)``)."""
+
+
+def csv_safe(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with every text cell that starts with a formula character prefixed by ``'``.
+
+    The OWASP rule against CSV injection: a spreadsheet shows the cell as text instead of
+    evaluating it. Only text columns change (a negative score stays a number); use it for CSV
+    only, JSON exports keep the exact values.
+    """
+    pattern = "^[" + "".join("\\" + c if c == "-" else c for c in CSV_FORMULA_CHARS) + "]"
+    exprs = [
+        pl.when(pl.col(c).str.contains(pattern))
+        .then(pl.lit("'") + pl.col(c))
+        .otherwise(pl.col(c))
+        .alias(c)
+        for c, dtype in df.schema.items()
+        if dtype == pl.String
+    ]
+    return df.with_columns(exprs) if exprs else df
+
+
+def csv_bytes(df: pl.DataFrame) -> bytes:
+    """CSV bytes of ``df`` with formula-like cells neutralised (:func:`csv_safe`); every CSV
+    the engine, the CLI and the app write goes through here."""
+    return csv_safe(df).write_csv().encode()
+
+
+def write_csv(df: pl.DataFrame, path: str | os.PathLike) -> None:
+    """Write ``df`` as CSV to ``path`` (see :func:`csv_bytes`)."""
+    Path(path).write_bytes(csv_bytes(df))
+
+
 def rows_to_bytes(rows: pl.DataFrame, fmt: str) -> bytes:
-    """CSV or JSON (a list of row objects) bytes of ``rows``."""
+    """CSV (formula-like cells neutralised) or JSON (exact; a list of row objects) of ``rows``."""
     if fmt == "csv":
-        return rows.write_csv().encode()
+        return csv_bytes(rows)
     if fmt == "json":
         return json.dumps(rows.to_dicts(), indent=2, ensure_ascii=False).encode()
     raise ValueError(f"format must be 'csv' or 'json', got {fmt!r}")

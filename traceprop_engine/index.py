@@ -26,9 +26,14 @@ test loss); :meth:`VectorIndex.search_both` returns proponents and opponents (mo
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -37,7 +42,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
+from traceprop_engine.errors import ConfigError, IndexBuildError, IndexStaleError, StoreError
 from traceprop_engine.settings import parse_choice
 
 __all__ = [
@@ -49,7 +54,10 @@ __all__ = [
     "VectorIndex",
     "build_index",
     "default_nlist",
+    "file_digest",
+    "index_lock",
     "l2_normalize",
+    "publish_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,6 +70,11 @@ IVF is needed for interactive latency."""
 INDEX_FILE = "index.faiss"
 INDEX_META_FILE = "index.json"
 _META_FORMAT = "traceprop-index"
+FULL_DIGEST_MAX = 256 << 20
+"""Files up to this size are hashed whole on every load; larger ones by :func:`file_digest`'s
+evenly spaced blocks (a few hundred MiB of hashing per load stays well under a second)."""
+_DIGEST_BLOCKS = 256
+_DIGEST_BLOCK = 1 << 20
 _CALIB_QUERIES = 200
 _CALIB_K = 10
 _MAX_TRAIN_PER_LIST = 64
@@ -294,13 +307,16 @@ class VectorIndex:
         return hi, rec_hi
 
     # ---------------------------------------------------------------- persistence
-    def save(self, directory: str | Path, fingerprint: str) -> None:
-        """Write ``index.faiss`` and ``index.json`` into ``directory`` (created if missing).
+    def save(self, directory: str | Path, fingerprint: str, files: Iterable[str] = ()) -> None:
+        """Write ``index.faiss`` and then ``index.json`` into ``directory`` (created if missing).
 
         Args:
-            directory: target folder (the run's index folder).
+            directory: target folder (the run's index folder, or the temporary folder it is
+                built in; see :func:`publish_dir`).
             fingerprint: identifies the store contents the vectors came from (and the
                 preconditioner); :meth:`load` refuses another one.
+            files: other files of ``directory`` that belong to the index (already written);
+                their sizes and digests are recorded and :meth:`load` checks them.
         """
         d = Path(directory)
         meta = {
@@ -321,9 +337,17 @@ class VectorIndex:
         try:
             d.mkdir(parents=True, exist_ok=True)
             faiss.write_index(self.index, str(d / INDEX_FILE))
-            (d / INDEX_META_FILE).write_text(json.dumps(meta, indent=2))
+            # index.json is written last, and holds the size and digest of every file of the
+            # index: an index whose files were cut short or overwritten is never used
+            meta["files"] = {name: file_digest(d / name) for name in (*files, INDEX_FILE)}
+            tmp = d / f".{INDEX_META_FILE}.tmp"
+            with open(tmp, "w") as f:
+                f.write(json.dumps(meta, indent=2))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, d / INDEX_META_FILE)
         except (OSError, RuntimeError) as e:
-            raise StoreError(
+            raise IndexBuildError(
                 f"cannot write the index to {d}: {e}; check the path and disk space"
             ) from e
 
@@ -345,7 +369,8 @@ class VectorIndex:
             threads: FAISS threads (default: all available cores).
 
         Raises:
-            StoreError: missing or unreadable files.
+            StoreError: missing, unreadable or damaged files (a size or digest that differs
+                from the one recorded at build time).
             IndexStaleError: the index was built from another store/preconditioner.
         """
         d = Path(directory)
@@ -364,6 +389,7 @@ class VectorIndex:
                 f"the store is now {expected_fingerprint!r}; rebuild it with "
                 "`traceprop index RUN --rebuild` (or let the caller rebuild it automatically)"
             )
+        _check_files(d, meta)
         if meta.get("faiss_version") != faiss.__version__:
             log.warning(
                 "index %s was written by faiss %s, running %s",
@@ -393,6 +419,105 @@ class VectorIndex:
             tuned_recall=meta.get("tuned_recall"),
             extra_dims=extra,
         )
+
+
+def file_digest(path: str | Path) -> dict:
+    """``{"size", "sha256"}`` of a file: the whole file up to :data:`FULL_DIGEST_MAX` bytes, above
+    it the first and last blocks and evenly spaced ones in between (``"sampled": true``)."""
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        if size <= FULL_DIGEST_MAX:
+            while block := f.read(1 << 22):
+                h.update(block)
+        else:
+            for off in np.linspace(0, size - _DIGEST_BLOCK, _DIGEST_BLOCKS).astype(np.int64):
+                f.seek(int(off))
+                h.update(f.read(_DIGEST_BLOCK))
+    out = {"size": size, "sha256": h.hexdigest()}
+    if size > FULL_DIGEST_MAX:
+        out["sampled"] = True
+    return out
+
+
+def _check_files(d: Path, meta: dict) -> None:
+    files = meta.get("files")
+    if not isinstance(files, dict) or INDEX_FILE not in files:
+        raise StoreError(
+            f"the index in {d} records no file digests (written by an older Traceprop, or its "
+            "build was interrupted); rebuild it with `traceprop index RUN --rebuild`"
+        )
+    for name, want in files.items():
+        p = d / name
+        try:
+            got = file_digest(p)
+        except OSError as e:
+            raise StoreError(f"{p} is missing or unreadable ({e}); rebuild the index") from e
+        if got != want:
+            raise StoreError(
+                f"{p} was changed or damaged after the index was built (size {got['size']}, "
+                f"recorded {want.get('size')}; digest differs); rebuild it with "
+                "`traceprop index RUN --rebuild`"
+            )
+
+
+@contextlib.contextmanager
+def index_lock(lock_path: str | Path, *, exclusive: bool) -> Iterator[bool]:
+    """Hold an advisory ``flock`` on ``lock_path``: exclusive to build, shared to load.
+
+    Yields whether a lock is held: a reader in a read-only folder proceeds without one (an
+    index it loads is still checked against its digests). A builder that cannot create the
+    lock file gets the OSError.
+    """
+    p = Path(lock_path)
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        if exclusive:
+            raise
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            yield False
+            return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Move a completely written index folder ``tmp`` to ``final``, replacing an older one.
+
+    Call under the exclusive :func:`index_lock`. The old folder is first renamed aside (a
+    process that memory-mapped its files keeps reading them), then ``tmp`` is renamed into
+    place, then the old one is deleted; each rename is atomic, so ``final`` is at every moment
+    either absent or a complete index.
+    """
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on a directory
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _ivf_of(index: faiss.Index):

@@ -14,10 +14,13 @@ opponent.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +33,16 @@ import torch
 from . import constants as C
 from .capture import Capture, TrackedLayer
 from .data import Example
-from .errors import ConfigError, IndexStaleError, QueryError, RunError, StoreError
-from .index import IndexKind, VectorIndex, build_index
+from .errors import (
+    ConfigError,
+    IndexBuildError,
+    IndexStaleError,
+    QueryError,
+    RunError,
+    StoreError,
+    TracepropError,
+)
+from .index import INDEX_META_FILE, IndexKind, VectorIndex, build_index, index_lock, publish_dir
 from .losses import example_losses
 from .models import collate, encode_example, load_saved_model, model_inputs
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
@@ -59,6 +70,7 @@ returned score is recomputed exactly from the store (:mod:`traceprop_engine.scor
 CANDIDATES = 4
 """FAISS returns ``max(CANDIDATES · top_k, MIN_CANDIDATES)`` rows per side for the exact re-rank."""
 MIN_CANDIDATES = 200
+BUILD_FILE = "build.json"
 
 
 @dataclass(frozen=True)
@@ -154,6 +166,7 @@ class AttributionRun:
         self._capture_layers: list[TrackedLayer] | None = None
         self._indexes: dict[str, tuple[VectorIndex, np.ndarray, Preconditioner]] = {}
         self._scorers: dict[str, ExactScorer] = {}
+        self._vector_maps: dict[str, np.ndarray] = {}  # the memory-mapped vectors.npy of each
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
 
@@ -224,6 +237,9 @@ class AttributionRun:
     def _index_dir(self, s: IndexSettings) -> Path:
         return self.dir / C.INDEX_DIR / s.name
 
+    def _lock_path(self, s: IndexSettings) -> Path:
+        return self.dir / C.INDEX_DIR / f".{s.name}.lock"
+
     def _fingerprint(self, s: IndexSettings) -> str:
         blob = json.dumps({"store": self.store.fingerprint, **s.to_dict()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -293,6 +309,7 @@ class AttributionRun:
         mm = np.lib.format.open_memmap(
             out / VECTORS_FILE, mode="w+", dtype=np.float32, shape=(len(ids), pre.dim)
         )
+        _reserve(out / VECTORS_FILE)
         mm[:] = 0
         row_of = {int(e): i for i, e in enumerate(ids)} if not s.per_record else None
         for start in range(0, n_rec, CHUNK):
@@ -317,87 +334,155 @@ class AttributionRun:
         self,
         s: IndexSettings | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        *,
+        reuse: bool = False,
     ) -> VectorIndex:
-        """Fit the preconditioner, write the vectors, build and persist the FAISS index."""
+        """Fit the preconditioner, write the vectors, build and persist the FAISS index.
+
+        Every file is written into a temporary folder beside ``index/<name>/`` and the folder is
+        renamed into place once complete, all under an exclusive lock on ``index/.<name>.lock``:
+        concurrent builds of one index run one after the other, and an interrupted or failed
+        build leaves the previous index as it was.
+
+        Args:
+            reuse: once the lock is held, use a fresh index another process finished meanwhile
+                instead of building again.
+
+        Raises:
+            IndexBuildError: a write failed (disk full, permissions...); the previous index, if
+                any, is untouched.
+        """
         s = s or IndexSettings()
         if self.store.n_records == 0:
             raise StoreError(f"{self.store.path} holds no records yet: nothing to index")
-        out = self._index_dir(s)
-        out.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        pre = self.fit_preconditioner(
-            s, progress and (lambda d, n: progress("preconditioner", d, n))
-        )
-        pre.save(out / PRECOND_FILE)
-        ids = self._write_vectors(
-            s, pre, out, progress and (lambda d, n: progress("vectors", d, n))
-        )
-        np.save(out / IDS_FILE, ids)
-        vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
-        norms = ExactScorer(self.store, pre, ids, s.per_record).example_sq_norms()
-        if norms is not None:
-            np.save(out / NORMS_FILE, norms)
-        elif (out / NORMS_FILE).exists():
-            (out / NORMS_FILE).unlink()
+        final = self._index_dir(s)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with index_lock(self._lock_path(s), exclusive=True):
+                if reuse and self._load_index(s) is not None:
+                    return self._indexes[s.name][0]
+                return self._build_locked(s, final, progress)
+        except TracepropError:
+            raise
+        except OSError as e:
+            raise IndexBuildError(
+                f"cannot write the index {s.name} of {self.dir}: {e.strerror or e}"
+                f"{f' ({e.filename})' if e.filename else ''}; free disk space (or fix the "
+                "folder's permissions) and run `traceprop index RUN` again. The previous index, "
+                "if there was one, was left as it was"
+            ) from e
 
-        def chunks():
-            for i in range(0, len(ids), 65536):
-                yield np.ascontiguousarray(vectors[i : i + 65536])
+    def _build_locked(self, s: IndexSettings, final: Path, progress) -> VectorIndex:
+        root = final.parent
+        for leftover in (*root.glob(f".{s.name}.tmp-*"), *root.glob(f".{s.name}.old-*")):
+            # a build killed before it could clean up (we hold the lock: nobody else is building)
+            shutil.rmtree(leftover, ignore_errors=True)
+        out = Path(tempfile.mkdtemp(prefix=f".{s.name}.tmp-", dir=root))
+        try:
+            t0 = time.perf_counter()
+            pre = self.fit_preconditioner(
+                s, progress and (lambda d, n: progress("preconditioner", d, n))
+            )
+            pre.save(out / PRECOND_FILE)
+            ids = self._write_vectors(
+                s, pre, out, progress and (lambda d, n: progress("vectors", d, n))
+            )
+            np.save(out / IDS_FILE, ids)
+            vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+            norms = ExactScorer(self.store, pre, ids, s.per_record).example_sq_norms()
+            files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE)
+            if norms is not None:  # exact self-influence and cosine denominators
+                np.save(out / NORMS_FILE, norms)
+                files += (NORMS_FILE,)
 
-        index = build_index(
-            chunks,
-            pre.dim,
-            len(ids),
-            kind=s.kind,
-            normalize=s.cosine,
-            fetch=lambda rows: np.asarray(vectors[np.sort(rows)]),
-            progress=progress and (lambda d, n: progress("index", d, n)),
-        )
-        fp = self._fingerprint(s)
-        index.save(out, fp)
-        meta = {
-            "settings": s.to_dict(),
-            "fingerprint": fp,
-            "n_vectors": int(len(ids)),
-            "dim": pre.dim,
-            "build_s": round(time.perf_counter() - t0, 3),
-            "store_fingerprint": self.store.fingerprint,
-        }
-        (out / "build.json").write_text(json.dumps(meta, indent=2))
+            def chunks():
+                for i in range(0, len(ids), 65536):
+                    yield np.ascontiguousarray(vectors[i : i + 65536])
+
+            index = build_index(
+                chunks,
+                pre.dim,
+                len(ids),
+                kind=s.kind,
+                normalize=s.cosine,
+                fetch=lambda rows: np.asarray(vectors[np.sort(rows)]),
+                progress=progress and (lambda d, n: progress("index", d, n)),
+            )
+            fp = self._fingerprint(s)
+            meta = {
+                "settings": s.to_dict(),
+                "fingerprint": fp,
+                "n_vectors": int(len(ids)),
+                "dim": pre.dim,
+                "build_s": round(time.perf_counter() - t0, 3),
+                "store_fingerprint": self.store.fingerprint,
+            }
+            (out / BUILD_FILE).write_text(json.dumps(meta, indent=2))
+            # index.json last: it records the digests of everything written before it
+            index.save(out, fp, files=files)
+            publish_dir(out, final)  # the memory map stays valid: same file, new folder name
+        finally:
+            if out.exists():
+                shutil.rmtree(out, ignore_errors=True)
         self._indexes[s.name] = (index, ids, pre)
+        self._vector_maps[s.name] = vectors
+        self._scorers.pop(s.name, None)
         return index
+
+    def _load_index(self, s: IndexSettings):
+        """The persisted index for ``s`` if it is fresh and complete, else None (logged why)."""
+        out = self._index_dir(s)
+        if not (out / INDEX_META_FILE).exists():
+            return None
+        try:
+            # checks the fingerprint and the size and digest of every file of the index
+            index = VectorIndex.load(out, self._fingerprint(s))
+            vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+            ids = np.load(out / IDS_FILE)
+            pre = Preconditioner.load(out / PRECOND_FILE)
+        except IndexStaleError as e:
+            log.warning("%s; rebuilding", e)
+            return None
+        except (StoreError, OSError, ValueError) as e:
+            log.warning("index at %s unusable (%s); rebuilding", out, e)
+            return None
+        if vectors.shape != (index.n, index.dim) or len(ids) != index.n:
+            log.warning(
+                "index at %s unusable (vectors %s, %d ids, index of %d x %d); rebuilding",
+                out,
+                vectors.shape,
+                len(ids),
+                index.n,
+                index.dim,
+            )
+            return None
+        index.fetch = lambda rows: np.asarray(vectors[np.sort(rows)])
+        hit = (index, ids, pre)
+        self._indexes[s.name] = hit
+        self._vector_maps[s.name] = vectors
+        return hit
 
     def index(
         self, s: IndexSettings | None = None, *, rebuild: bool = False, progress=None
     ) -> tuple[VectorIndex, np.ndarray, Preconditioner]:
-        """The persisted index for ``s``; built when missing, rebuilt when stale (never used stale)."""
+        """The persisted index for ``s``; built when missing, rebuilt when stale or damaged (never
+        used stale, half-written or changed after its build)."""
         s = s or IndexSettings()
         if not rebuild and s.name in self._indexes:
             return self._indexes[s.name]
-        out = self._index_dir(s)
-        if not rebuild and (out / "index.json").exists():
-            vectors = (
-                np.load(out / VECTORS_FILE, mmap_mode="r")
-                if (out / VECTORS_FILE).exists()
-                else None
-            )
-            try:
-                index = VectorIndex.load(
-                    out,
-                    self._fingerprint(s),
-                    fetch=None
-                    if vectors is None
-                    else (lambda rows: np.asarray(vectors[np.sort(rows)])),
-                )
-                hit = (index, np.load(out / IDS_FILE), Preconditioner.load(out / PRECOND_FILE))
-                self._indexes[s.name] = hit
+        if not rebuild:
+            with index_lock(self._lock_path(s), exclusive=False):
+                hit = self._load_index(s)
+            if hit is not None:
                 return hit
-            except IndexStaleError as e:
-                log.warning("%s; rebuilding", e)
-            except StoreError as e:
-                log.warning("index at %s unreadable (%s); rebuilding", out, e)
-        self.build_index(s, progress)
+        self.build_index(s, progress, reuse=not rebuild)
         return self._indexes[s.name]
+
+    def _vectors(self, s: IndexSettings) -> np.ndarray:
+        """The memory-mapped vectors of the index ``s`` (the same build as :meth:`index`'s)."""
+        if s.name not in self._vector_maps or s.name not in self._indexes:
+            self.index(s)
+        return self._vector_maps[s.name]
 
     # -- test-side sketch -----------------------------------------------------------------------
     def _model(self):
@@ -581,17 +666,10 @@ class AttributionRun:
             np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
         ).astype(np.int64)
         cand = cand[cand >= 0]
-        # exact scores of the candidates (re-rank), split by layer for the rows
+        # exact scores of the candidates (the re-rank), split by layer for the rows
         per_layer = self.exact_scores(sk, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
-        exact = per_layer.sum(0)
-        rows = []
-        kinds = [("proponent", np.argsort(-exact, kind="stable"), exact > 0)]
-        if opponents:
-            kinds.append(("opponent", np.argsort(exact, kind="stable"), exact < 0))
-        for kind, order, ok in kinds:
-            chosen = [j for j in order if ok[j]][:top_k]
-            for rank, j in enumerate(chosen, start=1):
-                rows.append((kind, rank, int(cand[j]), float(exact[j]), per_layer[:, j]))
+        rows, sign_notes = signed_hits(cand, per_layer, top_k, opponents)
+        notes += sign_notes
         rows = self._rows(rows, ids, pre, s)
         q = {
             **desc,
@@ -664,7 +742,7 @@ class AttributionRun:
         path = self._index_dir(s) / NORMS_FILE
         if path.exists():
             return np.load(path)
-        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        vectors = self._vectors(s)
         return np.concatenate(
             [
                 np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + 65536]), x)
@@ -710,7 +788,7 @@ class AttributionRun:
         if isinstance(sketches, (list, tuple)):
             return self.exact_scores(list(sketches), s)[0]
         qv = sketches
-        vectors = np.load(self._index_dir(s) / VECTORS_FILE, mmap_mode="r")
+        vectors = self._vectors(s)
         q = qv[0].astype(np.float32)
         if s.cosine:
             q = q / max(np.linalg.norm(q), 1e-30)
@@ -788,6 +866,51 @@ class AttributionRun:
 
     def close(self) -> None:
         self.store.close()
+
+
+def signed_hits(
+    cand: np.ndarray, per_layer: np.ndarray, top_k: int, opponents: bool
+) -> tuple[list[tuple], list[str]]:
+    """``(kind, rank, vector row, score, per-layer scores)`` of the re-ranked candidates, by sign.
+
+    ``cand`` are the index rows FAISS proposed (both ends of the ranking) and ``per_layer`` their
+    exact (L, n) scores. A proponent has score > 0 and an opponent score < 0, so an example is
+    in at most one list and a zero score in none; a note says when a list is shorter than
+    ``top_k``.
+    """
+    exact = per_layer.sum(0)
+    kinds = [("proponent", np.argsort(-exact, kind="stable"), 1.0, "positive")]
+    if opponents:
+        kinds.append(("opponent", np.argsort(exact, kind="stable"), -1.0, "negative"))
+    hits, notes = [], []
+    for kind, order, sign, word in kinds:
+        keep = [int(j) for j in order if sign * exact[j] > 0][:top_k]
+        hits += [
+            (kind, rank, int(cand[j]), float(exact[j]), per_layer[:, j])
+            for rank, j in enumerate(keep, start=1)
+        ]
+        if len(keep) < top_k:
+            notes.append(
+                f"{len(keep)} {kind}{'s' if len(keep) != 1 else ''} of the {top_k} asked: no "
+                f"other indexed training example has a {word} score"
+            )
+    return hits, notes
+
+
+def _reserve(path: Path) -> None:
+    """Allocate a freshly created file's blocks now: on a full disk the write then fails here with
+    ENOSPC (an OSError) instead of killing the process with SIGBUS (a Bus error) when a page
+    of its memory map is first written."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # unsupported: write as before
+            raise
+    finally:
+        os.close(fd)
 
 
 def open_run(run_dir: str | os.PathLike, device: str = "cpu") -> AttributionRun:

@@ -271,7 +271,7 @@ def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[
         _, ids, pre = run.index(ix)
         total = np.zeros(n_train)
         for sk in sketches:
-            total[ids] += run.all_scores(pre.apply(sk), ix)
+            total[ids] += run.all_scores(sk, ix)
         out[p] = total
     return out
 

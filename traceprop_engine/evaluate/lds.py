@@ -731,7 +731,7 @@ def _score_methods(
                 continue
             scores = np.zeros((len(eval_ids), n_train), np.float64)
             for r, sk in enumerate(sketches):
-                scores[r, ids] = run.all_scores(pre.apply(sk), ix)
+                scores[r, ids] = run.all_scores(sk, ix)
             yield {
                 "method": f"{family} {p}" if family != "factored" else p,
                 "family": family,
