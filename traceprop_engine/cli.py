@@ -395,8 +395,13 @@ def _cmd_runs(a) -> int:
         print(f"no runs under {a.root}")
         return 0
     for r in runs:
-        m = read_manifest(r)
-        print(f"{r.name:<32} {m.get('status', '?'):<10} {m.get('model', {}).get('source', '?')}")
+        try:
+            m = read_manifest(r)
+        except TracepropError as e:  # one damaged run.json must not hide the others
+            print(f"{r.name:<32} {'unreadable':<10} {e}")
+            continue
+        model = m.get("model") if isinstance(m.get("model"), dict) else {}
+        print(f"{r.name:<32} {str(m.get('status', '?')):<10} {model.get('source', '?')}")
     return 0
 
 
