@@ -284,9 +284,18 @@ def _add_query(sub) -> None:
 
 
 def _cmd_query(a) -> int:
+    from .errors import QueryError
     from .export import rows_for_export, write_rows
     from .query import open_run
 
+    for flag in ("prompt", "completion", "label"):
+        v = getattr(a, flag)
+        try:
+            v is None or v.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise QueryError(
+                f"--{flag} holds bytes that are not valid UTF-8; pass the text in UTF-8"
+            ) from None
     run = open_run(a.run)
     s = _index_settings(a)
     res = run.query(
