@@ -133,7 +133,7 @@ def _cmd_verify(a) -> int:
         print(
             "verified: nothing changed"
             if rep["ok"]
-            else "NOT VERIFIED: this run cannot be vouched for (see the problems above)"
+            else "NOT VERIFIED: this run cannot be vouched for (see the lines above)"
         )
     return 0 if rep["ok"] else 3
 

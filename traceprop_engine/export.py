@@ -130,7 +130,8 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
     files beside it, not those of the machine that made it). ``ok`` is true only when the run
     completed, records data files and a saved model, every recorded file is there and matches,
     and the store's content digest matches (a store written before digests existed is reported
-    ``unchecked``). ``problems`` says, in words, everything that made ``ok`` false.
+    ``unchecked``). ``problems`` says, in words, what else made ``ok`` false (beyond the per-file and model
+    statuses).
 
     Returns:
         ``{"ok": bool, "run_id", "status", "problems": [str], "roots": {...},
@@ -176,12 +177,6 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
                     "actual": got,
                 }
             )
-    bad = [f for f in out if f["status"] != "ok"]
-    if bad:
-        problems.append(
-            f"{len(bad)} of {len(out)} recorded data files changed or are missing "
-            f"(first: {bad[0]['status']} {bad[0]['file']})"
-        )
     mo = m.get("model") if isinstance(m.get("model"), dict) else {}
     want = mo.get("fingerprint")
     md = run_dir / C.MODEL_DIR
@@ -196,8 +191,6 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
             "expected": want,
             "actual": got,
         }
-        if model["status"] != "ok":
-            problems.append(f"the saved model in {md} is {model['status']}")
     store = {"status": "absent"}
     if m.get("tracked", True) or (run_dir / C.STORE_FILE).exists():
         try:
@@ -220,7 +213,8 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
                 "",
             )
             problems.append(f"the store is {store['status']}: {detail}".rstrip(": "))
-    ok = not problems
+    # per-file and model mismatches are in "files" / "model"; "problems" says the rest
+    ok = not problems and model["status"] == "ok" and all(f["status"] == "ok" for f in out)
     return {
         "ok": ok,
         "run_id": m.get("run_id"),
