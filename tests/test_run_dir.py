@@ -296,9 +296,14 @@ def test_bad_input_gets_a_message_not_a_traceback(case, expect, data, made, tmp_
             "schema-version-not-int": lambda f: f.attrs.__setitem__("schema_version", "two"),
         }
         run = _bad_store(tmp_path, made, edits[case])
-        with pytest.raises(StoreError, match=expect):
-            Store(run / "store.h5")
-        argv = ["info", str(run)]
+        if case == "store-without-P_in":  # needed (and checked) where the query is sketched
+            with Store(run / "store.h5") as st, pytest.raises(StoreError, match=expect):
+                st.projection(0, "in")
+            argv = ["query", str(run), "--prompt", "Q: x\nA:", "--completion", " y"]
+        else:
+            with pytest.raises(StoreError, match=expect):
+                Store(run / "store.h5")
+            argv = ["info", str(run)]
     elif case == "run-json-a-list":
         run = tmp_path / "listrun"
         shutil.copytree(made, run)

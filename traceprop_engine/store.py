@@ -422,15 +422,6 @@ class Store:
                     C.EX_LOSS_MASK,
                 )
             ]
-        for layer in self.layers:
-            if layer.sketch == "dense":
-                need += [f"{layer.group}/{C.L_DENSE_INDEX}", f"{layer.group}/{C.L_DENSE_SIGN}"]
-                continue
-            # a side is projected unless its k equals the layer width (then no matrix is stored)
-            if layer.k_in < layer.d_in:
-                need.append(f"{layer.group}/{C.L_P_IN}")
-            if layer.k_out < layer.d_out:
-                need.append(f"{layer.group}/{C.L_P_OUT}")
         missing = [n for n in need if n not in f]
         if missing:
             raise KeyError(
@@ -549,8 +540,18 @@ class Store:
 
     def projection(self, layer: int, side: str) -> np.ndarray | None:
         name = C.L_P_IN if side == "in" else C.L_P_OUT
-        g = self._f[self.layers[layer].group]
-        return g[name][()] if name in g else None
+        info = self.layers[layer]
+        g = self._f[info.group]
+        if name in g:
+            return g[name][()]
+        k, d = (info.k_in, info.d_in) if side == "in" else (info.k_out, info.d_out)
+        if info.sketch != "dense" and k < d:
+            # a side is projected unless its k equals the layer width (then no matrix is stored)
+            raise StoreError(
+                f"{self.path} is damaged or incomplete (missing dataset '{info.group}/{name}': "
+                f"layer {info.name} projects {d} -> {k}); re-run the training"
+            )
+        return None
 
     def dense_projection(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         g = self._f[self.layers[layer].group]
