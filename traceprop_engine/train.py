@@ -248,7 +248,14 @@ def train(
         if dist_ctx.is_main:
             write_manifest(run_dir, manifest)
 
-    write_run_json()
+    try:
+        write_run_json()
+    except BaseException as e:
+        if lock_fd is not None:
+            os.close(lock_fd)
+        if isinstance(e, OSError):
+            raise RunError(f"cannot write {run_dir / C.MANIFEST_FILE} ({e})") from None
+        raise
     progress_path = run_dir / C.PROGRESS_FILE
     tracker: Tracker | None = None
     status = C.STATUS_FAILED
