@@ -21,3 +21,19 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+# The real-browser tests drive Debian's chromium; they fail (not skip) without it. Install it when
+# missing and we are root; otherwise say what to run.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium (for the real-browser tests)"
+    if ! { apt-get update -q >/dev/null && \
+           DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; }; then
+      echo "setup: ERROR: could not install chromium with apt-get; the browser tests will fail." >&2
+      echo "setup: install it yourself (apt-get install chromium) or run: pytest -m 'not browser'" >&2
+      exit 1
+    fi
+  else
+    echo "setup: WARNING: /usr/bin/chromium is missing and this is not root: the browser tests will fail." >&2
+    echo "setup: run 'sudo apt-get install chromium', or deselect them: pytest -m 'not browser'" >&2
+  fi
+fi

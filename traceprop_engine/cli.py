@@ -284,9 +284,18 @@ def _add_query(sub) -> None:
 
 
 def _cmd_query(a) -> int:
+    from .errors import QueryError
     from .export import rows_for_export, write_rows
     from .query import open_run
 
+    for flag in ("prompt", "completion", "label"):
+        v = getattr(a, flag)
+        try:
+            v is None or v.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise QueryError(
+                f"--{flag} holds bytes that are not valid UTF-8; pass the text in UTF-8"
+            ) from None
     run = open_run(a.run)
     s = _index_settings(a)
     res = run.query(
@@ -395,8 +404,13 @@ def _cmd_runs(a) -> int:
         print(f"no runs under {a.root}")
         return 0
     for r in runs:
-        m = read_manifest(r)
-        print(f"{r.name:<32} {m.get('status', '?'):<10} {m.get('model', {}).get('source', '?')}")
+        try:
+            m = read_manifest(r)
+        except TracepropError as e:  # one damaged run.json must not hide the others
+            print(f"{r.name:<32} {'unreadable':<10} {e}")
+            continue
+        model = m.get("model") if isinstance(m.get("model"), dict) else {}
+        print(f"{r.name:<32} {str(m.get('status', '?')):<10} {model.get('source', '?')}")
     return 0
 
 

@@ -117,13 +117,23 @@ def _cmd_verify(a) -> int:
     if a.json:
         print(json.dumps(rep, indent=2))
     else:
+        for key, root in rep["roots"].items():
+            print(f"hashed   data files under {root} ({key})")
         for f in rep["files"]:
             print(f"{f['status']:<8} {f['file']}")
         print(f"{rep['model']['status']:<8} model {rep['model'].get('dir', '')}")
+        st = rep["store"]
+        for c in st.get("files", []):
+            note = f" ({c['detail']})" if c.get("detail") else ""
+            print(f"{c['status']:<8} store {c['file']}{note}")
+        if "files" not in st:
+            print(f"{st['status']:<8} store {st.get('detail', '')}")
+        for p in rep["problems"]:
+            print(f"problem: {p}", file=sys.stderr)
         print(
             "verified: nothing changed"
             if rep["ok"]
-            else "MISMATCH: the run's inputs changed since training"
+            else "NOT VERIFIED: this run cannot be vouched for (see the lines above)"
         )
     return 0 if rep["ok"] else 3
 

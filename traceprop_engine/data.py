@@ -384,6 +384,7 @@ def _read_txt(data: bytes, source: str, task: str) -> Iterator[Example]:
     for number, raw in _raw_lines(data):
         line = raw.decode("utf-8")
         if line.strip():
+            _no_nul(line, f"{source}:{number}")
             yield Example(source, number, hashlib.sha256(raw).hexdigest(), text=line)
 
 
@@ -480,7 +481,17 @@ def _string_field(record: dict[str, Any], name: str, where: str, *, allow_empty:
         )
     if not allow_empty and not value.strip():
         raise DataError(f"{where}: field {name!r} is empty.")
+    _no_nul(value, f"{where}: field {name!r}")
     return value
+
+
+def _no_nul(value: str, what: str) -> None:
+    # the store keeps text as HDF5 strings, which end at a NUL: refuse it here, with the row
+    if "\x00" in value:
+        raise DataError(
+            f"{what} contains a NUL character (\\x00) at offset {value.index(chr(0))}; "
+            "remove it from the data file."
+        )
 
 
 def _label_field(record: dict[str, Any], where: str) -> str:
@@ -496,4 +507,5 @@ def _label_field(record: dict[str, Any], where: str) -> str:
     label = str(value)
     if not label.strip():
         raise DataError(f"{where}: field 'label' is empty.")
+    _no_nul(label, f"{where}: field 'label'")
     return label

@@ -147,26 +147,60 @@ def audit_rows(trail: dict) -> pl.DataFrame:
     )
 
 
+def _data_root(run_dir: Path, d: dict, root_key: str) -> Path:
+    """Where a run's data files are now: relative to the run first (the run and its data moved
+    together, as in the bundled sample), then the absolute path recorded at training time."""
+    rel, recorded = d.get(f"{root_key}_relative"), d.get(root_key)
+    candidates = ([run_dir / rel] if rel else []) + ([Path(recorded)] if recorded else [])
+    for c in candidates:
+        if c.is_dir():
+            return c.resolve()
+    return (candidates[0] if candidates else run_dir).resolve()
+
+
 def verify_run(run_dir: str | os.PathLike) -> dict:
-    """Re-hash every data file and the saved model against the manifest.
+    """Re-hash every data file, the saved model and the store's content against the manifest.
+
+    Data and model paths are resolved relative to the run directory (so a moved run checks the
+    files beside it, not those of the machine that made it). ``ok`` is true only when the run
+    completed, records data files and a saved model, every recorded file is there and matches,
+    and the store's content digest matches (a store written before digests existed is reported
+    ``unchecked``). ``problems`` says, in words, what else made ``ok`` false (beyond the per-file and model
+    statuses).
 
     Returns:
-        ``{"ok": bool, "files": [{"file", "status": ok|changed|missing, "expected", "actual"}], "model": {...}}``
+        ``{"ok": bool, "run_id", "status", "problems": [str], "roots": {...},
+        "files": [{"file", "status": ok|changed|missing, "expected", "actual"}],
+        "model": {...}, "store": {...}}``
+
+    Raises:
+        RunError: no readable run.json.
     """
+    from .errors import StoreError
+    from .store import open_run_store
+
     run_dir = Path(run_dir)
     m = read_manifest(run_dir)
-    d = m.get("data", {})
+    problems: list[str] = []
+    status = m.get("status")
+    if status != C.STATUS_COMPLETED:
+        problems.append(
+            f"the run's status is {status!r}, not 'completed': verify cannot vouch for a run "
+            "that did not finish" + (f" ({m['error']})" if m.get("error") else "")
+        )
+    d = m.get("data") if isinstance(m.get("data"), dict) else {}
+    if not d.get("files"):
+        problems.append("run.json records no training data files, so there is nothing to check")
     out = []
+    roots = {}
     for root_key, files_key in (("root", "files"), ("eval_root", "eval_files")):
-        root = Path(d.get(root_key, ""))
-        rel = d.get(f"{root_key}_relative")
-        if (
-            not root.is_dir() and rel
-        ):  # the run and its data moved together (e.g. the bundled sample)
-            root = (run_dir / rel).resolve()
-        for name, want in sorted(d.get(files_key, {}).items()):
+        files = d.get(files_key) or {}
+        if not files:
+            continue
+        root = roots[root_key] = _data_root(run_dir, d, root_key)
+        for name, want in sorted(files.items()):
             p = root / name
-            if not p.exists():
+            if not p.is_file():
                 out.append({"file": str(p), "status": "missing", "expected": want, "actual": None})
                 continue
             got = sha256_file(p)
@@ -178,16 +212,51 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
                     "actual": got,
                 }
             )
-    model = {"status": "absent"}
-    want = m.get("model", {}).get("fingerprint")
-    if want:
-        md = run_dir / C.MODEL_DIR
-        got = model_fingerprint(md) if md.exists() else None
+    mo = m.get("model") if isinstance(m.get("model"), dict) else {}
+    want = mo.get("fingerprint")
+    md = run_dir / C.MODEL_DIR
+    if not want:
+        model = {"dir": str(md), "status": "absent", "expected": None, "actual": None}
+        problems.append("run.json records no saved model (the run never reached the save step)")
+    else:
+        got = model_fingerprint(md) if md.is_dir() else None
         model = {
             "dir": str(md),
             "status": "ok" if got == want else ("missing" if got is None else "changed"),
             "expected": want,
             "actual": got,
         }
-    ok = all(f["status"] == "ok" for f in out) and model["status"] in ("ok", "absent")
-    return {"ok": ok, "run_id": m.get("run_id"), "files": out, "model": model}
+    store = {"status": "absent"}
+    if m.get("tracked", True) or (run_dir / C.STORE_FILE).exists():
+        try:
+            with open_run_store(run_dir, m) as st:
+                parts = getattr(st, "shards", [st])
+                checks = [{"file": str(sh.path), **sh.verify_content()} for sh in parts]
+                worst = next((c for c in checks if c["status"] != "ok"), checks[0])
+                store = {"status": worst["status"], "store_status": st.status, "files": checks}
+                if st.status != C.STATUS_COMPLETED:
+                    problems.append(f"the store's status is {st.status!r}, not 'completed'")
+        except StoreError as e:
+            store = {"status": "unreadable", "detail": str(e)}
+        if store["status"] not in ("ok", "unchecked"):
+            detail = store.get("detail") or next(
+                (
+                    c.get("detail") or c["file"]
+                    for c in store.get("files", [])
+                    if c["status"] != "ok"
+                ),
+                "",
+            )
+            problems.append(f"the store is {store['status']}: {detail}".rstrip(": "))
+    # per-file and model mismatches are in "files" / "model"; "problems" says the rest
+    ok = not problems and model["status"] == "ok" and all(f["status"] == "ok" for f in out)
+    return {
+        "ok": ok,
+        "run_id": m.get("run_id"),
+        "status": status,
+        "problems": problems,
+        "roots": {k: str(v) for k, v in roots.items()},
+        "files": out,
+        "model": model,
+        "store": store,
+    }

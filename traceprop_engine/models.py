@@ -302,7 +302,9 @@ def encode_example(
     if task == "classification":
         ids = tokenizer(ex.text, truncation=True, max_length=max_length)["input_ids"]
         label = label_ids[ex.label] if label_ids is not None else -1
-        return Encoded(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8), label)
+        # cut to max_length only when the untruncated encoding is longer (said in the run's notes)
+        cut = len(ids) >= max_length and len(tokenizer(ex.text)["input_ids"]) > max_length
+        return Encoded(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8), label, cut)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if ex.prompt is not None:
         p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]

@@ -78,6 +78,13 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         m = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise RunError(f"{p} is not valid JSON ({e})") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunError(f"cannot read {p} ({e})") from e
+    if not isinstance(m, dict):
+        raise RunError(
+            f"{p} holds a JSON {type(m).__name__}, not a run manifest (an object); "
+            "the file is damaged or not written by Traceprop"
+        )
     if (
         m.get("status") == C.STATUS_RUNNING
         and m.get("pid")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -138,7 +139,7 @@ class TrainSettings:
             "batch_size": self.batch_size >= 1,
             "max_length": self.max_length >= 2,
             "lora_rank": self.lora_rank >= 0,
-            "lr": self.lr >= 0,
+            "lr": math.isfinite(self.lr) and self.lr >= 0,
             "eval_fraction": 0.0 <= self.eval_fraction < 1.0,
             "tiny_layers": self.tiny_layers >= 1,
             "tiny_width": self.tiny_width >= 8 and self.tiny_width % 4 == 0,
@@ -150,7 +151,7 @@ class TrainSettings:
             vals = ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
             raise ConfigError(
                 f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
-                "lora_rank >= 0, lr >= 0, 0 <= eval_fraction < 1, tiny_width a multiple of 4, "
+                "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_width a multiple of 4, "
                 "tiny_vocab >= 300)"
             )
 

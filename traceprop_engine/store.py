@@ -9,6 +9,7 @@ so a run that stops (cancelled, failed, crashed between flushes) leaves a store 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -68,6 +69,41 @@ class LayerInfo:
         return f"{C.G_LAYERS}/{self.index:03d}"
 
 
+DIGEST_ATTR = "content_sha256"  # root attribute: sha256 over the content (content_digest)
+_DIGEST_READ_BYTES = 1 << 24  # bytes read per slice while hashing (bounds memory)
+
+
+def content_digest(f: h5py.File) -> str:
+    """sha256 over the bytes of every layer's sketches (first ``n_records`` rows), the records
+    table and the covariance factors, streamed in slices, in a fixed order.
+
+    Written as the ``content_sha256`` root attribute when the writer closes; ``traceprop verify``
+    recomputes it. Each dataset also carries HDF5's Fletcher-32 checksum per chunk, so a flipped
+    byte fails the read itself.
+    """
+    n = int(f.attrs["n_records"])
+    h = hashlib.sha256()
+
+    def feed(ds: h5py.Dataset, stop: int) -> None:
+        h.update(ds.name.encode())
+        row = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+        step = max(1, _DIGEST_READ_BYTES // row)
+        for lo in range(0, stop, step):
+            h.update(np.ascontiguousarray(ds[lo : min(stop, lo + step)]).tobytes())
+
+    for k in sorted(f[C.G_LAYERS]):
+        g = f[f"{C.G_LAYERS}/{k}"]
+        for name in (C.L_SKETCH, C.L_U, C.L_V):  # full sketches, or rank-r factors
+            if name in g:
+                feed(g[name], n)
+        for name in (C.L_COV_A, C.L_COV_S):
+            if name in g:
+                feed(g[name], g[name].shape[0])
+    for name in C.RECORD_FIELDS:
+        feed(f[f"{C.G_RECORDS}/{name}"], n)
+    return h.hexdigest()
+
+
 def _chunk_rows(record_numel: int, target_bytes: int = 1 << 17) -> int:
     return max(1, min(4096, target_bytes // (4 * max(1, record_numel))))
 
@@ -77,7 +113,12 @@ def create_records_group(f: h5py.File) -> h5py.Group:
     rec = f.create_group(C.G_RECORDS)
     for name in C.RECORD_FIELDS:
         rec.create_dataset(
-            name, shape=(0,), maxshape=(None,), dtype=C.RECORD_DTYPES[name], chunks=(16384,)
+            name,
+            shape=(0,),
+            maxshape=(None,),
+            dtype=C.RECORD_DTYPES[name],
+            chunks=(16384,),
+            fletcher32=True,  # a flipped byte fails the read instead of being used
         )
     return rec
 
@@ -88,6 +129,17 @@ def append_records(rec: h5py.Group, n0: int, meta: dict[str, np.ndarray]) -> Non
     for name in C.RECORD_FIELDS:
         rec[name].resize(n0 + n, axis=0)
         rec[name][n0 : n0 + n] = meta[name]
+
+
+def _damaged(store, info, read):
+    """``read()``, with a Fletcher-32 mismatch (bytes changed on disk) as a clear StoreError."""
+    try:
+        return read()
+    except OSError as e:
+        raise StoreError(
+            f"{store.path}: the records of layer {info.name} are damaged ({e}); "
+            "the store cannot be trusted: re-run the training"
+        ) from e
 
 
 def _rows_at(ds: h5py.Dataset, records: np.ndarray) -> np.ndarray:
@@ -167,6 +219,7 @@ class StoreWriter:
                             dtype="u2" if bf16 else "f4",
                             chunks=(_chunk_rows(rows * rank), rows, rank),
                             compression=compression,
+                            fletcher32=True,
                         )
                     )
                 self._sketch_ds.append((pair[0], pair[1], layer.k_out, bf16))
@@ -180,6 +233,7 @@ class StoreWriter:
                         dtype="f4",
                         chunks=(_chunk_rows(int(np.prod(shape))), *shape),
                         compression=compression,
+                        fletcher32=True,
                     )
                 )
             if layer.P_in is not None:
@@ -282,7 +336,7 @@ class StoreWriter:
                 for key, name in (("A", C.L_COV_A), ("S", C.L_COV_S)):
                     if name in g:
                         del g[name]
-                    g.create_dataset(name, data=c[key])
+                    g.create_dataset(name, data=c[key], fletcher32=True)
                 g.attrs["cov_tokens"] = c["n_tokens"]
             self._f.flush()
 
@@ -309,6 +363,10 @@ class StoreWriter:
             if not self._f.id.valid:
                 return
             self._f.attrs["status"] = status
+            try:
+                self._f.attrs[DIGEST_ATTR] = content_digest(self._f)
+            except (OSError, KeyError) as e:  # never hide the run's own outcome behind this
+                log.error("could not compute the store's content digest: %s", e)
             self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             self._f.flush()
             self._f.close()
@@ -380,7 +438,14 @@ class Store:
             raise StoreError(
                 f"{self.path} is an HDF5 file but not a Traceprop store (no format='{C.STORE_FORMAT}' attribute)"
             )
-        version = int(a.get("schema_version", -1))
+        try:
+            version = int(a.get("schema_version", -1))
+        except (TypeError, ValueError):
+            self._f.close()
+            raise StoreError(
+                f"{self.path} has a schema_version attribute that is not an integer "
+                f"({a.get('schema_version')!r}): the file is damaged or was not written by Traceprop"
+            ) from None
         if version not in C.READABLE_SCHEMA_VERSIONS:
             self._f.close()
             raise SchemaVersionError(
@@ -404,11 +469,76 @@ class Store:
                     raise StoreError(
                         f"layer {layer.name} holds {have} records, the store says {self.n_records}"
                     )
+            self._check_complete_layout()
         except (KeyError, ValueError, OSError) as e:
             self._f.close()
             raise StoreError(
                 f"{self.path} is damaged or incomplete ({e}); re-run the training"
             ) from e
+
+    def _check_complete_layout(self) -> None:
+        """Every dataset the readers use is there (raises KeyError naming the first missing one)."""
+        f = self._f
+        need = [f"{C.G_RECORDS}/{name}" for name in C.RECORD_FIELDS]
+        if C.G_EXAMPLES in f:
+            need += [
+                f"{C.G_EXAMPLES}/{col}"
+                for col in (
+                    C.EX_SOURCE,
+                    C.EX_ROW,
+                    C.EX_SHA256,
+                    C.EX_SPLIT,
+                    C.EX_TEXT,
+                    C.EX_PROMPT,
+                    C.EX_COMPLETION,
+                    C.EX_LABEL,
+                    C.EX_TOKEN_OFFSETS,
+                    C.EX_TOKENS,
+                    C.EX_LOSS_MASK,
+                )
+            ]
+        missing = [n for n in need if n not in f]
+        if missing:
+            raise KeyError(
+                f"missing dataset {missing[0]!r}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            )
+
+    def verify_content(self) -> dict:
+        """Recompute the content digest and compare it with the one written at completion.
+
+        Returns:
+            ``{"status": ok|changed|unreadable|absent|unchecked, "expected", "actual", "detail"}``:
+            ``absent`` when a store with checksummed datasets has lost its digest attribute,
+            ``unchecked`` for a store written before digests were recorded (nothing to compare).
+        """
+        want = self._f.attrs.get(DIGEST_ATTR)
+        want = str(want) if want is not None else None
+        try:
+            got = content_digest(self._f)
+        except (OSError, KeyError, ValueError) as e:
+            return {"status": "unreadable", "expected": want, "actual": None, "detail": str(e)}
+        if want is None:
+            first = (
+                self._f[f"{self.layers[0].group}/{C.L_U if self.layers[0].rank else C.L_SKETCH}"]
+                if self.layers
+                else None
+            )
+            legacy = first is None or not first.fletcher32
+            return {
+                "status": "unchecked" if legacy else "absent",
+                "expected": None,
+                "actual": got,
+                "detail": "written before stores recorded a content digest"
+                if legacy
+                else "the content digest attribute was removed",
+            }
+        return {
+            "status": "ok" if got == want else "changed",
+            "expected": want,
+            "actual": got,
+            "detail": "",
+        }
 
     @staticmethod
     def _layer_info(i: int, g: h5py.Group) -> LayerInfo:
@@ -459,7 +589,11 @@ class Store:
     def fingerprint(self) -> str:
         """Identity of the store's content: changes when records or statistics change."""
         at = self._f.attrs
-        return f"{self.manifest.get('run_id', '')}:{self.n_records}:{at.get('status')}:{at.get('finished', '')}"
+        digest = at.get(DIGEST_ATTR)  # absent in stores written before digests (fingerprint kept)
+        return (
+            f"{self.manifest.get('run_id', '')}:{self.n_records}:{at.get('status')}:{at.get('finished', '')}"
+            + (f":{digest}" if digest is not None else "")
+        )
 
     @property
     def dim(self) -> int:
@@ -478,7 +612,7 @@ class Store:
             u, v = self.factors(layer, start, stop)
             return np.matmul(u, v.transpose(0, 2, 1))
         stop = self.n_records if stop is None else min(stop, self.n_records)
-        return self._f[f"{info.group}/{C.L_SKETCH}"][start:stop]
+        return _damaged(self, info, lambda: self._f[f"{info.group}/{C.L_SKETCH}"][start:stop])
 
     def factors(
         self, layer: int, start: int = 0, stop: int | None = None
@@ -493,7 +627,7 @@ class Store:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         stop = self.n_records if stop is None else min(stop, self.n_records)
         g = self._f[info.group]
-        u, v = g[C.L_U][start:stop], g[C.L_V][start:stop]
+        u, v = _damaged(self, info, lambda: (g[C.L_U][start:stop], g[C.L_V][start:stop]))
         if info.factor_dtype == "bfloat16":
             return from_bf16_bits(u), from_bf16_bits(v)
         return u, v
@@ -504,7 +638,9 @@ class Store:
         if info.rank:
             u, v = self.factors_at(layer, records)
             return np.matmul(u, v.transpose(0, 2, 1))
-        return _rows_at(self._f[f"{info.group}/{C.L_SKETCH}"], records)
+        return _damaged(
+            self, info, lambda: _rows_at(self._f[f"{info.group}/{C.L_SKETCH}"], records)
+        )
 
     def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`factors` for a sorted array of record numbers."""
@@ -512,19 +648,36 @@ class Store:
         if not info.rank:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         g = self._f[info.group]
-        u, v = _rows_at(g[C.L_U], records), _rows_at(g[C.L_V], records)
+        u, v = _damaged(
+            self, info, lambda: (_rows_at(g[C.L_U], records), _rows_at(g[C.L_V], records))
+        )
         if info.factor_dtype == "bfloat16":
             return from_bf16_bits(u), from_bf16_bits(v)
         return u, v
 
     def records(self) -> dict[str, np.ndarray]:
         g = self._f[C.G_RECORDS]
-        return {name: g[name][: self.n_records] for name in C.RECORD_FIELDS}
+        try:
+            return {name: g[name][: self.n_records] for name in C.RECORD_FIELDS}
+        except OSError as e:
+            raise StoreError(
+                f"{self.path}: the records table is damaged ({e}); re-run the training"
+            ) from e
 
     def projection(self, layer: int, side: str) -> np.ndarray | None:
         name = C.L_P_IN if side == "in" else C.L_P_OUT
-        g = self._f[self.layers[layer].group]
-        return g[name][()] if name in g else None
+        info = self.layers[layer]
+        g = self._f[info.group]
+        if name in g:
+            return g[name][()]
+        k, d = (info.k_in, info.d_in) if side == "in" else (info.k_out, info.d_out)
+        if info.sketch != "dense" and k < d:
+            # a side is projected unless its k equals the layer width (then no matrix is stored)
+            raise StoreError(
+                f"{self.path} is damaged or incomplete (missing dataset '{info.group}/{name}': "
+                f"layer {info.name} projects {d} -> {k}); re-run the training"
+            )
+        return None
 
     def dense_projection(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         g = self._f[self.layers[layer].group]

@@ -10,6 +10,8 @@ readable) and is re-raised.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import math
@@ -29,7 +31,7 @@ import torch
 from . import constants as C
 from . import distributed
 from .data import Example, hash_files, load_examples, split_eval
-from .errors import ConfigError, RunError
+from .errors import ConfigError, RunError, TracepropError
 from .losses import example_losses
 from .models import (
     apply_lora,
@@ -61,29 +63,98 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as e:
         raise ConfigError(
             f"device {name!r} is not a torch device (use auto, cpu, cuda, cuda:1...)"
         ) from e
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (device.index is not None and device.index >= n):
+            raise ConfigError(
+                f"--device {name}: this machine has {n} usable CUDA device(s) (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device auto or cpu"
+            )
+    return device
+
+
+LOCK_FILE = ".traceprop.lock"  # flock'ed by the training process for the whole run
+_MODEL_TMP = ".model.tmp"  # the final model is saved here, then renamed to model/
+# what a run directory holds (a folder with any of these looks like a run)
+_RUN_ENTRIES = (
+    C.MANIFEST_FILE,
+    C.STORE_FILE,
+    C.PROGRESS_FILE,
+    C.MODEL_DIR,
+    C.INDEX_DIR,
+    C.MANIFEST_FILE + ".tmp",
+    C.STORE_FILE + ".tmp",
+    _MODEL_TMP,
+)
+
+
+def _lock_run_dir(run_dir: Path) -> int:
+    """Create ``run_dir`` and take its exclusive lock (held until the returned fd is closed)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--out {run_dir} is a file, not a directory; choose a directory path")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # O_NOFOLLOW: a symlink planted as the lock file is refused, not written through
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise RunError(
+            f"cannot create the run directory {run_dir} ({e.strerror or e}); choose an --out "
+            "you can write to"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise RunError(
+            f"{run_dir} is in use by another 'traceprop train' (it holds {LOCK_FILE}); wait for "
+            "it to finish or choose another --out"
+        ) from None
+    return fd
 
 
 def _prepare_dir(run_dir: Path, overwrite: bool) -> None:
-    if (run_dir / C.MANIFEST_FILE).exists():
-        if not overwrite:
-            raise RunError(
-                f"{run_dir} already holds a run; choose another --out or pass --overwrite"
-            )
+    """Refuse a folder that looks like a run unless ``overwrite``; then empty it of run files.
+
+    Never deletes or writes through a symbolic link (a link among the run's files is refused).
+    Called with the run directory's lock held.
+    """
+    shards = sorted(run_dir.glob(distributed.shard_file(0).replace("0", "*")))
+    found = [
+        run_dir / n for n in _RUN_ENTRIES if (run_dir / n).exists() or (run_dir / n).is_symlink()
+    ] + shards
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in found)
+        raise RunError(
+            f"{run_dir} already holds a run (or what is left of one: {names}); choose another "
+            "--out or pass --overwrite"
+        )
+    links = [p for p in found if p.is_symlink()]
+    if links:
+        raise RunError(
+            f"{links[0]} is a symbolic link: Traceprop never deletes or writes through a link "
+            "in a run directory; remove it yourself or choose another --out"
+        )
+    try:
         status = read_manifest(run_dir).get("status")
-        if status == C.STATUS_RUNNING:
-            raise RunError(f"{run_dir} holds a run that is still running; cancel it first")
-        for name in (C.STORE_FILE, C.PROGRESS_FILE, C.MANIFEST_FILE):
-            (run_dir / name).unlink(missing_ok=True)
-        for shard in run_dir.glob(distributed.shard_file(0).replace("0", "*")):
-            shard.unlink()
-        for name in (C.MODEL_DIR, C.INDEX_DIR):
-            shutil.rmtree(run_dir / name, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    except RunError:
+        status = None  # no or unreadable run.json: nothing says it is running
+    if status == C.STATUS_RUNNING:
+        raise RunError(f"{run_dir} holds a run that is still running; cancel it first")
+    try:
+        for p in found:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    except OSError as e:
+        raise RunError(f"cannot clear the old run in {run_dir} ({e}); remove it yourself") from None
 
 
 def _example_table(examples: list[Example], splits: list[str]) -> dict:
@@ -142,9 +213,17 @@ def train(
     run_dir = Path(settings.out)
     # WORLD_SIZE > 1 (torchrun): join the process group; rank 0 owns the run directory
     dist_ctx, dist_device = distributed.setup(resolve_device(settings.device))
+    lock_fd = None
     try:
         if dist_ctx.is_main:
-            _prepare_dir(run_dir, overwrite)
+            # the lock comes before anything is written: a second train into the same --out
+            # stops here and touches nothing
+            lock_fd = _lock_run_dir(run_dir)
+            try:
+                _prepare_dir(run_dir, overwrite)
+            except BaseException:
+                os.close(lock_fd)
+                raise
     finally:
         dist_ctx.barrier()  # the other ranks write their shards into the prepared directory
     stop = stop or StopFlag()
@@ -169,7 +248,14 @@ def train(
         if dist_ctx.is_main:
             write_manifest(run_dir, manifest)
 
-    write_run_json()
+    try:
+        write_run_json()
+    except BaseException as e:
+        if lock_fd is not None:
+            os.close(lock_fd)
+        if isinstance(e, OSError):
+            raise RunError(f"cannot write {run_dir / C.MANIFEST_FILE} ({e})") from None
+        raise
     progress_path = run_dir / C.PROGRESS_FILE
     tracker: Tracker | None = None
     status = C.STATUS_FAILED
@@ -238,11 +324,12 @@ def train(
             ]
             n_trunc = sum(e.truncated for e in encoded)
             if n_trunc:
-                log.warning(
-                    "%d examples were longer than --max-length %d and were truncated",
-                    n_trunc,
-                    settings.max_length,
+                note = (
+                    f"{n_trunc} of {len(encoded)} examples were longer than --max-length "
+                    f"{settings.max_length} tokens and were truncated"
                 )
+                log.warning("%s", note)
+                manifest.setdefault("notes", []).append(note)
             total, trainable = count_parameters(model)
             manifest["model"] = {
                 "source": loaded.source,
@@ -380,6 +467,7 @@ def train(
                             # on an accelerator the loss is read back every 10 steps only, so
                             # the loop does not synchronise with the device on every step
                             last_loss = float(losses.detach().mean())
+                            _check_finite(last_loss, step, lr)
                         elapsed = time.perf_counter() - t_start
                         line = {
                             "step": step,
@@ -403,6 +491,8 @@ def train(
                         break
             finally:
                 bar.close()
+            if step:
+                _check_finite(float(losses.detach().mean()), step, lr)
             status = C.STATUS_CANCELLED if stop.requested else C.STATUS_COMPLETED
             manifest["timings"] = {
                 "n_steps": step,
@@ -419,7 +509,7 @@ def train(
                     ),
                 }
                 model.eval()
-                info = save_model(loaded, run_dir / C.MODEL_DIR)
+                info = _save_model_atomically(loaded, run_dir)
                 manifest["model"]["fingerprint"] = info["fingerprint"]
                 manifest["model"]["saved"] = C.MODEL_DIR
     except KeyboardInterrupt:
@@ -428,7 +518,16 @@ def train(
         raise
     except BaseException as e:
         status = C.STATUS_FAILED
+        full = _disk_full(e)
+        if full is not None:
+            manifest["error"] = f"disk full: {full}"
+            raise RunError(
+                f"the disk is full: writing {run_dir} failed ({full}); free some space (or choose "
+                "an --out on another disk) and re-run; the run is marked failed"
+            ) from None
         manifest["error"] = f"{type(e).__name__}: {e}"
+        if isinstance(e, OSError) and not isinstance(e, TracepropError):
+            raise RunError(f"reading or writing the run {run_dir} failed: {e}") from e
         raise
     finally:
         if tracker is not None:
@@ -457,11 +556,52 @@ def train(
         manifest["status"] = status
         manifest["updated"] = now()
         manifest["pid"] = None
-        write_run_json()
+        try:
+            write_run_json()
+        except OSError as e:  # e.g. the disk is still full: the original error matters more
+            log.error("could not write %s: %s", run_dir / C.MANIFEST_FILE, e)
+        if lock_fd is not None:
+            os.close(lock_fd)  # releases the lock
         if dist_ctx.enabled and status != C.STATUS_FAILED:
             dist_ctx.barrier()  # no rank returns before run.json says how the run ended
         dist_ctx.close()
     return run_dir
+
+
+def _check_finite(loss: float, step: int, lr: float) -> None:
+    if not math.isfinite(loss):
+        raise RunError(
+            f"the training loss became {loss} at step {step} (learning rate {lr:g}): the run "
+            "diverged and was stopped; lower --lr (or check the data) and train again"
+        )
+
+
+def _disk_full(e: BaseException) -> OSError | None:
+    """The ENOSPC error in ``e`` or its causes (the store writer wraps it), else None."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _save_model_atomically(loaded, run_dir: Path) -> dict:
+    """Save to RUN/.model.tmp, then rename to RUN/model: an interrupted save leaves no model/."""
+    tmp, final = run_dir / _MODEL_TMP, run_dir / C.MODEL_DIR
+    for p in (tmp, final):
+        if p.is_symlink():
+            raise RunError(f"{p} is a symbolic link; Traceprop does not write through links")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        info = save_model(loaded, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
 
 
 @torch.no_grad()

@@ -26,6 +26,8 @@ if st.button("Verify", key="audit_verify"):
         if v["ok"]:
             st.success(f"All {len(v['files'])} data files and the model match the manifest.")
         else:
+            for p in v.get("problems", []):
+                st.error(services.md_escape(p))
             bad = [f for f in v["files"] if f["status"] != "ok"]
             for f in bad:
                 st.error(services.md_escape(f"{f['status']}: {f['file']}"))

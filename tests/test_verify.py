@@ -1,0 +1,163 @@
+"""``verify`` vouches only for what it checked: data beside the run, the model, the store's bytes."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from helpers import facts_data, fast_settings
+
+from traceprop_engine import RunError, Store, StoreError
+from traceprop_engine.cli import main
+from traceprop_engine.export import verify_run
+from traceprop_engine.store import DIGEST_ATTR, content_digest
+from traceprop_engine.train import train
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A completed run at ROOT/run trained on ROOT/data (so data is ../data/... from the run)."""
+    root = tmp_path_factory.mktemp("made")
+    data = facts_data(root / "data")
+    train(fast_settings(data, root / "run"))
+    return root
+
+
+@pytest.fixture
+def run(made, tmp_path):
+    shutil.copytree(made, tmp_path / "c")
+    return tmp_path / "c" / "run"
+
+
+def _manifest(run):
+    return json.loads((run / "run.json").read_text())
+
+
+def _write_manifest(run, m):
+    (run / "run.json").write_text(json.dumps(m))
+
+
+def test_a_completed_run_verifies_with_its_digest(run):
+    with Store(run / "store.h5") as s:
+        want = s.attrs()[DIGEST_ATTR]
+        assert want == content_digest(s._f) and len(want) == 64
+        assert s.fingerprint.endswith(want)  # the index fingerprint follows the content
+        assert s._f["layers/000/sketch"].fletcher32
+    rep = verify_run(run)
+    assert rep["ok"], rep["problems"]
+    assert rep["store"]["status"] == "ok" and rep["problems"] == []
+    assert rep["roots"]["root"] == str((run.parent / "data" / "train").resolve())
+
+
+def test_flipped_bytes_in_a_sketch_fail_verify_and_reads(run):
+    with h5py.File(run / "store.h5", "r") as f:
+        info = f["layers/000/sketch"].id.get_chunk_info(0)
+    with open(run / "store.h5", "r+b") as fh:
+        fh.seek(info.byte_offset + 8)
+        chunk = bytearray(fh.read(16))
+        fh.seek(info.byte_offset + 8)
+        fh.write(bytes(b ^ 0xFF for b in chunk))
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "unreadable"
+    assert any("store is unreadable" in p for p in rep["problems"])
+    with Store(run / "store.h5") as s, pytest.raises(StoreError, match="damaged"):
+        s.sketches(0)
+
+
+def test_a_rewritten_sketch_value_changes_the_digest(run):
+    # written through HDF5 (so the chunk checksum is recomputed): only the digest can tell
+    with h5py.File(run / "store.h5", "r+") as f:
+        f["layers/000/sketch"][0, 0, 0] += 1.0
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "changed"
+
+
+def test_a_removed_digest_on_a_checksummed_store_is_not_vouched_for(run):
+    with h5py.File(run / "store.h5", "r+") as f:
+        del f.attrs[DIGEST_ATTR]
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "absent"
+
+
+def test_a_truncated_store_fails(run):
+    p = run / "store.h5"
+    size = p.stat().st_size
+    with open(p, "r+b") as fh:
+        fh.truncate(size // 2)
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "unreadable"
+
+
+def test_a_killed_run_without_a_model_fails(run):
+    m = _manifest(run)
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    m.update(status="running", pid=p.pid, host=platform.node())
+    del m["model"]["fingerprint"]
+    _write_manifest(run, m)
+    shutil.rmtree(run / "model")
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["model"]["status"] == "absent"
+    assert any("'failed'" in p and "cannot vouch" in p for p in rep["problems"])
+
+
+@pytest.mark.parametrize("status", ["failed", "cancelled"])
+def test_a_run_that_did_not_complete_is_not_vouched_for(run, status):
+    m = _manifest(run)
+    m["status"] = status
+    _write_manifest(run, m)
+    rep = verify_run(run)
+    assert not rep["ok"] and "cannot vouch" in rep["problems"][0]
+
+
+def test_an_empty_manifest_fails_and_a_list_is_an_error(run, capsys):
+    (run / "run.json").write_text("{}")
+    rep = verify_run(run)
+    assert not rep["ok"]
+    assert any("no training data files" in p for p in rep["problems"])
+    assert main(["verify", str(run)]) == 3
+    assert "NOT VERIFIED" in capsys.readouterr().out
+    (run / "run.json").write_text("[1, 2]")
+    with pytest.raises(RunError, match="JSON list, not a run manifest"):
+        verify_run(run)
+    assert main(["verify", str(run)]) == 1
+    assert "error:" in capsys.readouterr().err
+
+
+def test_a_moved_run_checks_the_data_beside_it(made, tmp_path, capsys):
+    moved = tmp_path / "moved"
+    shutil.copytree(made, moved)
+    # the manifest's absolute data path still points at the original copy, which is unchanged
+    assert (made / "data" / "train").is_dir()
+    f = next((moved / "data" / "train").glob("*.jsonl"))
+    f.write_text(f.read_text().replace("A", "B", 1))
+    rep = verify_run(moved / "run")
+    changed = [x for x in rep["files"] if x["status"] == "changed"]
+    assert not rep["ok"] and [x["file"] for x in changed] == [str(f.resolve())]
+    assert main(["verify", str(moved / "run")]) == 3
+    assert f"data files under {(moved / 'data' / 'train').resolve()}" in capsys.readouterr().out
+
+
+def test_recorded_files_that_are_gone_fail(run):
+    for p in (run.parent / "data" / "eval").iterdir():
+        p.unlink()
+    m = _manifest(run)
+    m["data"]["eval_root"] = str(run.parent / "nowhere")
+    _write_manifest(run, m)
+    rep = verify_run(run)
+    missing = [x for x in rep["files"] if x["status"] == "missing"]
+    assert not rep["ok"] and len(missing) == len(m["data"]["eval_files"]) >= 1
+
+
+def test_the_sample_store_without_a_digest_reads_as_unchecked():
+    from traceprop_engine.sample_run import default_root
+
+    rep = verify_run(default_root() / "facts")
+    assert rep["ok"] and rep["store"]["status"] == "unchecked"
+    assert np.all([x["status"] == "ok" for x in rep["files"]])
