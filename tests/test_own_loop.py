@@ -91,6 +91,8 @@ def test_finish_makes_a_run_that_open_run_and_the_cli_accept(run_dir):
     assert m["model"]["tokenizer"] is False
     assert m["config"]["trainer"] == "traceprop_engine.Tracker"
     assert (run_dir / C.MODEL_DIR / "traceprop_model.json").exists()
+    assert m["store"]["n_records"] == 12 and m["timings"]["n_steps"] == 4
+    assert m["tracking"]["k_in"] == 8 and len(m["tracking"]["layers"]) > 0
     run = open_run(run_dir)
     assert run.store.n_records == 12
     assert run._model().tokenizer is None
@@ -378,3 +380,18 @@ def test_influence_by_source_of_an_id_query_rebuilt_from_its_description(run_dir
     assert rebuilt["total"][0] == pytest.approx(
         float(run.scores(input_ids=QUERY, labels=QUERY_LABELS).sum()), rel=1e-4
     )
+
+
+def test_the_app_lists_and_queries_a_tracker_run(run_dir, tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from app import services
+
+    cfg = services.AppConfig(runs_root=run_dir.parent, sample_runs=tmp_path, data_root=tmp_path)
+    row = services.run_summary(cfg, run_dir)
+    assert row["status"] == "completed" and row["records"] == 12, row
+    assert row["tracked layers"] > 0 and row["k"] == "8x8"
+    res, by_source = services.run_query(run_dir, eval_example=0, top_k=2)
+    assert res.rows.height == 4 and by_source["source"].to_list() == ["mine.txt"]
+    assert services.decode_tokens(
+        run_dir, np.array(EXAMPLES[0]), np.array([0, 1, 1, 1])
+    ).startswith("ids: ")

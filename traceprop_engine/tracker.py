@@ -308,6 +308,27 @@ class Tracker:
             status=self.status,
             data=data,
             config={"trainer": "traceprop_engine.Tracker", **(config or {})},
+            extra={
+                "tracking": {
+                    **self.settings.to_dict(),
+                    "layers": [
+                        {
+                            "name": t.name,
+                            "kind": t.kind,
+                            "d_in": t.d_in,
+                            "d_out": t.d_out,
+                            "k_in": t.k_in,
+                            "k_out": t.k_out,
+                        }
+                        for t in self.layers
+                    ],
+                },
+                "timings": {
+                    "n_steps": len(self.step_ms),
+                    "median_step_ms": float(np.median(self.step_ms)) if self.step_ms else None,
+                },
+                "store": {"file": C.STORE_FILE, "n_records": self.n_records},
+            },
         )
 
     @property
@@ -369,10 +390,12 @@ def make_run(
     status: str = C.STATUS_COMPLETED,
     data: dict | None = None,
     config: dict | None = None,
+    extra: dict | None = None,
 ) -> Path:
     """Save ``model`` (+ tokenizer) to ``RUN/model`` and write ``RUN/run.json`` beside ``RUN/store.h5``.
 
-    Shared by :meth:`Tracker.finish` and ``integrations.hf_trainer.finish_run``.
+    Shared by :meth:`Tracker.finish` and ``integrations.hf_trainer.finish_run``; ``extra``
+    adds manifest sections (``tracking``, ``timings``, ``store``...).
 
     Raises:
         ConfigError: no ``store.h5`` in ``run_dir``; a model without ``save_pretrained``; bad task.
@@ -426,6 +449,7 @@ def make_run(
             "trainable": n_trainable,
         },
         "store": {"file": C.STORE_FILE},
+        **(extra or {}),
     }
     write_manifest(run_dir, manifest)
     return run_dir
