@@ -667,6 +667,9 @@ def cached_tokenizer(run_dir: str):
     try:
         from transformers import AutoTokenizer
 
+        info = Path(run_dir) / C.MODEL_DIR / "traceprop_model.json"
+        if info.exists() and json.loads(info.read_text()).get("tokenizer") is False:
+            return None  # a run finished without a tokenizer: show token ids
         return AutoTokenizer.from_pretrained(str(Path(run_dir) / C.MODEL_DIR))
     except (OSError, ValueError):
         return None

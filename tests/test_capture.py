@@ -15,7 +15,7 @@ from transformers import (
     GPTNeoXForCausalLM,
 )
 
-from traceprop_engine import Store, Tracker, TrackSettings
+from traceprop_engine import RunError, Store, Tracker, TrackSettings
 from traceprop_engine.capture import Capture, build_layers
 from traceprop_engine.losses import causal_lm_losses, classification_losses
 
@@ -122,7 +122,7 @@ def check_causal(tmp_path, model, settings):
     ids, mask, labels, lengths = causal_batch()
 
     def run_batch(tracker):
-        with tracker.step([0, 1, 2], token_mask=mask) as rec:
+        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
             out = model(input_ids=ids, attention_mask=mask)
             losses = causal_lm_losses(out.logits, labels)
             losses.mean().backward()
@@ -192,10 +192,9 @@ def test_dense_sketch_matches_autograd(tmp_path):
     ids, mask, labels, lengths = causal_batch(1)
 
     def run_batch(tracker):
-        with tracker.step([0, 1, 2], token_mask=mask):
-            causal_lm_losses(
-                model(input_ids=ids, attention_mask=mask).logits, labels
-            ).mean().backward()
+        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
+            rec.losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+            rec.losses.mean().backward()
 
     store, got = recorded(tmp_path, model, settings, run_batch)
     layers = build_layers(model, settings)
@@ -227,10 +226,9 @@ def test_classifier_matches_autograd(tmp_path):
     y = torch.tensor([0, 2, 1, 2])
 
     def run_batch(tracker):
-        with tracker.step([0, 1, 2, 3], token_mask=mask):
-            classification_losses(
-                model(input_ids=ids, attention_mask=mask).logits, y
-            ).mean().backward()
+        with tracker.step([0, 1, 2, 3], padding_mask=mask) as rec:
+            rec.losses = classification_losses(model(input_ids=ids, attention_mask=mask).logits, y)
+            rec.losses.mean().backward()
 
     _, got = recorded(tmp_path, model, settings, run_batch)
     layers = build_layers(model, settings)
@@ -291,17 +289,20 @@ def test_hooks_idle_without_grad_and_removed_after_error(tmp_path):
         Tracker(model, tmp_path / "s.h5", TrackSettings(), background=False) as tracker,
     ):
         assert n_hooks() == 9
-        with tracker.step([0, 1, 2], token_mask=mask), torch.no_grad():
-            model(
-                input_ids=ids, attention_mask=mask
-            )  # no grad: nothing recorded, no hook on outputs
+        # no grad: no hook on outputs, and a step without backward is refused (nothing recorded)
+        with (
+            pytest.raises(RunError, match="no backward"),
+            tracker.step([0, 1, 2], padding_mask=mask),
+            torch.no_grad(),
+        ):
+            model(input_ids=ids, attention_mask=mask)
+        assert tracker.n_records == 0
         assert all(not layer._stack for layer in tracker.layers)
         raise KeyboardInterrupt
     assert n_hooks() == 0
     store = Store(tmp_path / "s.h5")
     assert store.status == "cancelled" and store.is_partial
-    assert store.n_records == 3  # the no-grad step was committed with zero sketches
-    assert np.all(store.sketches(0) == 0)
+    assert store.n_records == 0  # the no-grad step was refused, not committed as zero sketches
 
 
 def _cov_run(model, layers, ids, mask, labels, token_mask, loss_scale):

@@ -96,7 +96,7 @@ def _run_manual(model, tok, enc, path, *, lrs, epochs=1, batch=4):
                 for g in opt.param_groups:
                     g["lr"] = lr
                 with tracker.step(
-                    idx, token_mask=b["attention_mask"], step=step, epoch=epoch, lr=lr
+                    idx, padding_mask=b["attention_mask"], step=step, epoch=epoch, lr=lr
                 ) as rec:
                     losses = causal_lm_losses(
                         model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,

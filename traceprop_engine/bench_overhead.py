@@ -175,7 +175,7 @@ def run_overhead_bench(
                     model(input_ids=ids, attention_mask=mask).logits, labels
                 ).mean().backward()
             else:
-                with tr.step(example_index, token_mask=mask, step=i) as rec:
+                with tr.step(example_index, padding_mask=mask, step=i) as rec:
                     losses = causal_lm_losses(
                         model(input_ids=ids, attention_mask=mask).logits, labels
                     )

@@ -228,7 +228,7 @@ def bench_overhead(
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     if tracked:
-                        with tracker.step(np.arange(batch), token_mask=mask) as rec:
+                        with tracker.step(np.arange(batch), padding_mask=mask) as rec:
                             losses = causal_lm_losses(ddp(input_ids=x).logits, x)
                             losses.mean().backward()
                             rec.losses = losses

@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -120,6 +122,33 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
 def _threads(n: int | None) -> int:
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(n or avail or 1, avail or 1))
+
+
+@contextlib.contextmanager
+def _caller_threads() -> Iterator[None]:
+    """Restore the caller's OpenMP/torch thread counts after FAISS set its own.
+
+    FAISS and torch share the OpenMP runtime: ``faiss.omp_set_num_threads`` inside a search
+    would otherwise change ``torch.get_num_threads()`` for the rest of the process.
+    """
+    torch = sys.modules.get("torch")  # only restore torch's setting when the caller uses torch
+    prev_omp = faiss.omp_get_max_threads()
+    prev_torch = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(prev_omp)
+        if torch is not None and torch.get_num_threads() != prev_torch:
+            torch.set_num_threads(prev_torch)
+
+
+def _keeps_caller_threads(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _caller_threads():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -213,6 +242,7 @@ class VectorIndex:
         q = self._prep(queries)
         return self._search_prepped(q, k)
 
+    @_keeps_caller_threads
     def _search_prepped(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
@@ -577,6 +607,7 @@ def _as_chunks(x: np.ndarray, size: int = 65_536) -> Iterator[np.ndarray]:
         yield x[i : i + size]
 
 
+@_keeps_caller_threads
 def build_index(
     vectors: Callable[[], Iterable[np.ndarray]] | np.ndarray,
     dim: int,

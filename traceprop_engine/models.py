@@ -6,11 +6,12 @@ Nothing here downloads: every ``from_pretrained`` call is ``local_files_only=Tru
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,8 +194,10 @@ def save_model(loaded: LoadedModel, out: Path) -> dict:
     m = loaded.model
     is_peft = hasattr(m, "peft_config")
     m.save_pretrained(out)
-    loaded.tokenizer.save_pretrained(out)
+    if loaded.tokenizer is not None:  # a run may have none: it is then queried by token ids
+        loaded.tokenizer.save_pretrained(out)
     info = {"task": loaded.task, "source": loaded.source, "peft": is_peft, "labels": loaded.labels}
+    info["tokenizer"] = loaded.tokenizer is not None
     if is_peft:
         base_dir = loaded.base_source
         # a base built here (the tiny model, or one made from a config in a user's loop) has no
@@ -224,7 +227,11 @@ def load_saved_model(model_dir: Path, device: str | torch.device = "cpu") -> Loa
         if info["task"] == "classification"
         else AutoModelForCausalLM
     )
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = (
+        AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        if info.get("tokenizer", True)
+        else None
+    )
     try:
         if info.get("peft"):
             from peft import PeftModel
@@ -348,3 +355,28 @@ def collate(encoded: Sequence[Encoded], pad_id: int, task: str, device) -> dict:
 def model_inputs(batch: dict) -> dict:
     """The arguments the model's forward takes (labels are kept out: the loss is ours)."""
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+@contextlib.contextmanager
+def quiet_hf() -> Iterator[None]:
+    """No Hugging Face progress bars or info logs inside the block (library use); restored after.
+
+    Traceprop's own progress (the CLI's bars) is unaffected.
+    """
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    tf_bars = hf_logging.is_progress_bar_enabled()
+    hub_bars = not hub.are_progress_bars_disabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hub.disable_progress_bars()
+    hf_logging.set_verbosity(max(verbosity, hf_logging.WARNING))
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if hub_bars:
+            hub.enable_progress_bars()
+        if tf_bars:
+            hf_logging.enable_progress_bar()

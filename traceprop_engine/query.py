@@ -44,7 +44,7 @@ from .errors import (
 )
 from .index import INDEX_META_FILE, IndexKind, VectorIndex, build_index, index_lock, publish_dir
 from .losses import example_losses
-from .models import collate, encode_example, load_saved_model, model_inputs
+from .models import collate, encode_example, load_saved_model, model_inputs, quiet_hf
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 from .run import read_manifest
 from .scoring import ExactScorer
@@ -492,7 +492,8 @@ class AttributionRun:
                 raise RunError(
                     f"{self.dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it"
                 )
-            self._loaded = load_saved_model(model_dir, self.device)
+            with quiet_hf():
+                self._loaded = load_saved_model(model_dir, self.device)
             modules = dict(self._loaded.model.named_modules())
             layers = []
             for li, info in enumerate(self.store.layers):
@@ -546,12 +547,34 @@ class AttributionRun:
         *,
         eval_example: int | None = None,
         label: str | None = None,
+        input_ids=None,
+        labels=None,
+        loss_mask=None,
     ):
-        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``."""
+        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``.
+
+        A query is text (``prompt``/``completion``, through the run's tokenizer), an example of
+        the run (``eval_example``), or token ids (``input_ids``, with ``labels`` -100 where no
+        loss is taken, or a 0/1 ``loss_mask``; neither: the loss on every token after the first).
+        """
         loaded = self._model()
         cfg = self.manifest.get("config", {})
         max_length = int(cfg.get("max_length", 128))
         notes: list[str] = []
+        if input_ids is not None:
+            if prompt is not None or completion is not None or eval_example is not None:
+                raise QueryError(
+                    "give the query either as input_ids (+ labels or loss_mask), or as "
+                    "prompt/completion, or as eval_example, not several"
+                )
+            return self._encode_ids(loaded, input_ids, labels, loss_mask, label), {}, notes
+        if labels is not None or loss_mask is not None:
+            raise QueryError("labels/loss_mask go with input_ids: pass input_ids=... as well")
+        if loaded.tokenizer is None and eval_example is None:
+            raise QueryError(
+                "this run has no tokenizer (it was finished without one): query it by token ids, "
+                "run.query(input_ids=..., labels=...)"
+            )
         if eval_example is not None:
             ex = self.examples()
             if not 0 <= eval_example < ex.height:
@@ -616,11 +639,59 @@ class AttributionRun:
             )
         return enc, {"prompt": prompt, "completion": completion}, notes
 
+    def _encode_ids(self, loaded, input_ids, labels, loss_mask, label):
+        """An :class:`Encoded` from token ids and ``labels`` (-100: no loss) or a 0/1 loss mask."""
+        from .models import Encoded
+
+        ids = _as_1d_ints(input_ids, "input_ids")
+        if ids.size == 0:
+            raise QueryError("input_ids is empty: give the query's token ids")
+        vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+        if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
+            raise QueryError(
+                f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+        if labels is not None and loss_mask is not None:
+            raise QueryError("give labels or loss_mask, not both")
+        if labels is not None:
+            lab = _as_1d_ints(labels, "labels")
+            if lab.shape != ids.shape:
+                raise QueryError(
+                    f"labels has {lab.size} entries, input_ids {ids.size}: give one per token"
+                )
+            mask = lab != -100
+            if np.any(lab[mask] != ids[mask]):
+                raise QueryError(
+                    "labels must equal input_ids where a loss is taken (-100 elsewhere), as for a "
+                    "Hugging Face causal LM (the model shifts them)"
+                )
+        elif loss_mask is not None:
+            mask = _as_1d_ints(loss_mask, "loss_mask")
+            if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+                raise QueryError("loss_mask must hold one 0/1 value per token of input_ids")
+            mask = mask.astype(bool)
+        else:
+            mask = np.ones(ids.size, bool)
+        lab_id = -1
+        if self.task == "classification":
+            names = loaded.labels or []
+            if label not in names:
+                raise QueryError(f"a classification query needs a label, one of {names}")
+            lab_id = names.index(label)
+            mask = np.ones(ids.size, bool)
+        elif not mask[1:].any():
+            raise QueryError(
+                "the query has no target token (labels all -100, or only the first token): mark "
+                "the tokens whose loss you want explained"
+            )
+        return Encoded(ids.astype(np.int32), mask.astype(np.uint8), lab_id)
+
     def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
         """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
         loaded = self._model()
         layers = self._capture_layers
-        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        pad = _pad_id(loaded)
         batch = collate([enc], pad, self.task, self.device)
         slots = [
             torch.zeros(1, *(info.record_shape), device=self.device) for info in self.store.layers
@@ -646,17 +717,40 @@ class AttributionRun:
         top_k: int = 10,
         opponents: bool = True,
         settings: IndexSettings | None = None,
+        input_ids=None,
+        labels=None,
+        loss_mask=None,
     ) -> QueryResult:
         """Rank training examples by influence on the query's loss.
 
+        The query is text (``prompt``/``completion``), an example of the run
+        (``eval_example``), or token ids: ``input_ids`` (1-D) with ``labels`` (-100 where no
+        loss is taken, Hugging Face style) or a 0/1 ``loss_mask``.
+
         Raises:
-            QueryError: empty prompt, unknown example, bad top_k.
+            QueryError: empty prompt, unknown example, bad top_k, bad token ids, text on a run
+                without a tokenizer.
         """
         if top_k < 1:
             raise QueryError(f"top_k must be at least 1, got {top_k}")
         s = settings or IndexSettings()
         t0 = time.perf_counter()
-        enc, desc, notes = self.encode(prompt, completion, eval_example=eval_example, label=label)
+        enc, desc, notes = self.encode(
+            prompt,
+            completion,
+            eval_example=eval_example,
+            label=label,
+            input_ids=input_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+        )
+        if input_ids is not None:
+            desc = {
+                "prompt": None,
+                "completion": None,
+                "input_ids": enc.ids.tolist(),
+                "loss_mask": enc.loss_mask.tolist(),
+            }
         sk, qloss = self.query_sketches(enc)
         index, ids, pre = self.index(s)
         qv = pre.apply(sk)  # (1, D) index vector: picks candidates
@@ -800,6 +894,45 @@ class AttributionRun:
             out[i : i + len(x)] = x @ q
         return out
 
+    def scores(
+        self,
+        prompt: str | list[str] | None = None,
+        completion: str | list[str] | None = None,
+        *,
+        input_ids=None,
+        labels=None,
+        loss_mask=None,
+        eval_example: int | list[int] | None = None,
+        label: str | list[str] | None = None,
+        settings: IndexSettings | None = None,
+    ) -> np.ndarray:
+        """Scores of every training example, in example-id order (exact: no index search).
+
+        One query (a string, or 1-D ``input_ids``) gives a ``(n_examples,)`` array; a batch (a
+        list of strings, a list of id sequences or a 2-D ``input_ids``, with ``labels`` /
+        ``loss_mask`` of the same form) gives ``(n_queries, n_examples)``. Entry ``i`` is the
+        same score ``query()`` reports for example ``i``; an example with no record scores 0.
+
+        Raises:
+            QueryError: as for :meth:`query`; ``per_record`` settings (scores are per example).
+        """
+        s = settings or IndexSettings()
+        if s.per_record:
+            raise QueryError(
+                "scores() gives one score per example: use settings with per_record=False"
+            )
+        queries, batched = _query_batch(
+            prompt, completion, input_ids, labels, loss_mask, eval_example, label
+        )
+        _, ids, _ = self.index(s)
+        n = max(self.examples().height, int(ids.max()) + 1 if len(ids) else 0)
+        out = np.zeros((len(queries), n), np.float64)
+        for qi, kw in enumerate(queries):
+            enc, _, _ = self.encode(**kw)
+            sk, _ = self.query_sketches(enc)
+            out[qi, ids] = self.all_scores(sk, s)
+        return out if batched else out[0]
+
     def influence_by_source(
         self, result: QueryResult, settings: IndexSettings | None = None
     ) -> pl.DataFrame:
@@ -812,6 +945,8 @@ class AttributionRun:
                 result.query.get("completion"),
                 eval_example=result.query.get("eval_example"),
                 label=result.query.get("label"),
+                input_ids=result.query.get("input_ids"),
+                loss_mask=result.query.get("loss_mask"),
             )
             sk, _ = self.query_sketches(enc)
         _, ids, _ = self.index(s)
@@ -855,7 +990,7 @@ class AttributionRun:
     def representations(self, encs) -> np.ndarray:
         """Mean-pooled final hidden state of each encoded example (representation-similarity baseline)."""
         loaded = self._model()
-        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        pad = _pad_id(loaded)
         out = []
         for i in range(0, len(encs), 16):
             batch = collate(encs[i : i + 16], pad, self.task, self.device)
@@ -911,6 +1046,75 @@ def _reserve(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _pad_id(loaded) -> int:
+    """The pad id: the tokenizer's, else the model config's, else 0 (right padding is masked)."""
+    tok = loaded.tokenizer
+    if tok is not None and tok.pad_token_id is not None:
+        return int(tok.pad_token_id)
+    pad = getattr(getattr(loaded.model, "config", None), "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _as_1d_ints(x, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim == 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise QueryError(
+            f"{what} must be a 1-D sequence of integers, got {a.dtype} of shape {a.shape}"
+        )
+    return a.astype(np.int64)
+
+
+def _is_batch(x) -> bool:
+    if x is None or isinstance(x, str):
+        return False
+    if isinstance(x, torch.Tensor | np.ndarray):
+        return x.ndim == 2
+    return isinstance(x, list | tuple) and len(x) > 0 and not np.isscalar(x[0])
+
+
+def _query_batch(prompt, completion, input_ids, labels, loss_mask, eval_example, label):
+    """The keyword sets of :meth:`AttributionRun.encode` for each query, and whether it was a batch."""
+    if input_ids is not None:
+        batched = _is_batch(input_ids)
+        if not batched:
+            return [
+                dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, label=label)
+            ], False
+        n = len(input_ids)
+        for name, v in (("labels", labels), ("loss_mask", loss_mask)):
+            if v is not None and len(v) != n:
+                raise QueryError(f"{name} holds {len(v)} rows for {n} queries in input_ids")
+        lab = label if isinstance(label, list | tuple) else [label] * n
+        return [
+            dict(
+                input_ids=input_ids[i],
+                labels=None if labels is None else labels[i],
+                loss_mask=None if loss_mask is None else loss_mask[i],
+                label=lab[i],
+            )
+            for i in range(n)
+        ], True
+    if isinstance(eval_example, list | tuple):
+        return [dict(eval_example=int(e), label=label) for e in eval_example], True
+    if isinstance(prompt, list | tuple):
+        n = len(prompt)
+        comp = completion if isinstance(completion, list | tuple) else [completion] * n
+        lab = label if isinstance(label, list | tuple) else [label] * n
+        if len(comp) != n or len(lab) != n:
+            raise QueryError(f"completion/label must give one entry per prompt ({n})")
+        return [
+            dict(prompt=p, completion=c, label=la)
+            for p, c, la in zip(prompt, comp, lab, strict=True)
+        ], True
+    return [
+        dict(prompt=prompt, completion=completion, eval_example=eval_example, label=label)
+    ], False
 
 
 def open_run(run_dir: str | os.PathLike, device: str = "cpu") -> AttributionRun:

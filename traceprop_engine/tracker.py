@@ -3,15 +3,25 @@
 Example (your own loop)::
 
     from traceprop_engine import Tracker, TrackSettings
+    from traceprop_engine.query import open_run
 
     with Tracker(model, "runs/mine/store.h5", TrackSettings(k_in=8, k_out=8)) as tracker:
-        for step, batch in enumerate(loader):
-            with tracker.step(batch["example_index"], token_mask=batch["attention_mask"],
-                              step=step, lr=sched.get_last_lr()[0]) as rec:
-                losses = per_example_loss(model(**inputs), batch)   # (B,)
-                losses.mean().backward()                            # L = mean of per-example losses
-                rec.losses = losses
-            optimizer.step(); optimizer.zero_grad()
+        for epoch in range(n_epochs):
+            for step, batch in enumerate(loader):
+                with tracker.step(batch["example_index"], padding_mask=batch["attention_mask"],
+                                  step=step, epoch=epoch, lr=sched.get_last_lr()[0]) as rec:
+                    losses = per_example_loss(model(**inputs), batch)   # (B,)
+                    losses.mean().backward()                            # L = mean of per-example losses
+                    rec.losses = losses
+                optimizer.step(); optimizer.zero_grad()
+    tracker.finish(model)          # runs/mine is now a run: open_run, the CLI and the app open it
+    run = open_run("runs/mine")
+
+What a record is: one record per example per step, holding the sketch of that example's *raw*
+per-example gradient ``∇ℓ_i`` on the tracked layers, stored with the step's learning rate; a
+query weights each record by its ``lr`` (TracIn along the trajectory: ``lr × raw gradient``).
+What the optimizer does with the gradient afterwards is not reflected: gradient clipping, Adam's
+moment preconditioning, weight decay and momentum do not change the records.
 
 ``loss_scale`` defaults to the batch size, which is right when the loss you backpropagate is the
 mean of per-example losses (Traceprop's loss definition, docs/store-format.md); pass another
@@ -25,8 +35,10 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,6 +47,7 @@ from torch import nn
 from . import constants as C
 from .buffer import SketchBuffer
 from .capture import Capture, build_layers
+from .errors import ConfigError, RunError
 from .settings import TrackSettings
 from .store import BackgroundSink, StoreWriter
 
@@ -43,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepRecord:
-    """Filled by the caller inside :meth:`Tracker.step` (per-example losses are optional)."""
+    """Filled by the caller inside :meth:`Tracker.step`: ``rec.losses`` = the ``(B,)`` per-example losses."""
 
     losses: torch.Tensor | np.ndarray | None = None
 
@@ -57,6 +70,14 @@ class Tracker:
         settings: what to record.
         manifest: JSON-serialisable run description kept in the store.
         background: write HDF5 chunks from a background thread.
+
+    A record is ``lr × raw per-example gradient`` (sketched): gradient clipping and the
+    optimizer's own preconditioning (Adam's moments, momentum, weight decay) are not reflected.
+    After training, :meth:`finish` makes the store's folder a run that ``open_run``, the CLI
+    and the app accept.
+
+    Raises:
+        ConfigError: ``store_path`` is a directory.
     """
 
     def __init__(
@@ -67,7 +88,13 @@ class Tracker:
         manifest: dict | None = None,
         background: bool = True,
     ) -> None:
+        if Path(store_path).is_dir():
+            raise ConfigError(
+                f"the store path {store_path} is a directory: give the store's file name, "
+                f"e.g. {Path(store_path) / C.STORE_FILE}"
+            )
         self.model = model
+        self.store_path = Path(store_path)
         self.settings = settings or TrackSettings()
         self.layers = build_layers(model, self.settings)
         self.capture = Capture(model, self.layers, covariance=self.settings.covariance)
@@ -86,6 +113,12 @@ class Tracker:
         self.step_ms: list[float] = []
         self.flush_ms = 0.0
         self._closed = False
+        self.status = C.STATUS_RUNNING
+        self._in_step = False
+        self._epoch = (
+            0  # inferred epoch (when step() is not given one): a repeated id starts the next
+        )
+        self._seen: set[int] = set()
 
     # -- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -106,6 +139,7 @@ class Tracker:
         if self._closed:
             return
         self._closed = True
+        self.status = status
         self.capture.detach()
         try:
             t0 = time.perf_counter()
@@ -134,31 +168,289 @@ class Tracker:
         self,
         example_index: Sequence[int] | torch.Tensor | np.ndarray,
         *,
-        token_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
         loss_scale: float | None = None,
         step: int = 0,
-        epoch: int = 0,
+        epoch: int | None = None,
         lr: float = 0.0,
+        token_mask: torch.Tensor | None = None,
     ) -> Iterator[StepRecord]:
         """Record the forward + backward run inside the block as one record per example.
 
         The records are committed when the block exits normally; on an exception they are
-        dropped (the store keeps only whole steps).
+        dropped (the store keeps only whole steps). Set ``rec.losses`` to the ``(B,)``
+        per-example losses inside the block.
+
+        Args:
+            example_index: the ``(B,)`` example ids of the micro-batch, integers in
+                ``[0, MAX_EXAMPLE_ID]`` (they index the example table).
+            padding_mask: ``(B, T)`` 1 for real tokens, 0 for padding (the attention mask; not
+                the loss mask): padding is kept out of the covariance.
+            loss_scale: factor turning the batch loss's gradient into per-example gradients
+                (default ``B``: the loss backpropagated is the mean of per-example losses).
+            step: the optimizer step.
+            epoch: the epoch. When omitted it is inferred by counting passes: a step holding an
+                example id already recorded in the current epoch starts the next epoch (pass it
+                explicitly when an epoch may repeat an example, e.g. sampling with replacement).
+            lr: the learning rate of this step (a query weights the record by it).
+            token_mask: deprecated alias of ``padding_mask``.
+
+        Raises:
+            ConfigError: example ids that are not integers in range; both ``padding_mask`` and
+                ``token_mask``.
+            RunError: a ``step()`` inside another; the block ran no backward through the tracked
+                layers; ``rec.losses`` not set, or not one loss per example.
         """
-        if isinstance(example_index, torch.Tensor):
-            example_index = example_index.detach().cpu().numpy()
-        idx = np.asarray(example_index, dtype=np.int64)
+        if token_mask is not None:
+            if padding_mask is not None:
+                raise ConfigError(
+                    "Tracker.step got both padding_mask and token_mask: pass padding_mask only"
+                )
+            warnings.warn(
+                "Tracker.step(token_mask=...) is deprecated: it is the padding (attention) mask, "
+                "pass padding_mask=...",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            padding_mask = token_mask
+        if self._in_step:
+            raise RunError(
+                "Tracker.step() was called inside another Tracker.step() block: record each "
+                "micro-batch in its own block, one after the other"
+            )
+        idx = _example_ids(example_index)
         b = len(idx)
         slots = self.buffer.reserve(b)
         rec = StepRecord()
         t0 = time.perf_counter()
-        with self.capture.batch(
-            slots, token_mask=token_mask, loss_scale=float(b if loss_scale is None else loss_scale)
-        ):
-            yield rec
-        self.buffer.commit(idx, step=step, epoch=epoch, lr=lr, loss=rec.losses)
+        self._in_step = True
+        try:
+            with self.capture.batch(
+                slots,
+                token_mask=padding_mask,
+                loss_scale=float(b if loss_scale is None else loss_scale),
+            ):
+                yield rec
+            if not any(layer._fired for layer in self.layers):
+                raise RunError(
+                    "no backward pass reached the tracked layers inside this Tracker.step() block: "
+                    "call losses.mean().backward() inside the block (not after it, nor under "
+                    "torch.no_grad())"
+                )
+            losses = _check_losses(rec.losses, b)
+        finally:
+            self._in_step = False
+        if epoch is None:
+            epoch = self._infer_epoch(idx)
+        self.buffer.commit(idx, step=step, epoch=epoch, lr=lr, loss=losses)
         self.step_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def _infer_epoch(self, idx: np.ndarray) -> int:
+        ids = set(idx.tolist())
+        if not ids.isdisjoint(self._seen):
+            self._epoch += 1
+            self._seen = set()
+        self._seen |= ids
+        return self._epoch
+
+    # -- the run ------------------------------------------------------------------------------
+    def finish(
+        self,
+        model: nn.Module | None = None,
+        tokenizer=None,
+        *,
+        task: str = "causal-lm",
+        labels: Sequence[str] | None = None,
+        max_length: int = 128,
+        data: dict | None = None,
+        config: dict | None = None,
+    ) -> Path:
+        """Close the tracker and make the store's folder a run: ``open_run``, the CLI and the app open it.
+
+        Saves ``model`` (and ``tokenizer`` when given) to ``RUN/model`` and writes
+        ``RUN/run.json``; ``RUN`` is the folder of the store, which must be named ``store.h5``.
+        Without a tokenizer the run is queried by token ids (``run.query(input_ids=...)``).
+
+        Args:
+            model: the trained model (a Hugging Face ``PreTrainedModel``; default: the tracked one).
+            tokenizer: its Hugging Face tokenizer, or ``None``.
+            task: ``causal-lm`` or ``classification``.
+            labels: class names in label-id order (classification).
+            max_length: the truncation length of training (text queries are cut the same way).
+            data: optional data section of the manifest.
+            config: extra configuration to keep in the manifest.
+
+        Returns:
+            The run directory.
+
+        Raises:
+            ConfigError: the store is not named ``store.h5``; the model cannot be saved.
+            RunError: nothing was recorded.
+        """
+        if not self._closed:
+            self.close(C.STATUS_COMPLETED)
+        if self.store_path.name != C.STORE_FILE:
+            raise ConfigError(
+                f"a run's store is named {C.STORE_FILE}, this one is {self.store_path.name}: build "
+                f"the Tracker with store path RUN_DIR/{C.STORE_FILE}"
+            )
+        if self.n_records == 0:
+            raise RunError(
+                f"{self.store_path} holds no records: run at least one tracker.step() with a "
+                "backward before finish()"
+            )
+        return make_run(
+            self.store_path.parent,
+            self.model if model is None else model,
+            tokenizer,
+            task=task,
+            labels=labels,
+            max_length=max_length,
+            status=self.status,
+            data=data,
+            config={"trainer": "traceprop_engine.Tracker", **(config or {})},
+            extra={
+                "tracking": {
+                    **self.settings.to_dict(),
+                    "layers": [
+                        {
+                            "name": t.name,
+                            "kind": t.kind,
+                            "d_in": t.d_in,
+                            "d_out": t.d_out,
+                            "k_in": t.k_in,
+                            "k_out": t.k_out,
+                        }
+                        for t in self.layers
+                    ],
+                },
+                "timings": {
+                    "n_steps": len(self.step_ms),
+                    "median_step_ms": float(np.median(self.step_ms)) if self.step_ms else None,
+                },
+                "store": {"file": C.STORE_FILE, "n_records": self.n_records},
+            },
+        )
 
     @property
     def n_records(self) -> int:
         return self.buffer.n_records
+
+
+MAX_EXAMPLE_ID = 2**31 - 1
+
+
+def _example_ids(example_index) -> np.ndarray:
+    """The step's example ids as int64, checked: integers in ``[0, MAX_EXAMPLE_ID]``."""
+    if isinstance(example_index, torch.Tensor):
+        example_index = example_index.detach().cpu().numpy()
+    arr = np.asarray(example_index)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ConfigError(
+            f"example ids must be a non-empty 1-D sequence (one per example of the micro-batch), "
+            f"got shape {arr.shape}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise ConfigError(
+            f"example ids must be integers, got {arr.dtype} ({arr[:3].tolist()}...): pass the "
+            "examples' integer indices (e.g. batch['example_index'])"
+        )
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > MAX_EXAMPLE_ID:
+        raise ConfigError(
+            f"example ids must lie in [0, {MAX_EXAMPLE_ID}], got {lo if lo < 0 else hi}: number "
+            "the training examples 0..N-1 (they index the example table)"
+        )
+    return arr.astype(np.int64)
+
+
+def _check_losses(losses, b: int):
+    """``rec.losses`` as set in a step: ``b`` per-example losses (kept on their device)."""
+    if losses is None:
+        raise RunError(
+            "rec.losses was not set in this Tracker.step() block: assign the (B,) per-example "
+            "losses inside the block (rec.losses = losses)"
+        )
+    n = losses.numel() if isinstance(losses, torch.Tensor) else np.asarray(losses).size
+    if n != b:
+        raise RunError(
+            f"rec.losses holds {n} values for a micro-batch of {b} examples: give one loss per "
+            "example (the (B,) losses before the mean)"
+        )
+    return losses
+
+
+def make_run(
+    run_dir: str | os.PathLike,
+    model: nn.Module,
+    tokenizer=None,
+    *,
+    task: str = "causal-lm",
+    labels: Sequence[str] | None = None,
+    max_length: int = 128,
+    status: str = C.STATUS_COMPLETED,
+    data: dict | None = None,
+    config: dict | None = None,
+    extra: dict | None = None,
+) -> Path:
+    """Save ``model`` (+ tokenizer) to ``RUN/model`` and write ``RUN/run.json`` beside ``RUN/store.h5``.
+
+    Shared by :meth:`Tracker.finish` and ``integrations.hf_trainer.finish_run``; ``extra``
+    adds manifest sections (``tracking``, ``timings``, ``store``...).
+
+    Raises:
+        ConfigError: no ``store.h5`` in ``run_dir``; a model without ``save_pretrained``; bad task.
+    """
+    from .models import LoadedModel, count_parameters, quiet_hf, save_model
+    from .run import library_versions, new_run_id, now, write_manifest
+
+    run_dir = Path(run_dir)
+    if not (run_dir / C.STORE_FILE).exists():
+        raise ConfigError(
+            f"{run_dir} has no {C.STORE_FILE}: build the Tracker with store path {run_dir}/{C.STORE_FILE}"
+        )
+    if task not in ("causal-lm", "classification"):
+        raise ConfigError(f"task must be one of 'causal-lm', 'classification', got {task!r}")
+    if not hasattr(model, "save_pretrained"):
+        raise ConfigError(
+            f"a run needs a Hugging Face model (save_pretrained/from_pretrained) to reload for "
+            f"queries; got a {type(model).__name__}: build it with transformers (e.g. "
+            "GPTNeoXForCausalLM(config))"
+        )
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or "custom"
+    loaded = LoadedModel(
+        model,
+        tokenizer,
+        task,
+        source,
+        labels=list(labels) if labels else None,
+        base_source=source if hasattr(model, "peft_config") else None,
+    )
+    n_params, n_trainable = count_parameters(model)
+    model.eval()
+    with quiet_hf():
+        info = save_model(loaded, run_dir / C.MODEL_DIR)
+    manifest = {
+        "run_id": new_run_id(),
+        "status": status,
+        "created": now(),
+        "updated": now(),
+        "config": {"task": task, "max_length": max_length, **(config or {})},
+        "tracked": True,
+        "versions": library_versions(),
+        "data": data or {},
+        "model": {
+            "source": source,
+            "task": task,
+            "fingerprint": info["fingerprint"],
+            "labels": loaded.labels,
+            "saved": C.MODEL_DIR,
+            "tokenizer": tokenizer is not None,
+            "parameters": n_params,
+            "trainable": n_trainable,
+        },
+        "store": {"file": C.STORE_FILE},
+        **(extra or {}),
+    }
+    write_manifest(run_dir, manifest)
+    return run_dir

@@ -431,7 +431,7 @@ def train(
                                     cm.enter_context(
                                         tracker.step(
                                             idx,
-                                            token_mask=batch["attention_mask"],
+                                            padding_mask=batch["attention_mask"],
                                             loss_scale=1.0 / w,
                                             step=step,
                                             epoch=epoch,
@@ -448,7 +448,7 @@ def train(
                         elif tracker is not None:
                             with tracker.step(
                                 idx,
-                                token_mask=batch["attention_mask"],
+                                padding_mask=batch["attention_mask"],
                                 step=step,
                                 epoch=epoch,
                                 lr=lr,

@@ -122,7 +122,7 @@ class TraceArm(Arm):
         self.tr.capture.detach()
 
     def step(self, i):
-        with self.tr.step(self.idx, token_mask=self.mask, step=i) as rec:
+        with self.tr.step(self.idx, padding_mask=self.mask, step=i) as rec:
             losses = causal_lm_losses(
                 self.model(input_ids=self.ids, attention_mask=self.mask).logits, self.labels
             )

@@ -48,7 +48,7 @@ import torch
 from ..errors import ConfigError
 from ..losses import example_losses
 from ..models import Encoded, collate
-from ..tracker import Tracker
+from ..tracker import Tracker, make_run
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class TracepropTrainer(Trainer):
         scale = len(idx) * accum  # hooks see ∂(mean_i ℓ_i / accum)/∂y
         with self.tracker.step(
             idx,
-            token_mask=inputs.get("attention_mask"),
+            padding_mask=inputs.get("attention_mask"),
             loss_scale=scale,
             step=self.state.global_step,
             epoch=self._traceprop_cb.epoch,
@@ -271,47 +271,14 @@ def finish_run(
         data: optional data section (``root``, ``files`` {relative path: sha256}, ``n_train``, ``n_eval``).
         config: extra configuration to keep in the manifest.
     """
-    from ..models import LoadedModel, save_model
-    from ..run import library_versions, new_run_id, now, write_manifest
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "store.h5").exists():
-        raise ConfigError(
-            f"{run_dir} has no store.h5: build the Tracker with store path {run_dir}/store.h5"
-        )
-    source = getattr(getattr(model, "config", None), "_name_or_path", "") or "trainer"
-    loaded = LoadedModel(
+    return make_run(
+        run_dir,
         model,
         tokenizer,
-        task,
-        source,
-        labels=list(labels) if labels else None,
-        base_source=source if hasattr(model, "peft_config") else None,
+        task=task,
+        labels=labels,
+        max_length=max_length,
+        status=status,
+        data=data,
+        config={"trainer": "transformers.Trainer", **(config or {})},
     )
-    model.eval()
-    info = save_model(loaded, run_dir / "model")
-    manifest = {
-        "run_id": new_run_id(),
-        "status": status,
-        "created": now(),
-        "updated": now(),
-        "config": {
-            "task": task,
-            "max_length": max_length,
-            "trainer": "transformers.Trainer",
-            **(config or {}),
-        },
-        "tracked": True,
-        "versions": library_versions(),
-        "data": data or {},
-        "model": {
-            "source": source,
-            "task": task,
-            "fingerprint": info["fingerprint"],
-            "labels": loaded.labels,
-            "saved": "model",
-        },
-        "store": {"file": "store.h5"},
-    }
-    write_manifest(run_dir, manifest)
-    return run_dir

@@ -1,0 +1,38 @@
+"""The README's "Python API" example runs as written: own loop -> finish -> open_run -> query/scores."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_api_block() -> str:
+    text = README.read_text()
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (block,) = [b for b in blocks if "tracker.finish(" in b]
+    return block
+
+
+def test_readme_python_api_example_runs(capsys):
+    code = python_api_block()
+    for needle in (
+        "Tracker(",
+        "tracker.step(",
+        "tracker.finish(model)",
+        "open_run(",
+        "run.query(input_ids=",
+        "run.scores(",
+    ):
+        assert needle in code
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(code, str(README), "exec"), ns)
+    run, scores = ns["run"], ns["scores"]
+    assert scores.shape == (len(ns["examples"]),)
+    assert run.manifest["status"] == "completed"
+    res = ns["res"]
+    assert res.rows.height == 6  # top 3 proponents + top 3 opponents
+    assert res.proponents["example_id"][0] == int(scores.argmax())
+    assert "rank" in capsys.readouterr().out
