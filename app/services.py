@@ -29,6 +29,7 @@ from traceprop_engine import constants as C
 from traceprop_engine import export
 from traceprop_engine.errors import TracepropError
 from traceprop_engine.run import list_runs, pid_alive, read_manifest, read_progress
+from traceprop_engine.settings import TrackSettings
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
@@ -330,6 +331,9 @@ def step_times(run_dir: Path) -> pl.DataFrame:
 
 
 # -- training jobs ---------------------------------------------------------------------------
+_TRACK_DEFAULTS = TrackSettings()
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """A tracked fine-tune, as the Launch form describes it."""
@@ -344,8 +348,9 @@ class LaunchSpec:
     batch_size: int = 8
     max_length: int = 64
     scope: str = "all"
-    k_in: int = 8
-    k_out: int = 8
+    k_in: int = _TRACK_DEFAULTS.k_in
+    k_out: int = _TRACK_DEFAULTS.k_out
+    rank: int = _TRACK_DEFAULTS.rank
     sketch: str = "factored"
     covariance: bool = True
     seed: int = 0
@@ -376,6 +381,7 @@ class LaunchSpec:
             ("max length", self.max_length, 8),
             ("k in", self.k_in, 1),
             ("k out", self.k_out, 1),
+            ("factor rank", self.rank, 0),
             ("LoRA rank", self.lora_rank, 0),
             ("tiny layers", self.tiny_layers, 1),
             ("tiny width", self.tiny_width, 8),
@@ -423,6 +429,8 @@ class LaunchSpec:
             str(self.k_in),
             "--k-out",
             str(self.k_out),
+            "--rank",
+            str(self.rank),
             "--sketch",
             self.sketch,
             "--seed",
@@ -695,7 +703,7 @@ def run_query(
     eval_example=None,
     label=None,
     top_k: int = 10,
-    preconditioner: str = "kfac",
+    preconditioner: str = C.DEFAULT_PRECONDITIONER,
 ):
     """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run)."""
     from traceprop_engine.query import IndexSettings

@@ -40,11 +40,13 @@ def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
     model = tiny_neox()
     settings = TrackSettings(k_in=8, k_out=8, rank=1, factor_dtype=dtype)
     ids, mask, labels, lengths = causal_batch()
-    with Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker:
-        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
-            losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
-            losses.mean().backward()
-            rec.losses = losses
+    with (
+        Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker,
+        tracker.step([0, 1, 2], padding_mask=mask) as rec,
+    ):
+        losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+        losses.mean().backward()
+        rec.losses = losses
     store = Store(tmp_path / "store.h5")
     layers = build_layers(model, settings)
 
@@ -107,11 +109,13 @@ def test_bytes_per_record_and_bad_settings(tmp_path):
     model = tiny_neox()
     settings = TrackSettings(k_in=16, k_out=16, rank=1)  # bfloat16 by default
     ids, mask, labels, _ = causal_batch()
-    with Tracker(model, tmp_path / "s.h5", settings, background=False) as tracker:
-        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
-            losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
-            losses.mean().backward()
-            rec.losses = losses
+    with (
+        Tracker(model, tmp_path / "s.h5", settings, background=False) as tracker,
+        tracker.step([0, 1, 2], padding_mask=mask) as rec,
+    ):
+        losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+        losses.mean().backward()
+        rec.losses = losses
     store = Store(tmp_path / "s.h5")
     assert [layer.bytes_per_record for layer in store.layers] == [2 * 32] * len(store.layers)
     assert store.sketches(0).shape == (3, 16, 16)

@@ -87,10 +87,15 @@ def _storage(path: Path) -> dict:
     with h5py.File(path, "r") as f:
         n_rec = int(f.attrs["n_records"])
         groups = [f[C.G_LAYERS][k] for k in sorted(f[C.G_LAYERS])]
-        sketch = [per_row(g[C.L_SKETCH]) for g in groups]
-        nominal = [int(np.prod(g[C.L_SKETCH].shape[1:])) * 4 for g in groups]
+        data = [  # a layer's record datasets: the full sketch, or its factors U and V
+            [g[n] for n in (C.L_SKETCH, C.L_U, C.L_V) if n in g] for g in groups
+        ]
+        sketch = [sum(per_row(ds) for ds in dss) for dss in data]
+        nominal = [
+            sum(int(np.prod(ds.shape[1:])) * ds.dtype.itemsize for ds in dss) for dss in data
+        ]
         meta = sum(per_row(f[C.G_RECORDS][name]) for name in f[C.G_RECORDS])
-        alloc_sketch = sum(g[C.L_SKETCH].id.get_storage_size() for g in groups)
+        alloc_sketch = sum(ds.id.get_storage_size() for dss in data for ds in dss)
     return {
         "n_records": n_rec,
         "n_layers": len(groups),
@@ -114,8 +119,10 @@ def run_overhead_bench(
     seq: int = 128,
     scope: str = "all",
     sketch: str = "factored",
-    k_in: int = 8,
-    k_out: int = 8,
+    k_in: int | None = None,
+    k_out: int | None = None,
+    rank: int | None = None,
+    factor_dtype: str | None = None,
     dense_k: int = 512,
     repeats: int = 40,
     steps_per_arm: int = 1,
@@ -125,7 +132,15 @@ def run_overhead_bench(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Measure the per-step overhead of tracking; returns the JSON-ready result dict."""
+    """Measure the per-step overhead of tracking; returns the JSON-ready result dict.
+
+    ``k_in``, ``k_out``, ``rank``, ``factor_dtype`` default to :class:`TrackSettings`' defaults,
+    so the bench measures the default configuration unless told otherwise."""
+    d = TrackSettings()
+    k_in = d.k_in if k_in is None else k_in
+    k_out = d.k_out if k_out is None else k_out
+    rank = d.rank if rank is None else rank
+    factor_dtype = d.factor_dtype.value if factor_dtype is None else factor_dtype
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     from transformers import GPTNeoXForCausalLM
@@ -145,6 +160,8 @@ def run_overhead_bench(
         scope=scope,
         k_in=k_in,
         k_out=k_out,
+        rank=rank,
+        factor_dtype=factor_dtype,
         sketch=sketch,
         dense_k=dense_k,
         buffer_records=buffer_records,
@@ -276,6 +293,8 @@ def run_overhead_bench(
             "sketch": sketch,
             "k_in": k_in,
             "k_out": k_out,
+            "rank": rank,
+            "factor_dtype": factor_dtype,
             "threads": threads,
             "buffer_records": buffer_records,
             "warmup": warmup,

@@ -20,6 +20,37 @@ log = logging.getLogger("traceprop")
 
 
 # -- train ----------------------------------------------------------------------------------------
+
+
+def _track_flags(p) -> None:
+    """--k-in, --k-out, --rank, --factor-dtype with TrackSettings' defaults (one source)."""
+    from .settings import FactorDtype, TrackSettings
+
+    d = TrackSettings()
+    p.add_argument(
+        "--k-in",
+        type=int,
+        default=d.k_in,
+        help="input-side projection size per layer (clamped to the layer width)",
+    )
+    p.add_argument(
+        "--k-out", type=int, default=d.k_out, help="output-side projection size per layer"
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=d.rank,
+        help="store each record as rank-r factors computed inline (0 = the full k_out x k_in "
+        "sketch); see benchmarks/EVAL.md for the quality per byte",
+    )
+    p.add_argument(
+        "--factor-dtype",
+        default=d.factor_dtype.value,
+        choices=[e.value for e in FactorDtype],
+        help="storage type of the factors",
+    )
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -72,13 +103,7 @@ def _add_train(sub) -> None:
         default="all",
         help="tracked layers: 'all', 'last-block', or a regex on module names",
     )
-    p.add_argument(
-        "--k-in",
-        type=int,
-        default=8,
-        help="input-side projection size per layer (clamped to the layer width)",
-    )
-    p.add_argument("--k-out", type=int, default=8, help="output-side projection size per layer")
+    _track_flags(p)
     p.add_argument(
         "--sketch",
         default="factored",
@@ -129,6 +154,8 @@ def _cmd_train(a) -> int:
             scope=a.scope,
             k_in=a.k_in,
             k_out=a.k_out,
+            rank=a.rank,
+            factor_dtype=a.factor_dtype,
             sketch=a.sketch,
             dense_k=a.dense_k,
             covariance=not a.no_covariance,
@@ -173,7 +200,7 @@ def _cmd_train(a) -> int:
 def _add_index_flags(p) -> None:
     p.add_argument(
         "--preconditioner",
-        default="kfac",
+        default=C.DEFAULT_PRECONDITIONER,
         choices=["identity", "kfac", "ekfac"],
         help="H^-1 approximation",
     )
@@ -435,8 +462,7 @@ def _add_bench(sub) -> None:
     o.add_argument("--seq", type=int, default=128)
     o.add_argument("--scope", default="all")
     o.add_argument("--sketch", default="factored", choices=["factored", "dense"])
-    o.add_argument("--k-in", type=int, default=8)
-    o.add_argument("--k-out", type=int, default=8)
+    _track_flags(o)
     o.add_argument("--dense-k", type=int, default=512)
     o.add_argument(
         "--repeats", type=int, default=40, help="interleaved rounds (each: one step of every arm)"
@@ -476,6 +502,8 @@ def _cmd_bench_overhead(a) -> int:
         sketch=a.sketch,
         k_in=a.k_in,
         k_out=a.k_out,
+        rank=a.rank,
+        factor_dtype=a.factor_dtype,
         dense_k=a.dense_k,
         repeats=a.repeats,
         threads=a.threads,

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from . import constants as C
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -24,7 +26,9 @@ def register(sub) -> None:
     p.add_argument("--completion")
     p.add_argument("--label")
     p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--preconditioner", default="kfac", choices=["identity", "kfac", "ekfac"])
+    p.add_argument(
+        "--preconditioner", default=C.DEFAULT_PRECONDITIONER, choices=["identity", "kfac", "ekfac"]
+    )
     p.add_argument("--out", required=True, help="trail JSON path")
     p.add_argument("--csv", help="also write the influencers as CSV")
     p.set_defaults(func=_cmd_audit)
@@ -67,7 +71,9 @@ def register(sub) -> None:
     r.add_argument(
         "--by", default="self-influence", choices=["self-influence", "gradient-norm", "loss"]
     )
-    r.add_argument("--preconditioner", default="kfac", choices=["identity", "kfac", "ekfac"])
+    r.add_argument(
+        "--preconditioner", default=C.DEFAULT_PRECONDITIONER, choices=["identity", "kfac", "ekfac"]
+    )
     r.add_argument("--top-k", type=int, default=20)
     r.add_argument("--csv", help="write the full ranking as CSV")
     r.set_defaults(func=_cmd_rank)

@@ -77,7 +77,7 @@ BUILD_FILE = "build.json"
 class IndexSettings:
     """How the index of a run is built (part of its fingerprint)."""
 
-    preconditioner: PreconditionerKind = PreconditionerKind.KFAC
+    preconditioner: PreconditionerKind = PreconditionerKind(C.DEFAULT_PRECONDITIONER)
     damping: float | None = None
     cosine: bool = False
     per_record: bool = False

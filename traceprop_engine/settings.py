@@ -22,6 +22,13 @@ class FactorDtype(str, Enum):
     FLOAT32 = "float32"
 
 
+class FactorSpace(str, Enum):
+    """Where rank-r factors are computed (``TrackSettings.factor_space``)."""
+
+    FULL = "full"  # of the full per-example gradient, by power iteration, then projected
+    SKETCH = "sketch"  # of the k_out × k_in sketch, after projecting every token
+
+
 class Task(str, Enum):
     CAUSAL_LM = "causal-lm"
     CLASSIFICATION = "classification"
@@ -60,6 +67,16 @@ class TrackSettings:
             factors beats a small full sketch of the same bytes (benchmarks/EVAL.md).
         factor_dtype: ``bfloat16`` (2 bytes per number, float32's exponent range) or
             ``float32`` for the stored factors.
+        factor_space: ``full`` (default): the factors of the full per-example gradient
+            ``G = Σ_t g_t a_tᵀ``, found by ``power_iters`` power iterations on the layer's own
+            ``a`` and ``g`` in the backward hook (a few batched matrix-vector products, no
+            per-token projection), then projected per example (``P_out u``, ``P_in v``): the
+            per-token cost does not grow with k. ``sketch``: project every token to k and
+            factor the ``k_out × k_in`` sketch (cost grows with k).
+        power_iters: power iterations of ``factor_space='full'``.
+        covariance_stride: with ``factor_space='full'``, the K-FAC statistics ``A``, ``S`` are
+            accumulated over every ``covariance_stride``-th token (a rotating offset), which
+            keeps their per-token projections cheap; 1 = every token.
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
@@ -73,6 +90,9 @@ class TrackSettings:
     covariance: bool = True
     rank: int = 0
     factor_dtype: FactorDtype = FactorDtype.BFLOAT16
+    factor_space: FactorSpace = FactorSpace.FULL
+    power_iters: int = 2
+    covariance_stride: int = 8
     seed: int = 0
     buffer_records: int = 2048
 
@@ -81,11 +101,22 @@ class TrackSettings:
         object.__setattr__(
             self, "factor_dtype", parse_choice(FactorDtype, self.factor_dtype, "factor_dtype")
         )
+        object.__setattr__(
+            self, "factor_space", parse_choice(FactorSpace, self.factor_space, "factor_space")
+        )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(
                 f"rank must be a non-negative integer (0 = store full sketches), got {self.rank!r}"
             )
-        for name in ("k_in", "k_out", "dense_k", "dense_nnz", "buffer_records"):
+        for name in (
+            "k_in",
+            "k_out",
+            "dense_k",
+            "dense_nnz",
+            "buffer_records",
+            "power_iters",
+            "covariance_stride",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
@@ -102,6 +133,7 @@ class TrackSettings:
         d = asdict(self)
         d["sketch"] = self.sketch.value
         d["factor_dtype"] = self.factor_dtype.value
+        d["factor_space"] = self.factor_space.value
         return d
 
 

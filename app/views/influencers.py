@@ -80,7 +80,7 @@ else:
 c1, c2 = st.columns(2)
 top_k = c1.slider("Top k", 1, 50, 10, key="infl_topk")
 pre_opts = (
-    ["kfac", "ekfac", "identity"]
+    ["identity", "kfac", "ekfac"]
     if run.store.has_covariance or run.store.sketch == "dense"
     else ["identity"]
 )

@@ -97,12 +97,20 @@ with st.form("launch_form"):
     tiny_width = c3.number_input("Tiny model width", 8, 2048, 64, step=8, key="launch_tiny_width")
     seed = c4.number_input("Seed", 0, 2**31 - 1, 0, key="launch_seed")
     st.markdown("**Tracking**")
-    c1, c2, c3, c4, c5 = st.columns(5)
+    c1, c2, c3, c4, c5, c6 = st.columns(6)
     scope = c1.text_input("Scope (all, last-block or a regex)", "all", key="launch_scope")
-    k_in = c2.number_input("k in", 1, 1024, 8, key="launch_k_in")
-    k_out = c3.number_input("k out", 1, 1024, 8, key="launch_k_out")
-    sketch = c4.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
-    covariance = c5.checkbox("K-FAC covariance", True, key="launch_cov")
+    k_in = c2.number_input("k in", 1, 1024, services.LaunchSpec.k_in, key="launch_k_in")
+    k_out = c3.number_input("k out", 1, 1024, services.LaunchSpec.k_out, key="launch_k_out")
+    rank = c4.number_input(
+        "Factor rank",
+        0,
+        64,
+        services.LaunchSpec.rank,
+        key="launch_rank",
+        help="store each record as rank-r factors (0: the full k_out x k_in sketch)",
+    )
+    sketch = c5.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
+    covariance = c6.checkbox("K-FAC covariance", True, key="launch_cov")
     name = st.text_input("Run name (optional)", key="launch_name")
     submitted = st.form_submit_button("Start training", type="primary")
 
@@ -145,6 +153,7 @@ with st.form("launch_form"):
                 scope=scope.strip() or "all",
                 k_in=int(k_in),
                 k_out=int(k_out),
+                rank=int(rank),
                 sketch=sketch,
                 covariance=covariance,
                 seed=int(seed),
