@@ -336,3 +336,24 @@ def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
         p.name: p.stat().st_mtime_ns for p in (out / "losses").glob("subset_*.npy")
     } == subset_mtimes
     assert "k2 kfac,config,2,kfac,k2," in (out / "results.csv").read_text()
+
+
+def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp_path):
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    out = tmp_path / "ev"
+    r = run_lds(_settings(data, out, retrain_seeds=2, compact=()))
+    assert r.complete and sorted(r.retrained) == [0, 1, 2, 3]
+    rep0 = np.stack([np.load(out / "losses" / f"subset_{j:03d}.npy") for j in range(4)])
+    rep1 = np.stack([np.load(out / "losses" / f"subset_{j:03d}_r1.npy") for j in range(4)])
+    assert not np.allclose(rep0, rep1)  # another data order gives another model
+    np.testing.assert_allclose(np.load(out / "losses.npy"), (rep0 + rep1) / 2, rtol=1e-12)
+    want = np.nanmean(spearman_rows(rep0.T, rep1.T))
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["retrain_seeds"] == 2
+    assert doc["noise_ceiling"]["split_half_spearman"] == pytest.approx(want, abs=TOL)
+    assert r.noise_ceiling["split_half_spearman"] == pytest.approx(want, abs=TOL)
+    # the subset losses depend on the number of retrain seeds: a resume with another is refused
+    with pytest.raises(ConfigError, match="retrain_seeds"):
+        run_lds(_settings(data, out, retrain_seeds=1, compact=()))
+    with pytest.raises(ConfigError, match="retrain_seeds"):
+        _settings(data, out, retrain_seeds=0)

@@ -70,6 +70,13 @@ def register(sub) -> None:
         action="store_true",
         help="skip the exact run (k >= every layer width: unsketched per-example gradients)",
     )
+    p.add_argument(
+        "--retrain-seeds",
+        type=int,
+        default=1,
+        help="models retrained per subset (other data orders); the target is their mean loss, "
+        "and with 2 or more the split-half noise ceiling is reported",
+    )
     p.add_argument("--no-bm25", action="store_true", help="skip the BM25 text baseline")
     p.add_argument(
         "--config",
@@ -163,6 +170,7 @@ def _cmd_lds(a) -> int:
         exact=not a.no_exact,
         bm25=not a.no_bm25,
         configs=tuple(parse_config_spec(c) for c in a.config),
+        retrain_seeds=a.retrain_seeds,
     )
     r = run_lds(s, overwrite=a.overwrite, max_new_subsets=a.max_new_subsets)
     if not r.complete:
@@ -177,6 +185,12 @@ def _cmd_lds(a) -> int:
         note = f"  ({row['error']})" if row.get("error") else ""
         print(
             f"  {row['method']:<36} k={row['k']!s:<4} {_fmt(row['lds'])}  [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}]{note}"
+        )
+    if r.noise_ceiling:
+        nc = r.noise_ceiling
+        print(
+            f"  split-half noise ceiling (Spearman between two retrain seeds' losses): "
+            f"{nc['split_half_spearman']:.3f} [{nc['ci'][0]:.3f}, {nc['ci'][1]:.3f}]"
         )
     print(
         f"results: {r.out / 'results.csv'}, {r.out / 'results.json'}, figure {r.out / 'figure.json'}"

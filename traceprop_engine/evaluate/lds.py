@@ -79,7 +79,8 @@ RUN_TRACK_FILE = "lds_track.json"  # in each run dir: the TrackSettings it was t
 BM25_K1, BM25_B = 1.5, 0.75
 # what the subset losses depend on: a resume must match these, anything else (k sweep, dense,
 # exact, configs, scoring) may change on a resume and only adds or rescores tracked runs
-RESUME_KEYS = ("train", "n_subsets", "alpha", "seed")
+RESUME_KEYS = ("train", "n_subsets", "alpha", "seed", "retrain_seeds")
+RETRAIN_SEED_STRIDE = 7919  # replicate r of a subset trains with seed + r * stride
 _CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac")
 COMPACT_FAMILY = "factored-c"
@@ -132,6 +133,11 @@ class LdsSettings:
             arguments (scope and seed default to the evaluation's). Each is trained as its own
             tracked run ``runs/<name>`` and scored with every preconditioner (family
             ``config``, method ``"<name> <preconditioner>"``). See :func:`parse_config_spec`.
+        retrain_seeds: ``r``, models retrained per subset (replicate ``i`` with training seed
+            ``seed + i * RETRAIN_SEED_STRIDE``: another data order); the LDS target is the
+            mean loss over the replicates. With ``r >= 2`` the results hold the split-half noise
+            ceiling: the mean over eval examples of the Spearman correlation over subsets
+            between replicate 0's and replicate 1's losses.
 
         The k sweep, dense, exact, bm25 and configs are not part of the settings a resume checks
         (``RESUME_KEYS``): adding one to an existing evaluation reuses its subset losses.
@@ -153,6 +159,7 @@ class LdsSettings:
     exact: bool = True
     bm25: bool = True
     configs: tuple[dict, ...] = ()
+    retrain_seeds: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -183,6 +190,8 @@ class LdsSettings:
             problems.append(f"workers={self.workers} (1 or 2: the machine has two cores)")
         if self.bootstrap < 100:
             problems.append(f"bootstrap={self.bootstrap} (at least 100 resamples)")
+        if not isinstance(self.retrain_seeds, int) or self.retrain_seeds < 1:
+            problems.append(f"retrain_seeds={self.retrain_seeds!r} (a positive integer)")
         object.__setattr__(self, "configs", tuple(dict(c) for c in self.configs))
         reserved = {f"k{k}" for k in self.k_values} | {DENSE_RUN, EXACT_RUN}
         seen: set[str] = set()
@@ -381,8 +390,9 @@ def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _loss_path(eval_dir: Path, j: int) -> Path:
-    return eval_dir / LOSSES_DIR / f"subset_{j:03d}.npy"
+def _loss_path(eval_dir: Path, j: int, r: int = 0) -> Path:
+    """Eval losses of subset ``j``'s model (replicate ``r > 0``: retrained with another seed)."""
+    return eval_dir / LOSSES_DIR / (f"subset_{j:03d}.npy" if r == 0 else f"subset_{j:03d}_r{r}.npy")
 
 
 def _record(row: dict, task: str) -> dict:
@@ -435,12 +445,17 @@ def _retrain_subset(job: dict) -> dict:
         out=str(work / "run"),
         track=None,
     )
-    run_dir = train(settings, overwrite=True)
-    status = json.loads((run_dir / C.MANIFEST_FILE).read_text())["status"]
-    if status != C.STATUS_COMPLETED:
-        raise RunError(f"the retrain of subset {job['subset']} ended {status!r}; see {run_dir}")
-    losses = _eval_losses(run_dir / C.MODEL_DIR, job["encs"], settings.task.value)
-    _atomic_save_npy(job["loss_path"], losses)
+    for r in job.get("replicates", (0,)):  # replicate r: same subset, training seed + r·STRIDE
+        rs = dataclasses.replace(
+            settings, seed=settings.seed + RETRAIN_SEED_STRIDE * r, out=str(work / f"run{r}")
+        )
+        run_dir = train(rs, overwrite=True)
+        status = json.loads((run_dir / C.MANIFEST_FILE).read_text())["status"]
+        if status != C.STATUS_COMPLETED:
+            raise RunError(f"the retrain of subset {job['subset']} ended {status!r}; see {run_dir}")
+        losses = _eval_losses(run_dir / C.MODEL_DIR, job["encs"], settings.task.value)
+        _atomic_save_npy(_loss_path(job["eval_dir"], job["subset"], r), losses)
+        shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
     return {"subset": job["subset"], "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -456,6 +471,7 @@ class LdsResult:
     skipped: list[int] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
+    noise_ceiling: dict | None = None
 
 
 def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> None:
@@ -464,6 +480,7 @@ def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> N
 
     def resume_part(d: dict) -> dict:
         d = {k: d.get(k) for k in RESUME_KEYS}
+        d["retrain_seeds"] = d["retrain_seeds"] or 1  # evaluations before the option: 1
         d["train"] = {k: v for k, v in (d["train"] or {}).items() if k != "track"}
         return json.loads(json.dumps(d))
 
@@ -692,7 +709,12 @@ def run_lds(
         if prog_path.exists()
         else {"n_subsets": s.n_subsets, "done": [], "seconds": {}}
     )
-    todo = [j for j in range(s.n_subsets) if not _loss_path(eval_dir, j).exists()]
+    reps = range(s.retrain_seeds)
+
+    def missing(j: int) -> list[int]:
+        return [r for r in reps if not _loss_path(eval_dir, j, r).exists()]
+
+    todo = [j for j in range(s.n_subsets) if missing(j)]
     result.skipped = [j for j in range(s.n_subsets) if j not in todo]
     if max_new_subsets is not None:
         todo = todo[:max_new_subsets]
@@ -704,7 +726,8 @@ def run_lds(
             "rows": [rows[i] for i in subsets[j]],
             "encs": encs,
             "work": eval_dir / WORK_DIR / f"subset_{j:03d}",
-            "loss_path": _loss_path(eval_dir, j),
+            "eval_dir": eval_dir,
+            "replicates": missing(j),
         }
         for j in todo
     ]
@@ -724,9 +747,20 @@ def run_lds(
     _retrain_all(jobs, s.workers, eval_dir, prog, on_done)
     result.seconds["subset_retrains"] = round(time.perf_counter() - t1, 2)
     shutil.rmtree(eval_dir / WORK_DIR, ignore_errors=True)
-    if any(not _loss_path(eval_dir, j).exists() for j in range(s.n_subsets)):
+    if any(missing(j) for j in range(s.n_subsets)):
         return result
-    losses = np.stack([np.load(_loss_path(eval_dir, j)) for j in range(s.n_subsets)])  # (m, n_eval)
+    per_rep = np.stack(
+        [[np.load(_loss_path(eval_dir, j, r)) for j in range(s.n_subsets)] for r in reps]
+    )  # (r, m, n_eval)
+    losses = per_rep.mean(0)  # (m, n_eval)
+    if s.retrain_seeds >= 2:
+        split = spearman_rows(per_rep[0].T, per_rep[1].T)  # (n_eval,)
+        result.noise_ceiling = {
+            "split_half_spearman": float(np.nanmean(split)),
+            "ci": list(bootstrap_ci(split, s.bootstrap, seed=s.seed)),
+            "what": "mean over eval examples of Spearman over subsets between the losses of "
+            "replicate 0 and replicate 1 (two retrains of each subset with other seeds)",
+        }
     _atomic_save_npy(eval_dir / LOSSES_FILE, losses)
 
     # -- the other tracked runs and the scores ----------------------------------------------------
@@ -765,7 +799,7 @@ def run_lds(
     result.seconds["scoring"] = round(time.perf_counter() - t3, 2)
     result.rows = table
     result.complete = True
-    _write_results(eval_dir, s, table, losses, result.seconds)
+    _write_results(eval_dir, s, table, losses, result.seconds, result.noise_ceiling)
     return result
 
 
@@ -1008,7 +1042,12 @@ def _finite(obj):
 
 
 def _write_results(
-    eval_dir: Path, s: LdsSettings, table: list[dict], losses: np.ndarray, seconds: dict
+    eval_dir: Path,
+    s: LdsSettings,
+    table: list[dict],
+    losses: np.ndarray,
+    seconds: dict,
+    noise_ceiling: dict | None = None,
 ) -> None:
     import csv
 
@@ -1022,6 +1061,8 @@ def _write_results(
         "n_eval": int(losses.shape[1]),
         "loss_mean_over_subsets": float(losses.mean()),
         "seconds": seconds,
+        "retrain_seeds": s.retrain_seeds,
+        "noise_ceiling": noise_ceiling,
         "rows": table,
     }
     _atomic_write_text(eval_dir / RESULTS_JSON, json.dumps(_finite(doc), indent=1))
