@@ -79,7 +79,9 @@ RUN_TRACK_FILE = "lds_track.json"  # in each run dir: the TrackSettings it was t
 BM25_K1, BM25_B = 1.5, 0.75
 # what the subset losses depend on: a resume must match these, anything else (k sweep, dense,
 # exact, configs, scoring) may change on a resume and only adds or rescores tracked runs
-RESUME_KEYS = ("train", "n_subsets", "alpha", "seed", "retrain_seeds")
+# (retrain_seeds is not one: replicate r's loss file is the same whatever the count, so a resume
+# with more replicates only trains the missing ones)
+RESUME_KEYS = ("train", "n_subsets", "alpha", "seed")
 RETRAIN_SEED_STRIDE = 7919  # replicate r of a subset trains with seed + r * stride
 _CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac")
@@ -137,7 +139,8 @@ class LdsSettings:
             ``seed + i * RETRAIN_SEED_STRIDE``: another data order); the LDS target is the
             mean loss over the replicates. With ``r >= 2`` the results hold the split-half noise
             ceiling: the mean over eval examples of the Spearman correlation over subsets
-            between replicate 0's and replicate 1's losses.
+            between replicate 0's and replicate 1's losses. A resume with a larger ``r``
+            trains only the missing replicates.
 
         The k sweep, dense, exact, bm25 and configs are not part of the settings a resume checks
         (``RESUME_KEYS``): adding one to an existing evaluation reuses its subset losses.
@@ -480,7 +483,6 @@ def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> N
 
     def resume_part(d: dict) -> dict:
         d = {k: d.get(k) for k in RESUME_KEYS}
-        d["retrain_seeds"] = d["retrain_seeds"] or 1  # evaluations before the option: 1
         d["train"] = {k: v for k, v in (d["train"] or {}).items() if k != "track"}
         return json.loads(json.dumps(d))
 
