@@ -224,7 +224,14 @@ class LdsSettings:
 # -- extra tracking configurations ------------------------------------------------------------------
 def track_fields() -> dict[str, object]:
     """``{field name: type}`` of :class:`TrackSettings`, read from the dataclass (not a copy)."""
-    hints = typing.get_type_hints(TrackSettings)
+    try:
+        hints = typing.get_type_hints(TrackSettings)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: read the plain names
+        simple = {"int": int, "float": float, "bool": bool, "str": str}
+        hints = {
+            f.name: simple.get(str(f.type).replace(" | None", ""), str)
+            for f in dataclasses.fields(TrackSettings)
+        }
     return {f.name: hints.get(f.name, str) for f in dataclasses.fields(TrackSettings)}
 
 
