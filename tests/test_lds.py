@@ -335,7 +335,12 @@ def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
     assert {
         p.name: p.stat().st_mtime_ns for p in (out / "losses").glob("subset_*.npy")
     } == subset_mtimes
-    assert "k2 kfac,config,2,kfac,k2," in (out / "results.csv").read_text()
+    import csv
+
+    with open(out / "results.csv") as f:
+        by_method = {row["method"]: row for row in csv.DictReader(f)}
+    assert by_method["k2 kfac"]["config"] == "k2" and by_method["k2 kfac"]["family"] == "config"
+    assert float(by_method["k2 kfac"]["lds"]) == pytest.approx(rows2["k2 kfac"]["lds"], abs=1e-9)
 
 
 def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp_path):

@@ -1080,7 +1080,6 @@ def _write_results(
         "family",
         "k",
         "preconditioner",
-        "config",
         "c",
         "lds",
         "ci_low",
@@ -1088,6 +1087,7 @@ def _write_results(
         "n_eval",
         "n_valid",
         "error",
+        "config",  # last: readers of the columns before it keep working
     ]
     tmp = eval_dir / (RESULTS_CSV + ".tmp")
     with open(tmp, "w", newline="") as f:
