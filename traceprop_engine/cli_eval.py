@@ -189,7 +189,8 @@ def _cmd_lds(a) -> int:
     if r.noise_ceiling:
         nc = r.noise_ceiling
         print(
-            f"  split-half noise ceiling (Spearman between two retrain seeds' losses): "
+            f"  split-half noise ceiling (Spearman between the even and the odd retrain seeds' "
+            f"mean losses, {nc['halves'][0]} vs {nc['halves'][1]}): "
             f"{nc['split_half_spearman']:.3f} [{nc['ci'][0]:.3f}, {nc['ci'][1]:.3f}]"
         )
     print(

@@ -139,7 +139,8 @@ class LdsSettings:
             ``seed + i * RETRAIN_SEED_STRIDE``: another data order); the LDS target is the
             mean loss over the replicates. With ``r >= 2`` the results hold the split-half noise
             ceiling: the mean over eval examples of the Spearman correlation over subsets
-            between replicate 0's and replicate 1's losses. A resume with a larger ``r``
+            between the mean loss of the even and of the odd replicates (r = 2: replicate 0
+            against replicate 1). A resume with a larger ``r``
             trains only the missing replicates.
 
         The k sweep, dense, exact, bm25 and configs are not part of the settings a resume checks
@@ -763,12 +764,14 @@ def run_lds(
     )  # (r, m, n_eval)
     losses = per_rep.mean(0)  # (m, n_eval)
     if s.retrain_seeds >= 2:
-        split = spearman_rows(per_rep[0].T, per_rep[1].T)  # (n_eval,)
+        # split half: the mean loss of the even replicates against the odd ones (r = 2: 0 vs 1)
+        split = spearman_rows(per_rep[0::2].mean(0).T, per_rep[1::2].mean(0).T)  # (n_eval,)
         result.noise_ceiling = {
             "split_half_spearman": float(np.nanmean(split)),
             "ci": list(bootstrap_ci(split, s.bootstrap, seed=s.seed)),
-            "what": "mean over eval examples of Spearman over subsets between the losses of "
-            "replicate 0 and replicate 1 (two retrains of each subset with other seeds)",
+            "what": "mean over eval examples of Spearman over subsets between the mean loss of "
+            "the even and of the odd replicates (retrains of each subset with other seeds)",
+            "halves": [len(range(0, s.retrain_seeds, 2)), len(range(1, s.retrain_seeds, 2))],
         }
     _atomic_save_npy(eval_dir / LOSSES_FILE, losses)
 
