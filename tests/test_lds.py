@@ -365,3 +365,18 @@ def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp
     assert r.noise_ceiling["split_half_spearman"] == pytest.approx(want, abs=TOL)
     with pytest.raises(ConfigError, match="retrain_seeds"):
         _settings(data, out, retrain_seeds=0)
+
+
+def test_cli_config_flag_errors_name_the_allowed_keys(data, tmp_path, capsys):
+    from traceprop_engine.cli import main
+
+    base = [
+        "eval", "lds", "--data", str(data / "train"), "--eval-data", str(data / "eval"),
+        "--out", str(tmp_path / "ev"),
+    ]  # fmt: skip
+    assert main([*base, "--config", "k64:k_in=64,kout=64"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'kout'" in err and "allowed keys: scope, k_in, k_out" in err
+    assert main([*base, "--config", "k64:k_in=big"]) == 1
+    assert "k_in='big' is not a valid int" in capsys.readouterr().err
+    assert not (tmp_path / "ev").exists()  # refused before anything was written
