@@ -12,11 +12,19 @@ from helpers import facts_data, fast_settings
 from scipy import stats
 
 from traceprop_engine.errors import ConfigError
+from traceprop_engine.evaluate.hard_data import (
+    HARD_EVAL_FILE,
+    HARD_TRAIN_FILE,
+    HARD_TRUTH_FILE,
+    generate_hard_facts,
+)
 from traceprop_engine.evaluate.lds import (
     LdsSettings,
+    bm25_scores,
     bootstrap_ci,
     draw_subsets,
     lds_scores,
+    parse_config_spec,
     run_lds,
     spearman_rows,
 )
@@ -117,6 +125,8 @@ def _settings(data, out, **kw):
         main_k=4,
         dense=kw.pop("dense", False),
         dense_k=64,
+        exact=kw.pop("exact", False),
+        bm25=kw.pop("bm25", False),
         bootstrap=200,
         **kw,
     )
@@ -208,3 +218,165 @@ def test_lossless_compact_method_has_the_full_sketch_lds(data, tmp_path):
     assert "kfac c=4,factored-c,4,kfac,4," in csv
     fig = json.loads((tmp_path / "ev" / "figure.json").read_text())
     assert "kfac c=4 (k=4)" in fig["data"][0]["x"]
+
+
+# -- the hard data set, BM25, the exact row and extra tracking configurations -------------------
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_hard_facts_deterministic_and_eval_format_absent_from_training(tmp_path):
+    truth = generate_hard_facts(tmp_path / "a", seed=3, n_entities=60)
+    generate_hard_facts(tmp_path / "b", seed=3, n_entities=60)
+    generate_hard_facts(tmp_path / "c", seed=4, n_entities=60)
+    for f in (HARD_TRAIN_FILE, HARD_EVAL_FILE, HARD_TRUTH_FILE):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+    assert (tmp_path / "a" / HARD_TRAIN_FILE).read_bytes() != (
+        tmp_path / "c" / HARD_TRAIN_FILE
+    ).read_bytes()
+    train = _jsonl(tmp_path / "a" / HARD_TRAIN_FILE)
+    ev = _jsonl(tmp_path / "a" / HARD_EVAL_FILE)
+    assert len(train) == 180 and len(ev) == 60
+    # the eval format (a terse question ending in "?") never appears in training
+    assert all(e["prompt"].endswith(" ?") for e in ev)
+    assert not any("?" in r["prompt"] or "?" in r["completion"] for r in train)
+    train_prompts = {r["prompt"] for r in train}
+    assert not train_prompts & {e["prompt"] for e in ev}
+    # each fact: two training statements in two phrasings with its answer, one distractor row
+    # about the same entity with another attribute
+    for e, t in zip(ev, truth["eval"], strict=True):
+        assert e["completion"] == " " + t["answer"]
+        sup = [train[r["row"] - 1] for r in t["supporting"]]
+        assert len(sup) == 2 and sup[0]["prompt"] != sup[1]["prompt"]
+        assert all(
+            r["completion"] == e["completion"] and t["entity"] in r["prompt"].split() for r in sup
+        )
+        (dis,) = [train[r["row"] - 1] for r in t["distractor"]]
+        assert t["entity"] in dis["prompt"].split() and t["attribute"] not in dis["prompt"].split()
+    with pytest.raises(ConfigError, match="n_entities"):
+        generate_hard_facts(tmp_path / "d", n_entities=1)
+
+
+def test_bm25_scores_match_the_formula():
+    docs = ["the red cat", "the blue dog sat", "a red red fox"]
+    got = bm25_scores(["red cat", "zebra"], docs)
+    k1, b, n = 1.5, 0.75, 3
+    avg = (3 + 4 + 4) / 3
+
+    def term(tf, dl, df):
+        idf = np.log(1 + (n - df + 0.5) / (df + 0.5))
+        return idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avg))
+
+    want = [term(1, 3, 2) + term(1, 3, 1), 0.0, term(2, 4, 2)]
+    np.testing.assert_allclose(got[0], want, rtol=1e-12)
+    np.testing.assert_array_equal(got[1], 0.0)  # no query word in any document
+
+
+def test_parse_config_spec_types_and_errors():
+    c = parse_config_spec("k64:k_in=64,k_out=64,covariance=false,scope=last-block")
+    assert c == {"name": "k64", "k_in": 64, "k_out": 64, "covariance": False, "scope": "last-block"}
+    assert isinstance(c["k_in"], int)
+    assert parse_config_spec("plain") == {"name": "plain"}
+    assert parse_config_spec("d:sketch=dense,dense_k=32")["dense_k"] == 32
+    with pytest.raises(ConfigError, match=r"unknown key 'kin'; allowed keys: scope, k_in, k_out"):
+        parse_config_spec("x:kin=64")
+    with pytest.raises(ConfigError, match="k_in='sixty' is not a valid int"):
+        parse_config_spec("x:k_in=sixty")
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_config_spec("x:k_in")
+    with pytest.raises(ConfigError, match="give a name"):
+        parse_config_spec(":k_in=4")
+    with pytest.raises(ConfigError, match="k_in must be a positive integer"):
+        parse_config_spec("x:k_in=0")
+    with pytest.raises(ConfigError, match="sketch must be one of"):
+        parse_config_spec("x:sketch=fancy")
+    t = fast_settings(Path("/nonexistent"), Path("/tmp/x"))
+    with pytest.raises(ConfigError, match="allowed keys"):
+        LdsSettings(train=t, out="/tmp/x", configs=({"name": "a", "kk": 1},))
+    with pytest.raises(ConfigError, match="config name 'k8'"):  # clashes with the k sweep's run
+        LdsSettings(train=t, out="/tmp/x", configs=({"name": "k8", "k_in": 2},))
+    with pytest.raises(ConfigError, match="config name 'a'"):
+        LdsSettings(train=t, out="/tmp/x", configs=({"name": "a"}, {"name": "a"}))
+
+
+def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from traceprop_engine.query import open_run
+
+    out = tmp_path / "ev"
+    r = run_lds(_settings(data, out, exact=True, bm25=True))
+    assert r.complete and sorted(r.retrained) == [0, 1, 2, 3]
+    rows = {row["method"]: row for row in r.rows}
+    for m in ("exact identity", "exact cosine", "exact kfac", "exact ekfac", "bm25"):
+        assert rows[m].get("error") is None, rows[m].get("error")
+        assert -1 <= rows[m]["lds"] <= 1 and rows[m]["n_valid"] > 0
+        assert rows[m]["ci_low"] <= rows[m]["lds"] <= rows[m]["ci_high"]
+    assert rows["exact kfac"]["family"] == "exact" and rows["bm25"]["family"] == "baseline"
+    # the exact run records the unprojected per-example gradient of every layer
+    run = open_run(out / "runs" / "exact")
+    assert all((li.k_out, li.k_in) == (li.d_out, li.d_in) for li in run.store.layers)
+    run.close()
+    csv = (out / "results.csv").read_text()
+    assert "exact kfac,exact,," in csv and "\nbm25,baseline,," in csv
+    fig = json.loads((out / "figure.json").read_text())
+    assert {"exact kfac", "bm25"} <= set(fig["data"][0]["x"])
+    assert {"exact kfac", "bm25"} <= {t.get("name") for t in fig["data"]}  # k-sweep reference lines
+
+    # adding a tracked configuration to the same --out retrains no subset and scores it
+    subset_mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "losses").glob("subset_*.npy")}
+    cfg = parse_config_spec("k2:k_in=2,k_out=2")
+    r2 = run_lds(_settings(data, out, exact=True, bm25=True, configs=(cfg,)))
+    assert r2.complete and r2.retrained == [] and r2.skipped == [0, 1, 2, 3]
+    rows2 = {row["method"]: row for row in r2.rows}
+    assert rows2["k2 kfac"]["family"] == "config" and rows2["k2 kfac"]["config"] == "k2"
+    assert rows2["k2 kfac"]["k"] == 2 and -1 <= rows2["k2 kfac"]["lds"] <= 1
+    assert rows2["exact kfac"]["lds"] == pytest.approx(rows["exact kfac"]["lds"], abs=TOL)
+    assert json.loads((out / "runs" / "k2" / "lds_track.json").read_text())["k_in"] == 2
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (out / "losses").glob("subset_*.npy")
+    } == subset_mtimes
+    import csv
+
+    with open(out / "results.csv") as f:
+        by_method = {row["method"]: row for row in csv.DictReader(f)}
+    assert by_method["k2 kfac"]["config"] == "k2" and by_method["k2 kfac"]["family"] == "config"
+    assert float(by_method["k2 kfac"]["lds"]) == pytest.approx(rows2["k2 kfac"]["lds"], abs=1e-9)
+
+
+def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp_path):
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    out = tmp_path / "ev"
+    first = run_lds(_settings(data, out, compact=()))
+    assert first.complete and first.noise_ceiling is None
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "losses").glob("subset_*.npy")}
+    assert len(mtimes) == 4
+    # a resume with two retrain seeds trains only the second replicate of each subset
+    r = run_lds(_settings(data, out, retrain_seeds=2, compact=()))
+    assert r.complete and sorted(r.retrained) == [0, 1, 2, 3]
+    assert {n: (out / "losses" / n).stat().st_mtime_ns for n in mtimes} == mtimes
+    rep0 = np.stack([np.load(out / "losses" / f"subset_{j:03d}.npy") for j in range(4)])
+    rep1 = np.stack([np.load(out / "losses" / f"subset_{j:03d}_r1.npy") for j in range(4)])
+    assert not np.allclose(rep0, rep1)  # another data order gives another model
+    np.testing.assert_allclose(np.load(out / "losses.npy"), (rep0 + rep1) / 2, rtol=1e-12)
+    want = np.nanmean(spearman_rows(rep0.T, rep1.T))
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["retrain_seeds"] == 2
+    assert doc["noise_ceiling"]["split_half_spearman"] == pytest.approx(want, abs=TOL)
+    assert r.noise_ceiling["split_half_spearman"] == pytest.approx(want, abs=TOL)
+    with pytest.raises(ConfigError, match="retrain_seeds"):
+        _settings(data, out, retrain_seeds=0)
+
+
+def test_cli_config_flag_errors_name_the_allowed_keys(data, tmp_path, capsys):
+    from traceprop_engine.cli import main
+
+    base = [
+        "eval", "lds", "--data", str(data / "train"), "--eval-data", str(data / "eval"),
+        "--out", str(tmp_path / "ev"),
+    ]  # fmt: skip
+    assert main([*base, "--config", "k64:k_in=64,kout=64"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'kout'" in err and "allowed keys: scope, k_in, k_out" in err
+    assert main([*base, "--config", "k64:k_in=big"]) == 1
+    assert "k_in='big' is not a valid int" in capsys.readouterr().err
+    assert not (tmp_path / "ev").exists()  # refused before anything was written

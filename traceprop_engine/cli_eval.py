@@ -66,6 +66,28 @@ def register(sub) -> None:
     p.add_argument("--no-dense", action="store_true", help="skip the dense-sketch run")
     p.add_argument("--dense-k", type=int, default=512)
     p.add_argument(
+        "--no-exact",
+        action="store_true",
+        help="skip the exact run (k >= every layer width: unsketched per-example gradients)",
+    )
+    p.add_argument(
+        "--retrain-seeds",
+        type=int,
+        default=1,
+        help="models retrained per subset (other data orders); the target is their mean loss, "
+        "and with 2 or more the split-half noise ceiling is reported",
+    )
+    p.add_argument("--no-bm25", action="store_true", help="skip the BM25 text baseline")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="an extra tracked configuration, e.g. 'k64:k_in=64,k_out=64' (keys: TrackSettings "
+        "fields; repeatable). Trained as runs/NAME and scored with every preconditioner; adding "
+        "one to an existing --out reuses its subset losses",
+    )
+    p.add_argument(
         "--workers", type=int, default=1, choices=[1, 2], help="parallel retrain processes"
     )
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
@@ -110,7 +132,7 @@ def _fmt(v) -> str:
 
 
 def _cmd_lds(a) -> int:
-    from .evaluate.lds import LdsSettings, run_lds
+    from .evaluate.lds import LdsSettings, parse_config_spec, run_lds
     from .settings import TrackSettings, TrainSettings
 
     logging.getLogger("traceprop_engine").setLevel(logging.INFO)
@@ -145,6 +167,10 @@ def _cmd_lds(a) -> int:
         workers=a.workers,
         bootstrap=a.bootstrap,
         damping=a.damping,
+        exact=not a.no_exact,
+        bm25=not a.no_bm25,
+        configs=tuple(parse_config_spec(c) for c in a.config),
+        retrain_seeds=a.retrain_seeds,
     )
     r = run_lds(s, overwrite=a.overwrite, max_new_subsets=a.max_new_subsets)
     if not r.complete:
@@ -159,6 +185,13 @@ def _cmd_lds(a) -> int:
         note = f"  ({row['error']})" if row.get("error") else ""
         print(
             f"  {row['method']:<36} k={row['k']!s:<4} {_fmt(row['lds'])}  [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}]{note}"
+        )
+    if r.noise_ceiling:
+        nc = r.noise_ceiling
+        print(
+            f"  split-half noise ceiling (Spearman between the even and the odd retrain seeds' "
+            f"mean losses, {nc['halves'][0]} vs {nc['halves'][1]}): "
+            f"{nc['split_half_spearman']:.3f} [{nc['ci'][0]:.3f}, {nc['ci'][1]:.3f}]"
         )
     print(
         f"results: {r.out / 'results.csv'}, {r.out / 'results.json'}, figure {r.out / 'figure.json'}"

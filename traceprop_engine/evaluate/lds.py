@@ -22,7 +22,10 @@ comparable. The data order follows the training loop's own seed policy
 
     eval.json            settings of the evaluation (a resume with other settings is refused)
     base_model/          the shared initial model and tokenizer
-    runs/k8, runs/k4...  tracked attribution runs (one per k), runs/dense (dense, last block)
+    runs/k8, runs/k4...  tracked attribution runs (one per k), runs/dense (dense, last block),
+                         runs/exact (k >= every width: unsketched per-example gradients),
+                         runs/<name> (one per ``LdsSettings.configs`` entry); each holds
+                         ``lds_track.json``, the TrackSettings it was trained with
     runs/k8/factors-c1.h5  rank-c factors of a run's sketches (compact storage, ``LdsSettings.compact``;
                          scoring only: added or rebuilt on a resume without any retraining)
     subsets.json         per subset: seed, member example ids, their sha256, a digest
@@ -38,9 +41,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +71,19 @@ BASE_MODEL_DIR = "base_model"
 RUNS_DIR = "runs"
 WORK_DIR = "work"
 DENSE_RUN = "dense"
+EXACT_RUN = "exact"
+# k_in = k_out of the exact run: capture clamps k to each layer's width, and k equal to the width
+# means no projection on that side, so the records are the exact per-example gradients
+EXACT_K = 1 << 20
+RUN_TRACK_FILE = "lds_track.json"  # in each run dir: the TrackSettings it was trained with
+BM25_K1, BM25_B = 1.5, 0.75
+# what the subset losses depend on: a resume must match these, anything else (k sweep, dense,
+# exact, configs, scoring) may change on a resume and only adds or rescores tracked runs
+# (retrain_seeds is not one: replicate r's loss file is the same whatever the count, so a resume
+# with more replicates only trains the missing ones)
+RESUME_KEYS = ("train", "n_subsets", "alpha", "seed")
+RETRAIN_SEED_STRIDE = 7919  # replicate r of a subset trains with seed + r * stride
+_CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac")
 COMPACT_FAMILY = "factored-c"
 COMPACT_PRECONDITIONERS = ("identity", "kfac", "ekfac")  # cosine needs the full vectors
@@ -105,6 +124,27 @@ class LdsSettings:
             and scored with :func:`traceprop_engine.compact.factor_scores` (family
             ``factored-c``, method ``"{preconditioner} c={c}"``). Entries whose k is not in the
             sweep are skipped. Scoring only: not part of the settings a resume checks.
+        exact: also train the exact run (``runs/exact``: ``k_in = k_out = EXACT_K``, clamped to
+            every layer's width, i.e. unsketched per-example gradients) and score it with every
+            preconditioner (family ``exact``, method ``"exact {preconditioner}"``): the ceiling
+            of the same estimator.
+        bm25: also score BM25 between each eval example's text and each training example's
+            text (family ``baseline``, method ``bm25``): a floor that needs no model.
+        configs: extra named tracking configurations, each a dict ``{"name": ..., **overrides}``
+            whose overrides are :class:`~traceprop_engine.settings.TrackSettings` keyword
+            arguments (scope and seed default to the evaluation's). Each is trained as its own
+            tracked run ``runs/<name>`` and scored with every preconditioner (family
+            ``config``, method ``"<name> <preconditioner>"``). See :func:`parse_config_spec`.
+        retrain_seeds: ``r``, models retrained per subset (replicate ``i`` with training seed
+            ``seed + i * RETRAIN_SEED_STRIDE``: another data order); the LDS target is the
+            mean loss over the replicates. With ``r >= 2`` the results hold the split-half noise
+            ceiling: the mean over eval examples of the Spearman correlation over subsets
+            between the mean loss of the even and of the odd replicates (r = 2: replicate 0
+            against replicate 1). A resume with a larger ``r``
+            trains only the missing replicates.
+
+        The k sweep, dense, exact, bm25 and configs are not part of the settings a resume checks
+        (``RESUME_KEYS``): adding one to an existing evaluation reuses its subset losses.
     """
 
     train: TrainSettings
@@ -120,6 +160,10 @@ class LdsSettings:
     bootstrap: int = 2000
     damping: float | None = None
     compact: tuple[tuple[int, str, int], ...] = COMPACT_METHODS
+    exact: bool = True
+    bm25: bool = True
+    configs: tuple[dict, ...] = ()
+    retrain_seeds: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -150,6 +194,20 @@ class LdsSettings:
             problems.append(f"workers={self.workers} (1 or 2: the machine has two cores)")
         if self.bootstrap < 100:
             problems.append(f"bootstrap={self.bootstrap} (at least 100 resamples)")
+        if not isinstance(self.retrain_seeds, int) or self.retrain_seeds < 1:
+            problems.append(f"retrain_seeds={self.retrain_seeds!r} (a positive integer)")
+        object.__setattr__(self, "configs", tuple(dict(c) for c in self.configs))
+        reserved = {f"k{k}" for k in self.k_values} | {DENSE_RUN, EXACT_RUN}
+        seen: set[str] = set()
+        for c in self.configs:
+            name = str(c.get("name", ""))
+            if not _CONFIG_NAME.match(name) or name in reserved or name in seen:
+                problems.append(
+                    f"config name {name!r} (letters, digits, '_.+-'; unique; not one of the "
+                    f"other runs {sorted(reserved)})"
+                )
+            seen.add(name)
+            check_track_overrides({k: v for k, v in c.items() if k != "name"}, name)
         if problems:
             raise ConfigError("invalid LDS settings: " + "; ".join(problems))
 
@@ -160,7 +218,92 @@ class LdsSettings:
         d.pop("workers")  # how fast, not what: a resume may use another worker count
         d.pop("bootstrap")
         d.pop("compact")  # scoring only: a resume may add compact methods without retraining
+        d["configs"] = [dict(c) for c in self.configs]
         return d
+
+
+# -- extra tracking configurations ------------------------------------------------------------------
+def track_fields() -> dict[str, object]:
+    """``{field name: type}`` of :class:`TrackSettings`, read from the dataclass (not a copy)."""
+    try:
+        hints = typing.get_type_hints(TrackSettings)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: read the plain names
+        simple = {"int": int, "float": float, "bool": bool, "str": str}
+        hints = {
+            f.name: simple.get(str(f.type).replace(" | None", ""), str)
+            for f in dataclasses.fields(TrackSettings)
+        }
+    return {f.name: hints.get(f.name, str) for f in dataclasses.fields(TrackSettings)}
+
+
+def check_track_overrides(overrides: dict, name: str = "config") -> TrackSettings:
+    """The TrackSettings the overrides give; ConfigError on unknown keys or invalid values."""
+    allowed = track_fields()
+    unknown = sorted(set(overrides) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"tracking configuration {name!r}: unknown key(s) {unknown}; allowed keys: "
+            f"{', '.join(allowed)}"
+        )
+    return TrackSettings(**overrides)
+
+
+def _parse_value(key: str, text: str, typ) -> object:
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if args and type(None) in typing.get_args(typ):
+        if text.lower() in ("none", "null"):
+            return None
+        typ = args[0]
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"--config: {key}={text!r} is not a valid {getattr(typ, '__name__', typ)}"
+        ) from None
+    return text  # str, or an enum the settings parse themselves
+
+
+def parse_config_spec(spec: str) -> dict:
+    """``"name:k_in=64,k_out=64"`` → ``{"name": "name", "k_in": 64, "k_out": 64}``.
+
+    Values are parsed by the type of the :class:`TrackSettings` field of that name (int, float,
+    bool, str, enums by value; ``none`` for an optional field). ``"name"`` alone (no overrides)
+    is the default TrackSettings under that name.
+
+    Raises:
+        ConfigError: no name, an item without ``=``, an unknown key (the message lists the
+            allowed keys) or a value of the wrong type.
+    """
+    name, _, body = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ConfigError(f"--config {spec!r}: give a name first, e.g. 'k64:k_in=64,k_out=64'")
+    fields = track_fields()
+    out: dict = {"name": name}
+    for item in (x.strip() for x in body.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ConfigError(f"--config {spec!r}: {item!r} is not key=value")
+        if key not in fields:
+            raise ConfigError(
+                f"--config {spec!r}: unknown key {key!r}; allowed keys: {', '.join(fields)}"
+            )
+        out[key] = _parse_value(key, value.strip(), fields[key])
+    check_track_overrides({k: v for k, v in out.items() if k != "name"}, name)
+    return out
 
 
 # -- statistics -----------------------------------------------------------------------------------
@@ -258,8 +401,9 @@ def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _loss_path(eval_dir: Path, j: int) -> Path:
-    return eval_dir / LOSSES_DIR / f"subset_{j:03d}.npy"
+def _loss_path(eval_dir: Path, j: int, r: int = 0) -> Path:
+    """Eval losses of subset ``j``'s model (replicate ``r > 0``: retrained with another seed)."""
+    return eval_dir / LOSSES_DIR / (f"subset_{j:03d}.npy" if r == 0 else f"subset_{j:03d}_r{r}.npy")
 
 
 def _record(row: dict, task: str) -> dict:
@@ -312,12 +456,17 @@ def _retrain_subset(job: dict) -> dict:
         out=str(work / "run"),
         track=None,
     )
-    run_dir = train(settings, overwrite=True)
-    status = json.loads((run_dir / C.MANIFEST_FILE).read_text())["status"]
-    if status != C.STATUS_COMPLETED:
-        raise RunError(f"the retrain of subset {job['subset']} ended {status!r}; see {run_dir}")
-    losses = _eval_losses(run_dir / C.MODEL_DIR, job["encs"], settings.task.value)
-    _atomic_save_npy(job["loss_path"], losses)
+    for r in job.get("replicates", (0,)):  # replicate r: same subset, training seed + r·STRIDE
+        rs = dataclasses.replace(
+            settings, seed=settings.seed + RETRAIN_SEED_STRIDE * r, out=str(work / f"run{r}")
+        )
+        run_dir = train(rs, overwrite=True)
+        status = json.loads((run_dir / C.MANIFEST_FILE).read_text())["status"]
+        if status != C.STATUS_COMPLETED:
+            raise RunError(f"the retrain of subset {job['subset']} ended {status!r}; see {run_dir}")
+        losses = _eval_losses(run_dir / C.MODEL_DIR, job["encs"], settings.task.value)
+        _atomic_save_npy(_loss_path(job["eval_dir"], job["subset"], r), losses)
+        shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
     return {"subset": job["subset"], "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -333,20 +482,37 @@ class LdsResult:
     skipped: list[int] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
+    noise_ceiling: dict | None = None
 
 
 def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> None:
     cfg_path = eval_dir / EVAL_FILE
     cfg = s.to_dict()
+
+    def resume_part(d: dict) -> dict:
+        d = {k: d.get(k) for k in RESUME_KEYS}
+        d["train"] = {k: v for k, v in (d["train"] or {}).items() if k != "track"}
+        return json.loads(json.dumps(d))
+
     if cfg_path.exists():
         old = json.loads(cfg_path.read_text())["settings"]
-        if old != json.loads(json.dumps(cfg)):
+        if resume_part(old) != resume_part(cfg):
             if not overwrite:
+                diff = [k for k in RESUME_KEYS if resume_part(old)[k] != resume_part(cfg)[k]]
                 raise ConfigError(
-                    f"{eval_dir} holds an LDS evaluation with other settings; pass overwrite (--overwrite) "
+                    f"{eval_dir} holds an LDS evaluation with other settings ({', '.join(diff)} "
+                    "differ: the subset losses depend on them); pass overwrite (--overwrite) "
                     "to start over, or choose another --out"
                 )
             shutil.rmtree(eval_dir)
+        elif old != json.loads(json.dumps(cfg)):
+            log.info(
+                "resuming %s with other runs or scoring settings; the subset losses are reused",
+                eval_dir,
+            )
+            doc = json.loads(cfg_path.read_text())
+            doc["settings"] = cfg
+            _atomic_write_text(cfg_path, json.dumps(doc, indent=2))
     eval_dir.mkdir(parents=True, exist_ok=True)
     if not cfg_path.exists():
         _atomic_write_text(
@@ -404,6 +570,11 @@ def _run_names(s: LdsSettings) -> dict[str, TrackSettings]:
         runs[DENSE_RUN] = TrackSettings(
             scope="last-block", sketch="dense", dense_k=s.dense_k, seed=s.train.seed
         )
+    if s.exact:
+        runs[EXACT_RUN] = TrackSettings(scope=scope, k_in=EXACT_K, k_out=EXACT_K, seed=s.train.seed)
+    for c in s.configs:
+        overrides = {k: v for k, v in c.items() if k != "name"}
+        runs[c["name"]] = TrackSettings(**{"scope": scope, "seed": s.train.seed, **overrides})
     return runs
 
 
@@ -412,8 +583,12 @@ def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval
 
     run_dir = eval_dir / RUNS_DIR / name
     man = run_dir / C.MANIFEST_FILE
+    sidecar = run_dir / RUN_TRACK_FILE
+    want = json.loads(json.dumps(track.to_dict()))
     if man.exists() and json.loads(man.read_text()).get("status") == C.STATUS_COMPLETED:
-        return run_dir
+        if not sidecar.exists() or json.loads(sidecar.read_text()) == want:
+            return run_dir  # (no sidecar: a run of an older evaluation, trusted as before)
+        log.warning("%s was tracked with other settings; training it again", run_dir)
     log.info("training the tracked run %s", name)
     train(dataclasses.replace(s.train, model=base, out=str(run_dir), track=track), overwrite=True)
     status = json.loads(man.read_text())["status"]
@@ -421,6 +596,7 @@ def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval
         raise RunError(
             f"the tracked run {run_dir} ended {status!r}; rerun to resume the evaluation"
         )
+    _atomic_write_text(sidecar, json.dumps(want, indent=1))
     return run_dir
 
 
@@ -543,7 +719,12 @@ def run_lds(
         if prog_path.exists()
         else {"n_subsets": s.n_subsets, "done": [], "seconds": {}}
     )
-    todo = [j for j in range(s.n_subsets) if not _loss_path(eval_dir, j).exists()]
+    reps = range(s.retrain_seeds)
+
+    def missing(j: int) -> list[int]:
+        return [r for r in reps if not _loss_path(eval_dir, j, r).exists()]
+
+    todo = [j for j in range(s.n_subsets) if missing(j)]
     result.skipped = [j for j in range(s.n_subsets) if j not in todo]
     if max_new_subsets is not None:
         todo = todo[:max_new_subsets]
@@ -555,7 +736,8 @@ def run_lds(
             "rows": [rows[i] for i in subsets[j]],
             "encs": encs,
             "work": eval_dir / WORK_DIR / f"subset_{j:03d}",
-            "loss_path": _loss_path(eval_dir, j),
+            "eval_dir": eval_dir,
+            "replicates": missing(j),
         }
         for j in todo
     ]
@@ -575,9 +757,22 @@ def run_lds(
     _retrain_all(jobs, s.workers, eval_dir, prog, on_done)
     result.seconds["subset_retrains"] = round(time.perf_counter() - t1, 2)
     shutil.rmtree(eval_dir / WORK_DIR, ignore_errors=True)
-    if any(not _loss_path(eval_dir, j).exists() for j in range(s.n_subsets)):
+    if any(missing(j) for j in range(s.n_subsets)):
         return result
-    losses = np.stack([np.load(_loss_path(eval_dir, j)) for j in range(s.n_subsets)])  # (m, n_eval)
+    per_rep = np.stack(
+        [[np.load(_loss_path(eval_dir, j, r)) for j in range(s.n_subsets)] for r in reps]
+    )  # (r, m, n_eval)
+    losses = per_rep.mean(0)  # (m, n_eval)
+    if s.retrain_seeds >= 2:
+        # split half: the mean loss of the even replicates against the odd ones (r = 2: 0 vs 1)
+        split = spearman_rows(per_rep[0::2].mean(0).T, per_rep[1::2].mean(0).T)  # (n_eval,)
+        result.noise_ceiling = {
+            "split_half_spearman": float(np.nanmean(split)),
+            "ci": list(bootstrap_ci(split, s.bootstrap, seed=s.seed)),
+            "what": "mean over eval examples of Spearman over subsets between the mean loss of "
+            "the even and of the odd replicates (retrains of each subset with other seeds)",
+            "halves": [len(range(0, s.retrain_seeds, 2)), len(range(1, s.retrain_seeds, 2))],
+        }
     _atomic_save_npy(eval_dir / LOSSES_FILE, losses)
 
     # -- the other tracked runs and the scores ----------------------------------------------------
@@ -616,7 +811,7 @@ def run_lds(
     result.seconds["scoring"] = round(time.perf_counter() - t3, 2)
     result.rows = table
     result.complete = True
-    _write_results(eval_dir, s, table, losses, result.seconds)
+    _write_results(eval_dir, s, table, losses, result.seconds, result.noise_ceiling)
     return result
 
 
@@ -742,9 +937,19 @@ def _score_methods(
         run.close()
 
     main = run_dirs[f"k{s.main_k}"]
+    config_names = {c["name"]: c for c in s.configs}
     for name, rd in run_dirs.items():
         if name == DENSE_RUN:
             yield from attribution(rd, "dense", s.dense_k, PRECONDITIONERS)
+        elif name == EXACT_RUN:
+            yield from attribution(rd, "exact", None, PRECONDITIONERS)
+        elif name in config_names:
+            c = config_names[name]
+            k = c.get("k_in") if c.get("k_in") == c.get("k_out") else None
+            for m in attribution(rd, "config", k, PRECONDITIONERS):
+                m["method"] = f"{name} {m['preconditioner']}"
+                m["config"] = name
+                yield m
         else:
             k = int(name[1:])
             for m in attribution(rd, "factored", k, PRECONDITIONERS):
@@ -780,6 +985,16 @@ def _score_methods(
         "preconditioner": None,
         "scores": np.broadcast_to(g, (len(eval_ids), n_train)).copy(),
     }
+    if s.bm25:
+        ex = run.examples()
+        texts = [_example_text(r) for r in ex.iter_rows(named=True)]
+        yield {
+            "method": "bm25",
+            "family": "baseline",
+            "k": None,
+            "preconditioner": None,
+            "scores": bm25_scores([texts[e] for e in eval_ids], texts[:n_train]),
+        }
     run.close()
     yield {
         "method": "random",
@@ -788,6 +1003,43 @@ def _score_methods(
         "preconditioner": None,
         "scores": np.random.default_rng(s.seed).standard_normal((len(eval_ids), n_train)),
     }
+
+
+def _example_text(row: dict) -> str:
+    if row.get("completion"):
+        return (row.get("prompt") or "") + row["completion"]
+    return row.get("text") or ""
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def bm25_scores(
+    queries: Sequence[str], docs: Sequence[str], k1: float = BM25_K1, b: float = BM25_B
+) -> np.ndarray:
+    """Okapi BM25 of every document for every query (``(n_queries, n_docs)``).
+
+    Words are lower-cased ``\\w+`` runs; ``idf = log(1 + (N - df + 0.5) / (df + 0.5))`` (never
+    negative); a query word counts once per occurrence in the query.
+    """
+    from collections import Counter
+
+    tfs = [Counter(_words(d)) for d in docs]
+    lens = np.array([sum(t.values()) for t in tfs], np.float64)
+    avg = max(float(lens.mean()), 1e-12) if len(lens) else 1.0
+    df = Counter(w for t in tfs for w in t)
+    n = len(docs)
+    norm = k1 * (1 - b + b * lens / avg)  # (n_docs,)
+    out = np.zeros((len(queries), n), np.float64)
+    for qi, q in enumerate(queries):
+        for w in _words(q):
+            if w not in df:
+                continue
+            idf = math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5))
+            tf = np.array([t.get(w, 0) for t in tfs], np.float64)
+            out[qi] += idf * tf * (k1 + 1) / (tf + norm)
+    return out
 
 
 def _finite(obj):
@@ -802,7 +1054,12 @@ def _finite(obj):
 
 
 def _write_results(
-    eval_dir: Path, s: LdsSettings, table: list[dict], losses: np.ndarray, seconds: dict
+    eval_dir: Path,
+    s: LdsSettings,
+    table: list[dict],
+    losses: np.ndarray,
+    seconds: dict,
+    noise_ceiling: dict | None = None,
 ) -> None:
     import csv
 
@@ -816,6 +1073,8 @@ def _write_results(
         "n_eval": int(losses.shape[1]),
         "loss_mean_over_subsets": float(losses.mean()),
         "seconds": seconds,
+        "retrain_seeds": s.retrain_seeds,
+        "noise_ceiling": noise_ceiling,
         "rows": table,
     }
     _atomic_write_text(eval_dir / RESULTS_JSON, json.dumps(_finite(doc), indent=1))
@@ -831,6 +1090,7 @@ def _write_results(
         "n_eval",
         "n_valid",
         "error",
+        "config",  # last: readers of the columns before it keep working
     ]
     tmp = eval_dir / (RESULTS_CSV + ".tmp")
     with open(tmp, "w", newline="") as f:
@@ -843,7 +1103,7 @@ def _write_results(
 
 def _bar_label(row: dict) -> str:
     """The bar's x label; rows of a family scored at several k (compact storage) name their k."""
-    if row.get("family") in ("factored", "k-sweep", "dense", "baseline"):
+    if row.get("family") in ("factored", "k-sweep", "dense", "baseline", "exact", "config"):
         return row["method"]
     return f"{row['method']} (k={row['k']})" if row.get("k") is not None else row["method"]
 
@@ -895,6 +1155,24 @@ def lds_figure(table: list[dict]):
                 col=2,
             )
     ks = sorted({r["k"] for r in sweep})
+    refs = [
+        r
+        for r in table
+        if r.get("family") == "exact" and r["preconditioner"] in ("identity", "kfac")
+    ]
+    refs += [r for r in table if r["method"] == "bm25"]
+    for r in refs if ks else []:
+        fig.add_trace(
+            go.Scatter(
+                x=[ks[0], ks[-1]],
+                y=[r["lds"], r["lds"]],
+                mode="lines",
+                line={"dash": "dash"},
+                name=r["method"],
+            ),
+            row=1,
+            col=2,
+        )
     fig.update_xaxes(
         type="log", title_text="k", tickvals=ks, ticktext=[str(k) for k in ks], row=1, col=2
     )
