@@ -147,7 +147,7 @@ def check_causal(tmp_path, model, settings):
 
 def test_gpt_neox_factored_matches_autograd(tmp_path):
     model = tiny_neox()
-    store, layers = check_causal(tmp_path, model, TrackSettings(k_in=4, k_out=6))
+    store, layers = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=4, k_out=6))
     assert len(layers) == 2 * 4 + 1  # qkv, dense, h_to_4h, 4h_to_h per block + embed_out
     assert store.layers[0].k_in == 4 and store.layers[0].k_out == 6
     assert np.all(np.isfinite(store.records()["loss"]))
@@ -157,7 +157,7 @@ def test_gpt2_conv1d_matches_autograd(tmp_path):
     model = tiny_gpt2()
     # lm_head is tied to the token embedding: its weight.grad mixes both uses, so leave it out
     _, layers = check_causal(
-        tmp_path, model, TrackSettings(k_in=5, k_out=3, scope=r"^transformer\.")
+        tmp_path, model, TrackSettings(rank=0, k_in=5, k_out=3, scope=r"^transformer\.")
     )
     assert {layer.kind for layer in layers} == {"conv1d"}
 
@@ -165,7 +165,7 @@ def test_gpt2_conv1d_matches_autograd(tmp_path):
 def test_exact_when_k_equals_width(tmp_path):
     model = tiny_neox()
     _, layers = check_causal(
-        tmp_path, model, TrackSettings(k_in=10_000, k_out=10_000, scope="last-block")
+        tmp_path, model, TrackSettings(rank=0, k_in=10_000, k_out=10_000, scope="last-block")
     )
     assert all(layer.P_in is None and layer.P_out is None for layer in layers)
     assert all(".1." in layer.name for layer in layers)
@@ -181,14 +181,14 @@ def test_lora_layers_match_autograd(tmp_path):
         init_lora_weights=False,
     )
     model = get_peft_model(base, cfg)
-    _, layers = check_causal(tmp_path, model, TrackSettings(k_in=3, k_out=3))
+    _, layers = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=3, k_out=3))
     names = [layer.name for layer in layers]
     assert names and all("lora_A" in n or "lora_B" in n for n in names)
 
 
 def test_dense_sketch_matches_autograd(tmp_path):
     model = tiny_neox()
-    settings = TrackSettings(sketch="dense", dense_k=64, scope="last-block")
+    settings = TrackSettings(rank=0, sketch="dense", dense_k=64, scope="last-block")
     ids, mask, labels, lengths = causal_batch(1)
 
     def run_batch(tracker):
@@ -215,7 +215,9 @@ def test_dense_sketch_matches_autograd(tmp_path):
 
 def test_classifier_matches_autograd(tmp_path):
     model = tiny_bert_classifier()
-    settings = TrackSettings(k_in=6, k_out=6, scope=r"(encoder\.layer\.1\.|classifier|pooler)")
+    settings = TrackSettings(
+        rank=0, k_in=6, k_out=6, scope=r"(encoder\.layer\.1\.|classifier|pooler)"
+    )
     g = torch.Generator().manual_seed(3)
     lengths = [8, 5, 6, 3]
     ids = torch.zeros(4, 8, dtype=torch.long)
@@ -248,7 +250,7 @@ def test_classifier_matches_autograd(tmp_path):
 
 def test_covariance_equals_hand_computation():
     model = tiny_neox()
-    settings = TrackSettings(k_in=4, k_out=5, scope=r"layers\.0\.mlp\.dense_4h_to_h")
+    settings = TrackSettings(rank=0, k_in=4, k_out=5, scope=r"layers\.0\.mlp\.dense_4h_to_h")
     layers = build_layers(model, settings)
     (layer,) = layers
     ids, mask, labels, _ = causal_batch(2)
@@ -286,7 +288,14 @@ def test_hooks_idle_without_grad_and_removed_after_error(tmp_path):
     ids, mask, labels, _ = causal_batch()
     with (
         pytest.raises(KeyboardInterrupt),
-        Tracker(model, tmp_path / "s.h5", TrackSettings(), background=False) as tracker,
+        Tracker(
+            model,
+            tmp_path / "s.h5",
+            TrackSettings(
+                rank=0,
+            ),
+            background=False,
+        ) as tracker,
     ):
         assert n_hooks() == 9
         # no grad: no hook on outputs, and a step without backward is refused (nothing recorded)
@@ -322,7 +331,7 @@ def test_unpadded_mask_and_loss_scale_folding():
     """An all-ones mask takes the unmasked path (same A, S, count as no mask); the loss scale
     multiplies the sketches by s and S by s² and leaves A alone."""
     model = tiny_neox()
-    layers = build_layers(model, TrackSettings(k_in=4, k_out=5, scope=r"layers\.1\."))
+    layers = build_layers(model, TrackSettings(rank=0, k_in=4, k_out=5, scope=r"layers\.1\."))
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(1, VOCAB, (3, 10), generator=g)
     ones = torch.ones_like(ids)
@@ -357,7 +366,7 @@ class _Twice(torch.nn.Module):
 
 def test_layer_used_twice_accumulates_both_uses():
     model = _Twice()
-    settings = TrackSettings(k_in=3, k_out=4, scope=r"^lin$")
+    settings = TrackSettings(rank=0, k_in=3, k_out=4, scope=r"^lin$")
     layers = build_layers(model, settings)
     x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(6))
     slots = [torch.full((4, 4, 3), float("nan"))]  # beta=0 must ignore what the slot held
@@ -370,7 +379,7 @@ def test_layer_used_twice_accumulates_both_uses():
 
 def test_forward_without_backward_leaves_no_statistics():
     model = tiny_neox()
-    layers = build_layers(model, TrackSettings(k_in=4, k_out=4, scope=r"layers\.0\.mlp"))
+    layers = build_layers(model, TrackSettings(rank=0, k_in=4, k_out=4, scope=r"layers\.0\.mlp"))
     ids, mask, _, _ = causal_batch()
     slots = [torch.ones(3, layer.k_out, layer.k_in) for layer in layers]
     with Capture(model, layers) as cap, cap.batch(slots, token_mask=mask):
@@ -385,7 +394,7 @@ def test_bf16_autocast_gradients_are_projected_in_fp32():
     """Under autocast the output gradient is bf16 while P_out is fp32: the hook casts, and the
     sketches agree with the fp32 ones to bf16 round-off."""
     model = tiny_neox()
-    layers = build_layers(model, TrackSettings(k_in=4, k_out=4))
+    layers = build_layers(model, TrackSettings(rank=0, k_in=4, k_out=4))
     ids, mask, labels, _ = causal_batch()
 
     def run(autocast: bool):
@@ -412,6 +421,6 @@ def test_gradient_checkpointing_records_each_example_once(tmp_path, reentrant):
     model = tiny_neox()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()  # checkpointing is active in training mode (dropout is 0 in this config)
-    store, _ = check_causal(tmp_path, model, TrackSettings(k_in=4, k_out=6))
+    store, _ = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=4, k_out=6))
     _, mask, _, _ = causal_batch()
     assert store.covariance(0)["n_tokens"] == int(mask.sum())  # A counted once, not per re-run

@@ -373,7 +373,7 @@ def test_factor_scores_match_the_run_index_on_a_trained_run(tmp_path):
     run_dir = train(fast_settings(data, tmp_path / "r", epochs=2))
     run = open_run(run_dir)
     try:
-        s = IndexSettings(preconditioner="kfac")
+        s = IndexSettings(preconditioner="kfac", cosine=False)
         _, ids, pre = run.index(s)
         enc, _, _ = run.encode(eval_example=int(run.eval_examples()["example_id"][0]))
         sk, _ = run.query_sketches(enc)

@@ -19,6 +19,7 @@ from traceprop_engine.losses import causal_lm_losses
 from traceprop_engine.models import build_model
 from traceprop_engine.query import AttributionRun
 from traceprop_engine.run import read_manifest
+from traceprop_engine.settings import TrackSettings
 from traceprop_engine.store import ShardedStore, open_run_store
 from traceprop_engine.train import train
 
@@ -38,7 +39,14 @@ def _free_port() -> int:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     data = facts_data(root / "data")
-    single = train(fast_settings(data, root / "single", batch_size=WORLD * 4))
+    single = train(
+        fast_settings(
+            data,
+            root / "single",
+            batch_size=WORLD * 4,
+            track=TrackSettings(k_in=4, k_out=4, rank=0, covariance_stride=1),
+        )
+    )
     ddp = root / "ddp"
     cmd = [
         sys.executable,
@@ -79,6 +87,10 @@ def runs(tmp_path_factory):
         "4",
         "--k-out",
         "4",
+        "--covariance-stride",
+        "1",  # every token: the shards' statistics sum to the one-process ones exactly
+        "--rank",
+        "0",  # full sketches, compared with autograd below
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)

@@ -98,7 +98,11 @@ def test_train_index_query_csv_carry_lineage(e2e):
     with open(out_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     js = json.loads(out_json.read_text())
-    assert len(rows) == len(js) == 10
+    # by sign: 5 proponents (> 0) and at most 5 opponents (< 0)
+    assert len(rows) == len(js) <= 10
+    pro = [r for r in rows if r["kind"] == "proponent"]
+    assert len(pro) == 5 and all(float(r["score"]) > 0 for r in pro)
+    assert all(float(r["score"]) < 0 for r in rows if r["kind"] == "opponent")
     assert {"rank", "score", "example_id", "source", "row", "sha256", "text", "kind"} <= set(
         rows[0]
     )

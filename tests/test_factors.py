@@ -23,7 +23,9 @@ BF16_RTOL = 2.0**-8
 def test_full_rank_factors_are_exact(tmp_path):
     """rank = min(k_out, k_in): U Vᵀ is the recorded sketch, equal to the autograd reference."""
     store, _ = check_causal(
-        tmp_path, tiny_neox(), TrackSettings(k_in=4, k_out=6, rank=4, factor_dtype="float32")
+        tmp_path,
+        tiny_neox(),
+        TrackSettings(k_in=4, k_out=6, rank=4, factor_dtype="float32", factor_space="sketch"),
     )
     assert all(layer.rank == 4 for layer in store.layers)
     u, v = store.factors(0)
@@ -37,8 +39,9 @@ def _top_svd(m: np.ndarray, r: int) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype,rtol", [("float32", FACTOR_RTOL), ("bfloat16", 4 * BF16_RTOL)])
 def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
+    """Sketch-space factors: the best rank-1 approximation of P_out G P_inᵀ."""
     model = tiny_neox()
-    settings = TrackSettings(k_in=8, k_out=8, rank=1, factor_dtype=dtype)
+    settings = TrackSettings(k_in=8, k_out=8, rank=1, factor_dtype=dtype, factor_space="sketch")
     ids, mask, labels, lengths = causal_batch()
     with (
         Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker,
@@ -123,3 +126,98 @@ def test_bytes_per_record_and_bad_settings(tmp_path):
         TrackSettings(rank=-1)
     with pytest.raises(ConfigError, match="factor_dtype"):
         TrackSettings(rank=1, factor_dtype="int4")
+
+
+def _autograd_full(model, layers, ids, labels, lengths):
+    """Per example, per layer the unprojected ∇_W ℓ_b (d_out, d_in), float64."""
+    out = []
+    for b in range(len(lengths)):
+        n = lengths[b]
+        model.zero_grad()
+        causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[
+            0
+        ].backward()
+        out.append([layer.module.weight.grad.double().numpy().copy() for layer in layers])
+    model.zero_grad()
+    return out
+
+
+def _record(tmp_path, model, settings):
+    ids, mask, labels, lengths = causal_batch()
+    with (
+        Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker,
+        tracker.step([0, 1, 2], padding_mask=mask) as rec,
+    ):
+        losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+        losses.mean().backward()
+        rec.losses = losses
+    return Store(tmp_path / "store.h5"), ids, labels, lengths
+
+
+def test_full_space_factors_exact_when_rank_covers_the_tokens(tmp_path):
+    """factor_space='full', r >= T: one power iteration spans G's row space, so U Vᵀ is the
+    exact projected sketch P_out G P_inᵀ of the autograd gradient (padding included)."""
+    model = tiny_neox()
+    settings = TrackSettings(k_in=5, k_out=7, rank=11, factor_dtype="float32", power_iters=1)
+    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    layers = build_layers(model, settings)
+    assert all(layer.full_factor and layer.rank == 5 for layer in layers)  # clamped to min(k)
+    # rank 5 < T: check instead with k >= widths (no projection) and r >= T = 11
+    settings = TrackSettings(
+        k_in=10_000, k_out=10_000, rank=11, factor_dtype="float32", power_iters=1
+    )
+    store, ids, labels, lengths = _record(tmp_path / "exact", model, settings)
+    layers = build_layers(model, settings)
+    ref = _autograd_full(model, layers, ids, labels, lengths)
+    for li, layer in enumerate(layers):
+        got = store.sketches(li)  # U Vᵀ, (3, d_out, d_in)
+        for b in range(3):
+            assert_close_rel(got[b], ref[b][li], f"{layer.name} example {b}")
+
+
+def assert_close_rel(got, want, what):
+    scale = max(np.abs(want).max(), 1e-12)
+    np.testing.assert_allclose(got, want, rtol=0, atol=10 * ATOL_REL * scale, err_msg=what)
+
+
+def test_full_space_rank1_is_the_projected_top_singular_pair(tmp_path):
+    """factor_space='full', r = 1 with enough iterations: U Vᵀ = P_out (σ₁ u₁ v₁ᵀ) P_inᵀ of the
+    autograd gradient, wherever its top singular value is well separated."""
+    model = tiny_neox()
+    settings = TrackSettings(k_in=6, k_out=6, rank=1, factor_dtype="float32", power_iters=30)
+    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    layers = build_layers(model, settings)
+    ref = _autograd_full(model, layers, ids, labels, lengths)
+    checked = 0
+    for li, layer in enumerate(layers):
+        got = store.sketches(li)
+        for b in range(3):
+            g = ref[b][li]
+            s = np.linalg.svd(g, compute_uv=False)
+            if s[1] > 0.5 * s[0]:
+                continue
+            want = layer.P_out.double().numpy() @ _top_svd(g, 1) @ layer.P_in.double().numpy().T
+            np.testing.assert_allclose(
+                got[b], want, rtol=0, atol=FACTOR_RTOL * np.abs(want).max(), err_msg=layer.name
+            )
+            checked += 1
+    assert checked >= 6  # records with a clear top direction were compared
+
+
+def test_full_space_default_captures_the_top_direction(tmp_path):
+    """The default (2 iterations from Σ_t g_t) keeps >= 95 % of what the converged rank-1
+    approximation keeps, on every record with a clear top singular value."""
+    model = tiny_neox()
+    settings = TrackSettings(k_in=10_000, k_out=10_000, rank=1, factor_dtype="float32")
+    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    layers = build_layers(model, settings)
+    ref = _autograd_full(model, layers, ids, labels, lengths)
+    for li in range(len(layers)):
+        got = store.sketches(li)
+        for b in range(3):
+            g = ref[b][li]
+            s = np.linalg.svd(g, compute_uv=False)
+            if s[1] > 0.5 * s[0]:
+                continue
+            # U Vᵀ = G v vᵀ: its energy ‖G v‖² is at most σ₁²
+            assert (got[b] ** 2).sum() >= 0.95 * s[0] ** 2, layers[li].name

@@ -25,7 +25,7 @@ from traceprop_engine.query import IDS_FILE, VECTORS_FILE, IndexSettings, open_r
 from traceprop_engine.train import train
 
 REPO = Path(__file__).resolve().parents[1]
-IDENTITY = IndexSettings(preconditioner="identity")
+IDENTITY = IndexSettings(preconditioner="identity", cosine=False)
 INDEX_FILES = ("index.json", "index.faiss", VECTORS_FILE, IDS_FILE, "preconditioner.npz")
 
 
@@ -101,7 +101,7 @@ go = Path(sys.argv[2])
 Path(sys.argv[3]).touch()
 while not go.exists():
     time.sleep(0.001)
-run.index(IndexSettings(preconditioner="identity"), rebuild=True)
+run.index(IndexSettings(preconditioner="identity", cosine=False), rebuild=True)
 """
 
 

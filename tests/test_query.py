@@ -11,6 +11,7 @@ from helpers import facts_data, fast_settings
 
 from traceprop_engine import QueryError, RunError
 from traceprop_engine.query import IndexSettings, open_run
+from traceprop_engine.settings import TrackSettings
 from traceprop_engine.train import StopFlag, train
 
 # float32 vectors vs float64 reference
@@ -86,7 +87,7 @@ def reference_scores(store, test, kind, damping=0.1):
 @pytest.mark.parametrize("kind", ["identity", "kfac", "ekfac"])
 def test_index_scores_equal_brute_force(run_dir, kind):
     run = open_run(run_dir)
-    s = IndexSettings(preconditioner=kind)
+    s = IndexSettings(preconditioner=kind, cosine=False)
     ev = run.eval_examples()["example_id"][0]
     res = run.query(eval_example=int(ev), top_k=5, settings=s)
     enc, _, _ = run.encode(eval_example=int(ev))
@@ -111,7 +112,15 @@ def test_index_scores_equal_brute_force(run_dir, kind):
 def test_query_sketch_equals_stored_record_and_ranks_itself_first(data, tmp_path):
     """With lr = 0 the final model is the training model, so the query path (tokens, hooks,
     projections, loss) must reproduce each stored record, and every example is its own top hit."""
-    run_dir = train(fast_settings(data, tmp_path / "lr0", lr=0.0, tiny_width=64))
+    run_dir = train(
+        fast_settings(
+            data,
+            tmp_path / "lr0",
+            lr=0.0,
+            tiny_width=64,
+            track=TrackSettings(k_in=4, k_out=4, rank=0),
+        )
+    )
     run = open_run(run_dir)
     rec = run.store.records()
     s = IndexSettings(preconditioner="kfac", cosine=True, per_record=True)
@@ -126,12 +135,19 @@ def test_query_sketch_equals_stored_record_and_ranks_itself_first(data, tmp_path
         assert int(res.rows["example_id"][0]) == e
 
 
-def test_trained_examples_mostly_rank_themselves_first(run_dir):
+@pytest.mark.parametrize("track", ["full-k16", "default"])
+def test_trained_examples_mostly_rank_themselves_first(data, tmp_path, track):
     # after training the final-model gradient differs from the recorded ones; still, most
-    # training examples should find themselves (measured ~70-75 % on this tiny model)
+    # training examples should find themselves: full 16 x 16 sketches with K-FAC, and the
+    # default capture (rank-1 factors of the full gradient, k = 64 = the width) with the
+    # default index (identity, cosine)
+    if track == "default":
+        tr, s = TrackSettings(), IndexSettings()
+    else:
+        tr, s = TrackSettings(k_in=16, k_out=16, rank=0), IndexSettings("kfac", cosine=False)
+    run_dir = train(fast_settings(data, tmp_path / "r", epochs=2, tiny_width=64, track=tr))
     run = open_run(run_dir)
     ids = run.examples().filter(run.examples()["split"] == "train")["example_id"].to_list()
-    s = IndexSettings(preconditioner="kfac")
     hits = sum(
         int(run.query(eval_example=e, top_k=1, opponents=False, settings=s).rows["example_id"][0])
         == e
@@ -161,7 +177,7 @@ def test_stale_index_is_rebuilt_not_used(run_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     run = open_run(copy)
-    s = IndexSettings(preconditioner="identity")
+    s = IndexSettings(preconditioner="identity", cosine=False)
     run.index(s)
     meta = copy / "index" / s.name / "index.json"
     m = json.loads(meta.read_text())
@@ -191,7 +207,7 @@ def test_partial_run_is_queryable_and_says_so(data, tmp_path):
 
 def test_influence_by_source_sums_all_scores(run_dir):
     run = open_run(run_dir)
-    s = IndexSettings(preconditioner="identity")
+    s = IndexSettings(preconditioner="identity", cosine=False)
     res = run.query(eval_example=int(run.eval_examples()["example_id"][0]), top_k=3, settings=s)
     agg = run.influence_by_source(res, s)
     assert agg["examples"].sum() == run.store.manifest["data"]["n_train"]

@@ -48,7 +48,7 @@ def test_a_completed_run_verifies_with_its_digest(run):
         want = s.attrs()[DIGEST_ATTR]
         assert want == content_digest(s._f) and len(want) == 64
         assert s.fingerprint.endswith(want)  # the index fingerprint follows the content
-        assert s._f["layers/000/sketch"].fletcher32
+        assert s._f["layers/000/U"].fletcher32 and s._f["layers/000/V"].fletcher32
     rep = verify_run(run)
     assert rep["ok"], rep["problems"]
     assert rep["store"]["status"] == "ok" and rep["problems"] == []
@@ -57,7 +57,7 @@ def test_a_completed_run_verifies_with_its_digest(run):
 
 def test_flipped_bytes_in_a_sketch_fail_verify_and_reads(run):
     with h5py.File(run / "store.h5", "r") as f:
-        info = f["layers/000/sketch"].id.get_chunk_info(0)
+        info = f["layers/000/U"].id.get_chunk_info(0)  # the default: rank-1 factors
     with open(run / "store.h5", "r+b") as fh:
         fh.seek(info.byte_offset + 8)
         chunk = bytearray(fh.read(16))
@@ -73,7 +73,7 @@ def test_flipped_bytes_in_a_sketch_fail_verify_and_reads(run):
 def test_a_rewritten_sketch_value_changes_the_digest(run):
     # written through HDF5 (so the chunk checksum is recomputed): only the digest can tell
     with h5py.File(run / "store.h5", "r+") as f:
-        f["layers/000/sketch"][0, 0, 0] += 1.0
+        f["layers/000/U"][0, 0, 0] += 1  # one bfloat16 ulp
     rep = verify_run(run)
     assert not rep["ok"] and rep["store"]["status"] == "changed"
 

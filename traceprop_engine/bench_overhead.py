@@ -124,6 +124,7 @@ def run_overhead_bench(
     rank: int | None = None,
     factor_dtype: str | None = None,
     dense_k: int = 512,
+    track_extra: dict | None = None,
     repeats: int = 40,
     steps_per_arm: int = 1,
     warmup: int = 3,
@@ -165,6 +166,7 @@ def run_overhead_bench(
         sketch=sketch,
         dense_k=dense_k,
         buffer_records=buffer_records,
+        **(track_extra or {}),
         seed=seed,
     )
     trackers = {
@@ -294,6 +296,7 @@ def run_overhead_bench(
             "k_in": k_in,
             "k_out": k_out,
             "rank": rank,
+            **(track_extra or {}),
             "factor_dtype": factor_dtype,
             "threads": threads,
             "buffer_records": buffer_records,

@@ -38,8 +38,15 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .settings import SketchKind, TrackSettings
-from .sketch import apply_sparse_jl, gaussian_projection, layer_seed, sparse_jl
+from .settings import FactorSpace, SketchKind, TrackSettings
+from .sketch import (
+    apply_sparse_jl,
+    full_factors,
+    gaussian_projection,
+    layer_seed,
+    sparse_jl,
+    top_factors,
+)
 
 try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
     from transformers.pytorch_utils import Conv1D
@@ -63,6 +70,9 @@ class TrackedLayer:
     sketch: SketchKind
     rank: int = 0  # stored as rank-r factors (0: the full record)
     factor_dtype: str = "float32"  # storage dtype of the factors
+    full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
+    power_iters: int = 0
+    cov_stride: int = 1  # K-FAC statistics over every cov_stride-th token (full_factor layers)
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
     P_out: torch.Tensor | None = None  # (k_out, d_out)
     dense_k: int = 0
@@ -84,7 +94,13 @@ class TrackedLayer:
 
     @property
     def record_shape(self) -> tuple[int, ...]:
-        return (self.dense_k,) if self.sketch is SketchKind.DENSE else (self.k_out, self.k_in)
+        """What the hooks write per example: ``(dense_k,)``, ``(k_out, k_in)``, or for
+        full-space factors ``(k_out + k_in, r)`` (``U`` rows, then ``V`` rows)."""
+        if self.sketch is SketchKind.DENSE:
+            return (self.dense_k,)
+        if self.full_factor:
+            return (self.k_out + self.k_in, self.rank)
+        return (self.k_out, self.k_in)
 
 
 def _widths(module: nn.Module) -> tuple[str, int, int]:
@@ -160,6 +176,9 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
             if settings.rank:
                 layer.rank = min(settings.rank, layer.k_out, layer.k_in)
                 layer.factor_dtype = settings.factor_dtype.value
+                layer.full_factor = settings.factor_space is FactorSpace.FULL
+                layer.power_iters = settings.power_iters
+                layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
         layers.append(layer)
     return layers
 
@@ -188,6 +207,7 @@ class Capture:
         self._mask: torch.Tensor | None = None  # (B, T, 1) float32
         self._scale = 1.0
         self._n_tokens: torch.Tensor | None = None
+        self._batches = 0  # rotates the covariance token offset
 
     # -- lifetime -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -267,6 +287,7 @@ class Capture:
         for layer in self.layers:
             layer._stack.clear()
             layer._fired = False
+        self._batches += 1
         self._active = True
         try:
             yield
@@ -295,6 +316,10 @@ class Capture:
             a = inputs[0].detach()
             if a.dim() == 2:
                 a = a.unsqueeze(1)  # (B, 1, d_in): one "token" per example (classifier heads)
+            if layer.full_factor:  # the raw input: autograd keeps it for the weight grad anyway
+                stack.append(a)
+                output.register_hook(backward_hook)
+                return None
             P = layer._P_in_T
             if P is not None:
                 if a.dtype != P.dtype:  # e.g. an fp32 input to a layer whose weights are bf16
@@ -308,9 +333,72 @@ class Capture:
 
         return forward_hook
 
+    def _backward_full(self, layer: TrackedLayer, i: int, g: torch.Tensor) -> None:
+        """Rank-r factors of the full per-example gradient, projected per example.
+
+        ``G_b = s Σ_t g_bt a_btᵀ`` is never formed: ``power_iters`` power iterations use only
+        ``(B, T, d) × (B, d, r)`` products of the layer's own ``a`` and ``g``
+        (:func:`~traceprop_engine.sketch.full_factors`), so the per-token cost does not depend
+        on k. The factors are then projected per example, ``U = P_out u``, ``V = P_in v``
+        (``(B, d) × (d, k)``, no token dimension), and written as the record
+        ``(k_out + k_in, r)``. ``U Vᵀ = P_out (u vᵀ) P_inᵀ``: the sketch of the rank-r
+        approximation of ``G``.
+        """
+        slots = self._slots
+        a = layer._stack.pop()  # (B, T, d_in), the layer's raw input
+        g = g.detach()
+        if g.dim() == 2:
+            g = g.unsqueeze(1)
+        if a.dtype != torch.float32:  # bf16/fp16 models: iterate in fp32
+            a = a.float()
+        if g.dtype != torch.float32:
+            g = g.float()
+        scale = self._scale
+        u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
+        if layer._P_out_T is not None:
+            u = torch.matmul(u.transpose(1, 2), layer._P_out_T.float()).transpose(1, 2)
+        if layer._P_in_T is not None:
+            v = torch.matmul(v.transpose(1, 2), layer._P_in_T.float()).transpose(1, 2)
+        slot = slots[i]  # (B, k_out + k_in, r)
+        k_out = layer.k_out
+        if layer._fired:  # a layer used twice in one batch: factor the sum of both records
+            prev = torch.bmm(slot[:, :k_out], slot[:, k_out:].transpose(1, 2))
+            u, v = top_factors(prev + scale * torch.bmm(u, v.transpose(1, 2)), layer.rank)
+            slot[:, :k_out].copy_(u)
+            slot[:, k_out:].copy_(v)
+        else:
+            slot[:, :k_out].copy_(u.mul_(scale))
+            slot[:, k_out:].copy_(v)
+        layer._fired = True
+        if layer.S is not None and self.covariance:
+            self._covariance_strided(layer, a, g, scale)
+
+    def _covariance_strided(self, layer: TrackedLayer, a, g, scale: float) -> None:
+        """``A``, ``S`` over every ``cov_stride``-th token (rotating offset), projected."""
+        st = layer.cov_stride
+        off = self._batches % st
+        a2 = a.flatten(0, 1)[off::st]  # (N/st, d_in)
+        g2 = g.flatten(0, 1)[off::st]
+        if layer._P_in_T is not None:
+            a2 = torch.matmul(a2, layer._P_in_T.float())  # (N/st, k_in)
+        if layer._P_out_T is not None:
+            g2 = torch.matmul(g2, layer._P_out_T.float())
+        layer.S.addmm_(g2.T, g2, alpha=scale * scale)  # padded tokens have g = 0
+        mask = self._mask
+        if mask is not None and mask.shape[1] == a.shape[1]:
+            m2 = mask.flatten(0, 1)[off::st]  # (N/st, 1)
+            layer.A.addmm_((a2 * m2).T, a2)
+            layer.a_tokens += m2.sum(dtype=torch.float64)
+        else:
+            layer.A.addmm_(a2.T, a2)
+            layer.a_rows += a2.shape[0]
+
     def _backward(self, layer: TrackedLayer, i: int, g: torch.Tensor) -> None:
         slots = self._slots
         if not layer._stack or slots is None:
+            return
+        if layer.full_factor:
+            self._backward_full(layer, i, g)
             return
         a = layer._stack.pop()  # (B, T, k_in) float32
         g = g.detach()

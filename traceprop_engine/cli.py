@@ -24,7 +24,7 @@ log = logging.getLogger("traceprop")
 
 def _track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype with TrackSettings' defaults (one source)."""
-    from .settings import FactorDtype, TrackSettings
+    from .settings import FactorDtype, FactorSpace, TrackSettings
 
     d = TrackSettings()
     p.add_argument(
@@ -48,6 +48,22 @@ def _track_flags(p) -> None:
         default=d.factor_dtype.value,
         choices=[e.value for e in FactorDtype],
         help="storage type of the factors",
+    )
+    p.add_argument(
+        "--factor-space",
+        default=d.factor_space.value,
+        choices=[e.value for e in FactorSpace],
+        help="full: factors of the full per-example gradient by power iteration (per-token "
+        "cost independent of k); sketch: project every token, factor the k x k sketch",
+    )
+    p.add_argument(
+        "--power-iters", type=int, default=d.power_iters, help="power iterations (full space)"
+    )
+    p.add_argument(
+        "--covariance-stride",
+        type=int,
+        default=d.covariance_stride,
+        help="K-FAC statistics over every n-th token (full-space factors)",
     )
 
 
@@ -156,6 +172,9 @@ def _cmd_train(a) -> int:
             k_out=a.k_out,
             rank=a.rank,
             factor_dtype=a.factor_dtype,
+            factor_space=a.factor_space,
+            power_iters=a.power_iters,
+            covariance_stride=a.covariance_stride,
             sketch=a.sketch,
             dense_k=a.dense_k,
             covariance=not a.no_covariance,
@@ -210,7 +229,12 @@ def _add_index_flags(p) -> None:
         default=None,
         help="damping as a fraction of each factor's mean eigenvalue (default 0.1)",
     )
-    p.add_argument("--cosine", action="store_true", help="cosine scores (normalised vectors)")
+    p.add_argument(
+        "--cosine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cosine scores (normalised vectors; the default) or raw inner products",
+    )
     p.add_argument(
         "--per-record",
         action="store_true",
@@ -504,6 +528,11 @@ def _cmd_bench_overhead(a) -> int:
         k_out=a.k_out,
         rank=a.rank,
         factor_dtype=a.factor_dtype,
+        track_extra=dict(
+            factor_space=a.factor_space,
+            power_iters=a.power_iters,
+            covariance_stride=a.covariance_stride,
+        ),
         dense_k=a.dense_k,
         repeats=a.repeats,
         threads=a.threads,

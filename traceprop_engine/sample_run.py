@@ -29,8 +29,8 @@ SAMPLE_DATA = "facts-data"
 SAMPLE_SETTINGS = dict(
     epochs=12, lr=3e-3, batch_size=8, max_length=64, tiny_layers=2, tiny_width=128, tiny_vocab=768
 )
-SAMPLE_TRACK = dict(k_in=8, k_out=8)
-SAMPLE_PRECONDITIONERS = ("kfac", "identity", "ekfac")
+SAMPLE_TRACK: dict = {}  # the default tracking configuration (TrackSettings())
+SAMPLE_PRECONDITIONERS = ("identity", "kfac", "ekfac")
 
 
 def default_root() -> Path:

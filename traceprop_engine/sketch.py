@@ -116,3 +116,39 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32 (exact)."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def full_factors(
+    a: torch.Tensor, g: torch.Tensor, rank: int, iters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-``r`` factors of every per-example ``G_b = Σ_t g_bt a_btᵀ`` without forming it.
+
+    Power (subspace) iteration on the factored form: ``G v = gᵀ (a v)`` and
+    ``Gᵀ u = aᵀ (g u)``, each a pair of ``(B, T, d) × (B, d, r)`` batched products, so one
+    iteration reads ``a`` and ``g`` twice and costs ``O(T (d_in + d_out) r)`` per example, like
+    an ``r``-column projection. Start: ``u₀ = Σ_t g_t`` (the example's summed output gradient;
+    with ``r > 1``, further columns weight the tokens by a fixed Gaussian). Per-example records
+    are nearly rank 1, so one or two iterations reach the top direction (benchmarks/EVAL.md).
+
+    Args:
+        a: (B, T, d_in) layer inputs; g: (B, T, d_out) output gradients (float32).
+        rank: ``r``; iters: iterations (≥ 1).
+
+    Returns:
+        ``u`` (B, d_out, r) = ``G v`` (singular values folded in) and ``v`` (B, d_in, r) with
+        orthonormal columns; ``u vᵀ = G v vᵀ``, exact when ``v`` spans ``G``'s row space (e.g.
+        ``r ≥ T`` after one iteration).
+    """
+    b, t, _ = g.shape
+    if rank == 1:
+        u = g.sum(1).unsqueeze(-1)  # (B, d_out, 1)
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(0x5EED + t)
+        w = torch.randn(t, rank, generator=gen)
+        w[:, 0] = 1.0
+        u = torch.matmul(g.transpose(1, 2), w.to(g.device, g.dtype))  # (B, d_out, r)
+    gt, at = g.transpose(1, 2), a.transpose(1, 2)
+    for _ in range(max(1, iters)):
+        v = _orthonormal(torch.bmm(at, torch.bmm(g, u)))  # (B, d_in, r): Gᵀ u, normalised
+        u = torch.bmm(gt, torch.bmm(a, v))  # (B, d_out, r): G v
+    return u, v

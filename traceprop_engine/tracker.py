@@ -108,7 +108,8 @@ class Tracker:
             self.settings.buffer_records,
             device,
             self._sink,
-            ranks=[layer.rank for layer in self.layers],
+            # full-space factors are written by the hooks; sketch-space ones by the buffer
+            ranks=[0 if layer.full_factor else layer.rank for layer in self.layers],
         )
         self.step_ms: list[float] = []
         self.flush_ms = 0.0

@@ -267,7 +267,7 @@ def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[
     sketches = [run.query_sketches(run.encode(p, c)[0])[0] for p, c in queries]
     out = {}
     for p in PRECONDITIONERS:
-        ix = IndexSettings(preconditioner=p)
+        ix = IndexSettings(preconditioner=p, cosine=False)  # summed raw influence
         _, ids, pre = run.index(ix)
         total = np.zeros(n_train)
         for sk in sketches:
