@@ -221,3 +221,43 @@ def test_full_space_default_captures_the_top_direction(tmp_path):
                 continue
             # U Vᵀ = G v vᵀ: its energy ‖G v‖² is at most σ₁²
             assert (got[b] ** 2).sum() >= 0.95 * s[0] ** 2, layers[li].name
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_full_space_covariance_over_every_nth_token(stride):
+    """factor_space='full': A and S are the hand-computed projected token sums over the tokens
+    at positions offset, offset + stride, ... of the flattened batch (padding excluded from A)."""
+    from traceprop_engine.capture import Capture
+
+    model = tiny_neox()
+    settings = TrackSettings(
+        k_in=4, k_out=5, covariance_stride=stride, scope=r"layers\.0\.mlp\.dense_4h_to_h"
+    )
+    (layer,) = layers = build_layers(model, settings)
+    assert layer.full_factor
+    ids, mask, labels, _ = causal_batch(2)
+    seen = {}
+
+    def spy(module, inputs, output):
+        seen["a"] = inputs[0].detach()
+        output.register_hook(lambda g: seen.update(g=g.detach()))
+
+    h1 = layer.module.register_forward_hook(spy)
+    slots = [torch.zeros(3, *layer.record_shape)]
+    try:
+        with Capture(model, layers) as cap, cap.batch(slots, token_mask=mask, loss_scale=3):
+            causal_lm_losses(
+                model(input_ids=ids, attention_mask=mask).logits, labels
+            ).mean().backward()
+    finally:
+        h1.remove()
+    off = cap._batches % stride  # the offset this batch used
+    a = (seen["a"].double() @ layer.P_in.double().T).flatten(0, 1)[off::stride]
+    g = (3 * seen["g"].double() @ layer.P_out.double().T).flatten(0, 1)[off::stride]
+    m = mask.bool().flatten()[off::stride]
+    A = a[m].T @ a[m]
+    S = g.T @ g
+    cov = cap.covariance_arrays()[0]
+    np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cov["S"], S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
+    assert cov["n_tokens"] == int(m.sum())
