@@ -110,7 +110,7 @@ def test_bf16_bits_round_trip():
 
 def test_bytes_per_record_and_bad_settings(tmp_path):
     model = tiny_neox()
-    settings = TrackSettings(k_in=16, k_out=16, rank=1)  # bfloat16 by default
+    settings = TrackSettings(k_in=16, k_out=16, rank=1, factor_dtype="bfloat16")
     ids, mask, labels, _ = causal_batch()
     with (
         Tracker(model, tmp_path / "s.h5", settings, background=False) as tracker,
@@ -261,3 +261,29 @@ def test_full_space_covariance_over_every_nth_token(stride):
     np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cov["S"], S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
     assert cov["n_tokens"] == int(m.sum())
+
+
+def test_int8_factors_round_trip_within_quantisation(tmp_path):
+    """int8 storage: each record reads back as scale · U_q V_qᵀ, within half a quantisation
+    step of the float32 factors (per-vector max-abs scaling to ±127)."""
+    model = tiny_neox()
+    got = {}
+    for dtype in ("float32", "int8"):
+        store, *_ = _record(
+            tmp_path / dtype, model, TrackSettings(k_in=8, k_out=8, factor_dtype=dtype)
+        )
+        got[dtype] = [store.factors(li) for li in range(len(store.layers))]
+        assert all(layer.factor_dtype == dtype for layer in store.layers)
+        if dtype == "int8":
+            assert [layer.bytes_per_record for layer in store.layers] == [8 + 8 + 4] * len(
+                store.layers
+            )
+    for (u32, v32), (u8, v8) in zip(got["float32"], got["int8"], strict=True):
+        # half a step of each factor's own scale (V's scale is folded into U on read)
+        step_u = np.abs(u32).max(axis=(1, 2)) / 127
+        step_v = np.abs(v32).max(axis=(1, 2)) / 127
+        sv = np.where(step_v > 0, step_v, 1)
+        err_v = np.abs(v8 * sv[:, None, None] - v32)
+        err_u = np.abs(u8 / sv[:, None, None] - u32)
+        assert np.all(err_v <= 0.5 * sv[:, None, None] * (1 + 1e-5) + 1e-12)
+        assert np.all(err_u <= 0.5 * step_u[:, None, None] * (1 + 1e-5) + 1e-12)

@@ -88,7 +88,7 @@ def _storage(path: Path) -> dict:
         n_rec = int(f.attrs["n_records"])
         groups = [f[C.G_LAYERS][k] for k in sorted(f[C.G_LAYERS])]
         data = [  # a layer's record datasets: the full sketch, or its factors U and V
-            [g[n] for n in (C.L_SKETCH, C.L_U, C.L_V) if n in g] for g in groups
+            [g[n] for n in (C.L_SKETCH, C.L_U, C.L_V, C.L_SCALE) if n in g] for g in groups
         ]
         sketch = [sum(per_row(ds) for ds in dss) for dss in data]
         nominal = [

@@ -64,6 +64,7 @@ L_SKETCH = "sketch"
 L_U = "U"  # (n, k_out, r) factor with the singular values folded in
 L_V = "V"  # (n, k_in, r) orthonormal columns; record = U @ V^T
 L_RANK = "rank"  # layer attribute: r (0 or absent: full sketches in L_SKETCH)
+L_SCALE = "scale"  # (n,) f4, int8 factors: record = scale · U Vᵀ
 L_FACTOR_DTYPE = "factor_dtype"  # layer attribute: "bfloat16" (uint16 bit patterns) or "float32"
 L_P_IN = "P_in"
 L_P_OUT = "P_out"

@@ -16,8 +16,10 @@ class SketchKind(str, Enum):
 
 
 class FactorDtype(str, Enum):
-    """How rank-r factors are stored: bfloat16 (2 bytes, float32's range) or float32."""
+    """How rank-r factors are stored: int8 with one float32 scale per record and layer (1 byte
+    a number), bfloat16 (2 bytes, float32's range) or float32."""
 
+    INT8 = "int8"
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
 
@@ -47,10 +49,11 @@ def parse_choice(enum: type[Enum], value: object, what: str) -> Enum:
 class TrackSettings:
     """What the capture hooks record.
 
-    The defaults (k = 64 per side, rank-1 factors of the full per-example gradient in bfloat16,
-    256 bytes per layer and record) come from the LDS measurements in benchmarks/EVAL.md: on
-    both LDS data sets they score 0.10–0.45 above the former default (full 8 × 8 float32
-    sketches, the same bytes) and at or above BM25, within 0.03–0.12 of unsketched gradients.
+    The defaults come from the LDS, overhead and bytes measurements in benchmarks/EVAL.md:
+    rank-1 factors of the full per-example gradient (one power iteration in the backward hook,
+    whose cost does not depend on k), projected per example to k = 126 per side and stored as
+    int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per layer and record, the bytes of
+    the former default (a full 8 × 8 float32 sketch), at 0.2–0.45 higher LDS.
 
     Args:
         scope: ``"all"`` (every trainable linear layer), ``"last-block"`` (the trainable linear
@@ -70,8 +73,9 @@ class TrackSettings:
             ``rank·(k_out + k_in)`` numbers instead of ``k_out·k_in``. ``0`` stores the full
             sketch. Per-example records are nearly rank 1, so a large k stored as rank-1
             factors beats a small full sketch of the same bytes (benchmarks/EVAL.md).
-        factor_dtype: ``bfloat16`` (2 bytes per number, float32's exponent range) or
-            ``float32`` for the stored factors.
+        factor_dtype: ``int8`` (1 byte per number, each record's ``U`` and ``V`` scaled by
+            their own max-abs value, the product of both scales kept as one float32),
+            ``bfloat16`` (2 bytes, float32's exponent range) or ``float32``.
         factor_space: ``full`` (default): the factors of the full per-example gradient
             ``G = Σ_t g_t a_tᵀ``, found by ``power_iters`` power iterations on the layer's own
             ``a`` and ``g`` in the backward hook (a few batched matrix-vector products, no
@@ -87,14 +91,14 @@ class TrackSettings:
     """
 
     scope: str = "all"
-    k_in: int = 64
-    k_out: int = 64
+    k_in: int = 126
+    k_out: int = 126
     sketch: SketchKind = SketchKind.FACTORED
     dense_k: int = 512
     dense_nnz: int = 2
     covariance: bool = True
     rank: int = 1
-    factor_dtype: FactorDtype = FactorDtype.BFLOAT16
+    factor_dtype: FactorDtype = FactorDtype.INT8
     factor_space: FactorSpace = FactorSpace.FULL
     power_iters: int = 1
     covariance_stride: int = 8

@@ -55,9 +55,10 @@ class LayerInfo:
     @property
     def bytes_per_record(self) -> int:
         if self.rank:
-            return (
-                self.rank * (self.k_out + self.k_in) * (2 if self.factor_dtype == "bfloat16" else 4)
-            )
+            n = self.rank * (self.k_out + self.k_in)
+            if self.factor_dtype == "int8":
+                return n + 4  # + the float32 scale
+            return n * (2 if self.factor_dtype == "bfloat16" else 4)
         return 4 * self.dim
 
     @property
@@ -93,7 +94,7 @@ def content_digest(f: h5py.File) -> str:
 
     for k in sorted(f[C.G_LAYERS]):
         g = f[f"{C.G_LAYERS}/{k}"]
-        for name in (C.L_SKETCH, C.L_U, C.L_V):  # full sketches, or rank-r factors
+        for name in (C.L_SKETCH, C.L_U, C.L_V, C.L_SCALE):  # full sketches, or rank-r factors
             if name in g:
                 feed(g[name], n)
         for name in (C.L_COV_A, C.L_COV_S):
@@ -129,6 +130,42 @@ def append_records(rec: h5py.Group, n0: int, meta: dict[str, np.ndarray]) -> Non
     for name in C.RECORD_FIELDS:
         rec[name].resize(n0 + n, axis=0)
         rec[name][n0 : n0 + n] = meta[name]
+
+
+_FACTOR_STORAGE = {"int8": "i1", "bfloat16": "u2", "float32": "f4"}
+
+
+def encode_factors(u: np.ndarray, v: np.ndarray, dtype: str):
+    """The stored arrays of float32 factors ``u`` (n, k_out, r), ``v`` (n, k_in, r), and what a
+    reader gets back from them (float32, for the stored-norm sums).
+
+    int8: each record's ``u`` and ``v`` are scaled to ±127 by their own max-abs value and the
+    product of both scales is kept as one float32 ``scale``, so the record is
+    ``scale · U_q V_qᵀ`` (1 byte per number + 4 bytes per record and layer).
+    """
+    if dtype == "int8":
+        su = np.abs(u).max(axis=(1, 2)).astype(np.float32) / 127
+        sv = np.abs(v).max(axis=(1, 2)).astype(np.float32) / 127
+        su = np.where(su > 0, su, np.float32(1))
+        sv = np.where(sv > 0, sv, np.float32(1))
+        qu = np.rint(u / su[:, None, None]).astype(np.int8)
+        qv = np.rint(v / sv[:, None, None]).astype(np.int8)
+        scale = (su * sv).astype(np.float32)
+        return (qu, qv, scale), *decode_factors(qu, qv, "int8", scale)
+    if dtype == "bfloat16":
+        bu, bv = bf16_bits(u), bf16_bits(v)
+        return (bu, bv), from_bf16_bits(bu), from_bf16_bits(bv)
+    return (u, v), u, v
+
+
+def decode_factors(u, v, dtype: str, scale=None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``U`` (scale folded in) and ``V`` from the stored arrays."""
+    if dtype == "int8":
+        su = np.asarray(scale, np.float32)[:, None, None]
+        return u.astype(np.float32) * su, v.astype(np.float32)
+    if dtype == "bfloat16":
+        return from_bf16_bits(u), from_bf16_bits(v)
+    return u, v
 
 
 def _damaged(store, info, read):
@@ -206,9 +243,9 @@ class StoreWriter:
             )
             rank = int(getattr(layer, "rank", 0))
             if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
-                bf16 = getattr(layer, "factor_dtype", "float32") == "bfloat16"
+                fdt = str(getattr(layer, "factor_dtype", "float32"))
                 g.attrs[C.L_RANK] = rank
-                g.attrs[C.L_FACTOR_DTYPE] = "bfloat16" if bf16 else "float32"
+                g.attrs[C.L_FACTOR_DTYPE] = fdt
                 pair = []
                 for name, rows in ((C.L_U, layer.k_out), (C.L_V, layer.k_in)):
                     pair.append(
@@ -216,13 +253,24 @@ class StoreWriter:
                             name,
                             shape=(0, rows, rank),
                             maxshape=(None, rows, rank),
-                            dtype="u2" if bf16 else "f4",
+                            dtype=_FACTOR_STORAGE[fdt],
                             chunks=(_chunk_rows(rows * rank), rows, rank),
                             compression=compression,
                             fletcher32=True,
                         )
                     )
-                self._sketch_ds.append((pair[0], pair[1], layer.k_out, bf16))
+                if fdt == "int8":
+                    pair.append(
+                        g.create_dataset(
+                            C.L_SCALE,
+                            shape=(0,),
+                            maxshape=(None,),
+                            dtype="f4",
+                            chunks=(16384,),
+                            fletcher32=True,
+                        )
+                    )
+                self._sketch_ds.append((pair, layer.k_out, fdt))
             else:
                 shape = tuple(layer.record_shape)
                 self._sketch_ds.append(
@@ -298,15 +346,10 @@ class StoreWriter:
         with self._lock:
             n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
             for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
-                if isinstance(ds, tuple):  # (U, V, k_out, bf16): arr is (n, k_out + k_in, r)
-                    ds_u, ds_v, k_out, bf16 = ds
-                    u, v = arr[:, :k_out], arr[:, k_out:]
-                    if bf16:
-                        u, v = bf16_bits(u), bf16_bits(v)
-                        ru, rv = from_bf16_bits(u), from_bf16_bits(v)
-                    else:
-                        ru, rv = u, v
-                    for d, val in ((ds_u, u), (ds_v, v)):
+                if isinstance(ds, tuple):  # ([U, V(, scale)], k_out, dtype); arr (n, ko + ki, r)
+                    pair, k_out, fdt = ds
+                    vals, ru, rv = encode_factors(arr[:, :k_out], arr[:, k_out:], fdt)
+                    for d, val in zip(pair, vals, strict=True):
                         d.resize(n0 + n, axis=0)
                         d[n0 : n0 + n] = val
                     # ||U V^T||_F^2 = sum((U^T U) * (V^T V)) of what is stored
@@ -323,7 +366,7 @@ class StoreWriter:
             self.n_records = n0 + n
             self._f.attrs["n_records"] = self.n_records
             for i, ds in enumerate(self._sketch_ds):
-                group = ds[0].parent if isinstance(ds, tuple) else ds.parent
+                group = ds[0][0].parent if isinstance(ds, tuple) else ds.parent
                 group.attrs[C.L_SQNORM] = self._sq_norm[i]
             self._f.flush()
 
@@ -627,10 +670,16 @@ class Store:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         stop = self.n_records if stop is None else min(stop, self.n_records)
         g = self._f[info.group]
-        u, v = _damaged(self, info, lambda: (g[C.L_U][start:stop], g[C.L_V][start:stop]))
-        if info.factor_dtype == "bfloat16":
-            return from_bf16_bits(u), from_bf16_bits(v)
-        return u, v
+        u, v, sc = _damaged(
+            self,
+            info,
+            lambda: (
+                g[C.L_U][start:stop],
+                g[C.L_V][start:stop],
+                g[C.L_SCALE][start:stop] if C.L_SCALE in g else None,
+            ),
+        )
+        return decode_factors(u, v, info.factor_dtype, sc)
 
     def sketches_at(self, layer: int, records: np.ndarray) -> np.ndarray:
         """Like :meth:`sketches` for a sorted array of record numbers."""
@@ -648,12 +697,16 @@ class Store:
         if not info.rank:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         g = self._f[info.group]
-        u, v = _damaged(
-            self, info, lambda: (_rows_at(g[C.L_U], records), _rows_at(g[C.L_V], records))
+        u, v, sc = _damaged(
+            self,
+            info,
+            lambda: (
+                _rows_at(g[C.L_U], records),
+                _rows_at(g[C.L_V], records),
+                _rows_at(g[C.L_SCALE], records) if C.L_SCALE in g else None,
+            ),
         )
-        if info.factor_dtype == "bfloat16":
-            return from_bf16_bits(u), from_bf16_bits(v)
-        return u, v
+        return decode_factors(u, v, info.factor_dtype, sc)
 
     def records(self) -> dict[str, np.ndarray]:
         g = self._f[C.G_RECORDS]
