@@ -298,6 +298,55 @@ def read_lds(cfg: AppConfig) -> list[tuple[str, dict, pl.DataFrame]]:
     return out
 
 
+def measured_configurations() -> pl.DataFrame:
+    """The measured quality, overhead and bytes of the tracking configurations (empty when the
+    table is absent), with the Pareto front marked: what the Launch page shows before a run."""
+    from traceprop_engine.errors import ConfigError
+    from traceprop_engine.evaluate.pareto import front, load_measured
+
+    try:
+        sets, rows = load_measured()
+    except ConfigError:
+        return pl.DataFrame()
+    on_front = {r.name for r in front(rows)}
+    return pl.DataFrame(
+        [
+            {
+                "configuration": r.name + (" (default)" if r.default else ""),
+                **{f"LDS {d}": round(r.lds[d], 3) for d in sets},
+                "mean LDS": round(r.lds_mean, 3),
+                "overhead %": round(r.overhead_pct, 1),
+                "bytes / example": int(r.bytes_per_example),
+                "on the front": r.name in on_front,
+            }
+            for r in sorted(rows, key=lambda r: -r.lds_mean)
+        ]
+    )
+
+
+def assess_configuration(spec: LaunchSpec) -> str:
+    """One sentence on the measured quality of a Launch configuration (or that it was not
+    measured), saying when another measured configuration dominates it."""
+    from traceprop_engine.evaluate.pareto import assess
+
+    track = {**TrackSettings().to_dict(), "k_in": spec.k_in, "k_out": spec.k_out}
+    track["rank"] = spec.rank
+    hit = assess(track)
+    if hit is None:
+        return (
+            f"k_in={spec.k_in}, k_out={spec.k_out}, rank={spec.rank}: not measured "
+            "(benchmarks/EVAL.md lists the measured configurations)"
+        )
+    m = hit["measured"]
+    text = (
+        f"{m.name}: mean LDS {m.lds_mean:.2f}, overhead {m.overhead_pct:+.1f} %, "
+        f"{m.bytes_per_example:.0f} bytes per example (measured, benchmarks/EVAL.md)"
+    )
+    if hit["dominated_by"]:
+        text += ". Dominated by: " + ", ".join(hit["dominated_by"])
+    return text
+
+
 def step_times(run_dir: Path) -> pl.DataFrame:
     """Per-step wall time (ms) of a run: from the store's timings, else from progress.jsonl."""
     from traceprop_engine.store import Store

@@ -117,6 +117,55 @@ def test_sigterm_cancels_a_cli_run(data, tmp_path):
     assert store.status == "cancelled" and store.n_records > 0
 
 
+def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
+    """A run killed with SIGKILL (no handler runs: OOM killer, preempted node) leaves a store
+    that opens, says it is partial, and holds every record flushed before the kill; the run
+    then lists as failed and its records can be indexed and queried."""
+    from traceprop_engine.query import IndexSettings, open_run
+
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "traceprop_engine",
+        "train",
+        "--data",
+        str(data / "train"),
+        "--out",
+        str(out),
+        "--epochs",
+        "50",
+        "--tiny-layers",
+        "1",
+        "--tiny-width",
+        "32",
+        "--tiny-vocab",
+        "300",
+        "--max-length",
+        "48",
+        "--threads",
+        "1",
+        "--buffer-records",
+        "16",  # a flush every 2 steps
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and len(read_progress(out)) < 6:
+        time.sleep(0.2)
+    assert len(read_progress(out)) >= 6, "the run never made progress"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    with Store(out / "store.h5") as store:
+        assert store.status == "running" and store.is_partial  # nobody could mark it
+        assert store.n_records >= 16 and store.n_records % 8 == 0
+        assert np.all(np.isfinite(store.sketches(0)))
+    run = open_run(out)
+    run.index(IndexSettings(preconditioner="identity"))  # the flushed records are usable
+    assert run.store.n_records >= 16
+
+
 def test_existing_run_is_not_overwritten(data, tmp_path):
     train(fast_settings(data, tmp_path / "r"))
     with pytest.raises(RunError, match="already holds a run"):

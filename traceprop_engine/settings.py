@@ -82,7 +82,8 @@ class TrackSettings:
             per-token projection), then projected per example (``P_out u``, ``P_in v``): the
             per-token cost does not grow with k. ``sketch``: project every token to k and
             factor the ``k_out × k_in`` sketch (cost grows with k).
-        power_iters: power iterations of ``factor_space='full'``.
+        power_iters: power iterations of ``factor_space='full'``; 0 = half a step (the
+            projection of ``G`` on ``Σ_t g_t`` from the left: two batched products, not four).
         covariance_stride: with ``factor_space='full'``, the K-FAC statistics ``A``, ``S`` are
             accumulated over every ``covariance_stride``-th token (a rotating offset), which
             keeps their per-token projections cheap; 1 = every token.
@@ -101,7 +102,7 @@ class TrackSettings:
     factor_dtype: FactorDtype = FactorDtype.INT8
     factor_space: FactorSpace = FactorSpace.FULL
     power_iters: int = 1
-    covariance_stride: int = 8
+    covariance_stride: int = 32
     seed: int = 0
     buffer_records: int = 2048
 
@@ -113,6 +114,14 @@ class TrackSettings:
         object.__setattr__(
             self, "factor_space", parse_choice(FactorSpace, self.factor_space, "factor_space")
         )
+        if (
+            isinstance(self.power_iters, bool)
+            or not isinstance(self.power_iters, int)
+            or self.power_iters < 0
+        ):
+            raise ConfigError(
+                f"power_iters must be a non-negative integer (0 = half a step), got {self.power_iters!r}"
+            )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(
                 f"rank must be a non-negative integer (0 = store full sketches), got {self.rank!r}"
@@ -123,7 +132,6 @@ class TrackSettings:
             "dense_k",
             "dense_nnz",
             "buffer_records",
-            "power_iters",
             "covariance_stride",
         ):
             v = getattr(self, name)

@@ -132,11 +132,13 @@ def full_factors(
 
     Args:
         a: (B, T, d_in) layer inputs; g: (B, T, d_out) output gradients (float32).
-        rank: ``r``; iters: iterations (≥ 1).
+        rank: ``r``; iters: iterations; ``0`` is half a step: ``u`` = the orthonormalised
+            start, ``v = Gᵀ u`` (so ``u vᵀ = u uᵀ G``, the projection of ``G`` on the start's
+            span; two batched products instead of four).
 
     Returns:
         ``u`` (B, d_out, r) = ``G v`` (singular values folded in) and ``v`` (B, d_in, r) with
-        orthonormal columns; ``u vᵀ = G v vᵀ``, exact when ``v`` spans ``G``'s row space (e.g.
+        orthonormal columns (``iters = 0``: the other way round); ``u vᵀ = G v vᵀ``, exact when ``v`` spans ``G``'s row space (e.g.
         ``r ≥ T`` after one iteration).
     """
     b, t, _ = g.shape
@@ -148,7 +150,10 @@ def full_factors(
         w[:, 0] = 1.0
         u = torch.matmul(g.transpose(1, 2), w.to(g.device, g.dtype))  # (B, d_out, r)
     gt, at = g.transpose(1, 2), a.transpose(1, 2)
-    for _ in range(max(1, iters)):
+    if iters == 0:  # half a step: project G on the start from the left, U Vᵀ = û ûᵀ G
+        u = _orthonormal(u)  # (B, d_out, r)
+        return u, torch.bmm(at, torch.bmm(g, u))  # V = Gᵀ û carries the singular values
+    for _ in range(iters):
         v = _orthonormal(torch.bmm(at, torch.bmm(g, u)))  # (B, d_in, r): Gᵀ u, normalised
         u = torch.bmm(gt, torch.bmm(a, v))  # (B, d_out, r): G v
     return u, v

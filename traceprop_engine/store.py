@@ -213,7 +213,10 @@ class StoreWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".h5.tmp")
-        self._f = h5py.File(tmp, "w", libver="latest")
+        # v110 at most: "latest" (superblock v3) marks the file open-for-write in its header, and
+        # after a SIGKILL (OOM killer, preempted node) no reader could open it again; with
+        # superblock v2 the first n_records records (flushed) stay readable
+        self._f = h5py.File(tmp, "w", libver=("earliest", "v110"))
         os.replace(tmp, self.path)  # the open handle follows the rename (same filesystem)
         f = self._f
         f.attrs["format"] = C.STORE_FORMAT

@@ -111,6 +111,17 @@ with st.form("launch_form"):
     )
     sketch = c5.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
     covariance = c6.checkbox("K-FAC covariance", True, key="launch_cov")
+    with st.expander("Measured quality, overhead and bytes of tracking configurations"):
+        table = services.measured_configurations()
+        if table.is_empty():
+            st.caption("No measured table (benchmarks/results/pareto.json) in this checkout.")
+        else:
+            st.dataframe(table, hide_index=True)
+            st.caption(
+                "LDS: linear datamodeling score on two held-out data sets (higher is better); "
+                "overhead: extra time per training step on the default tiny model, CPU; a "
+                "configuration is on the front when no other one is better on all three."
+            )
     name = st.text_input("Run name (optional)", key="launch_name")
     submitted = st.form_submit_button("Start training", type="primary")
 
@@ -169,6 +180,8 @@ with st.form("launch_form"):
                 else:
                     st.session_state["launch_run"] = str(job.run_dir)
                     st.success(services.md_escape(f"Started {job.run_dir.name}"))
+                    note = services.assess_configuration(spec)
+                    (st.warning if "Dominated by" in note else st.info)(services.md_escape(note))
         for e in errors:
             st.error(services.md_escape(e))
 

@@ -292,3 +292,15 @@ def test_md_escape_neutralises_markup():
     assert (
         s.replace("\\", "") == "[click](javascript:alert(1)) **bold** <b>x</b> my_file.jsonl `code`"
     )
+
+
+def test_measured_configurations_and_the_launch_assessment(tmp_path):
+    import polars as pl
+
+    table = services.measured_configurations()
+    assert table.height >= 4 and table["on the front"].any()
+    default = table.filter(pl.col("configuration").str.ends_with("(default)"))
+    assert default.height == 1 and default["bytes / example"][0] <= 4400
+    assert "mean LDS" in services.assess_configuration(services.LaunchSpec(data=tmp_path))
+    odd = services.LaunchSpec(data=tmp_path, k_in=5, k_out=7)
+    assert "not measured" in services.assess_configuration(odd)

@@ -1,0 +1,62 @@
+"""The measured-configurations table: loading, the Pareto front, matching a configuration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.evaluate.pareto import Measured, assess, front, load_measured
+from traceprop_engine.settings import TrackSettings
+
+
+def _table(tmp_path, rows):
+    p = tmp_path / "pareto.json"
+    p.write_text(json.dumps({"datasets": ["a", "b"], "configurations": rows}))
+    return p
+
+
+def _row(name, lds, ovh, b, **track):
+    return {
+        "name": name,
+        "track": track,
+        "lds": {"a": lds, "b": lds},
+        "overhead_pct": ovh,
+        "bytes_per_example": b,
+    }
+
+
+def test_front_and_dominance(tmp_path):
+    p = _table(
+        tmp_path,
+        [
+            _row("cheap", 0.3, 2.0, 1000, k_in=8, k_out=8, rank=0),
+            _row("good", 0.7, 10.0, 1000, k_in=64, k_out=64, rank=1),
+            _row("worse", 0.6, 12.0, 1000, k_in=32, k_out=32, rank=1),
+        ],
+    )
+    sets, rows = load_measured(p)
+    assert sets == ["a", "b"] and {r.name for r in front(rows)} == {"cheap", "good"}
+    hit = assess({"k_in": 32, "k_out": 32, "rank": 1}, p)
+    assert hit["measured"].name == "worse" and hit["dominated_by"] == ["good"]
+    assert assess({"k_in": 8, "k_out": 8, "rank": 0}, p)["dominated_by"] == []
+    assert assess({"k_in": 5, "k_out": 5, "rank": 1}, p) is None
+    assert Measured("x", {}, {"a": 1.0}, 1.0, 1.0).lds_mean == 1.0
+
+
+def test_bad_table_is_a_clear_error(tmp_path):
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="cannot read the measured configurations"):
+        load_measured(tmp_path / "bad.json")
+    assert assess({"k_in": 8}, tmp_path / "missing.json") is None
+
+
+def test_the_committed_table_has_the_default_on_the_front():
+    sets, rows = load_measured()
+    assert len(sets) >= 2  # never a default from one data set
+    (default,) = [r for r in rows if r.default]
+    d = TrackSettings()
+    assert default.track["k_in"] == d.k_in and default.track["rank"] == d.rank
+    assert default.name in {r.name for r in front(rows)}
+    assert default.bytes_per_example <= 4380  # no more than the former default's bytes

@@ -1,0 +1,100 @@
+"""Quality per byte per FLOP of tracking configurations: the measured table and its Pareto front.
+
+The table (``benchmarks/results/pareto.json``, written by hand from measured runs: each entry
+names the commands that produced its numbers) holds per configuration the LDS on each data set,
+the training-step overhead and the bytes per example. The app's Launch page shows it and warns
+when a chosen configuration is dominated; ``benchmarks/pareto.py`` renders it for EVAL.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+PARETO_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "pareto.json"
+MATCH_KEYS = ("k_in", "k_out", "rank", "factor_space", "factor_dtype")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured configuration."""
+
+    name: str
+    track: dict
+    lds: dict
+    overhead_pct: float
+    bytes_per_example: float
+    default: bool = False
+
+    @property
+    def lds_mean(self) -> float:
+        return sum(self.lds.values()) / len(self.lds)
+
+    def dominated_by(self, other: Measured) -> bool:
+        """``other`` is at least as good on LDS, overhead and bytes, and better on one."""
+        ge = (
+            other.lds_mean >= self.lds_mean
+            and other.overhead_pct <= self.overhead_pct
+            and other.bytes_per_example <= self.bytes_per_example
+        )
+        gt = (
+            other.lds_mean > self.lds_mean
+            or other.overhead_pct < self.overhead_pct
+            or other.bytes_per_example < self.bytes_per_example
+        )
+        return ge and gt
+
+
+def load_measured(path: str | Path = PARETO_FILE) -> tuple[list[str], list[Measured]]:
+    """``(data set names, configurations)`` of a measured table.
+
+    Raises:
+        ConfigError: the file is missing or not a table of this shape.
+    """
+    p = Path(path)
+    try:
+        spec = json.loads(p.read_text())
+        sets = list(spec["datasets"])
+        rows = [
+            Measured(
+                name=str(r["name"]),
+                track=dict(r["track"]),
+                lds={d: float(r["lds"][d]) for d in sets},
+                overhead_pct=float(r["overhead_pct"]),
+                bytes_per_example=float(r["bytes_per_example"]),
+                default=bool(r.get("default", False)),
+            )
+            for r in spec["configurations"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot read the measured configurations {p}: {e}") from e
+    return sets, rows
+
+
+def front(rows: list[Measured]) -> list[Measured]:
+    """The configurations no other one dominates."""
+    return [r for r in rows if not any(r.dominated_by(o) for o in rows if o is not r)]
+
+
+def assess(track: dict, path: str | Path = PARETO_FILE) -> dict | None:
+    """The measured figures of the configuration ``track`` describes, and what dominates it.
+
+    Args:
+        track: tracking settings (``TrackSettings.to_dict()`` or the Launch form's values).
+
+    Returns:
+        None when that configuration was not measured, else ``{"measured": Measured,
+        "dominated_by": [names]}``.
+    """
+    try:
+        _, rows = load_measured(path)
+    except ConfigError:
+        return None
+    want = {k: str(track.get(k)) for k in MATCH_KEYS if k in track}
+    for r in rows:
+        if all(str(r.track.get(k)) == v for k, v in want.items() if k in r.track):
+            return {"measured": r, "dominated_by": [o.name for o in rows if r.dominated_by(o)]}
+    return None
