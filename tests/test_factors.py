@@ -154,9 +154,11 @@ def _record(tmp_path, model, settings):
     return Store(tmp_path / "store.h5"), ids, labels, lengths
 
 
-def test_full_space_factors_exact_when_rank_covers_the_tokens(tmp_path):
-    """factor_space='full', r >= T: one power iteration spans G's row space, so U Vᵀ is the
-    exact projected sketch P_out G P_inᵀ of the autograd gradient (padding included)."""
+@pytest.mark.parametrize("iters", [0, 1])
+def test_full_space_factors_exact_when_rank_covers_the_tokens(tmp_path, iters):
+    """factor_space='full', r >= T: one power iteration spans G's row space (half a step: its
+    column space), so U Vᵀ is the exact projected sketch P_out G P_inᵀ of the autograd
+    gradient (padding included)."""
     model = tiny_neox()
     settings = TrackSettings(k_in=5, k_out=7, rank=11, factor_dtype="float32", power_iters=1)
     store, ids, labels, lengths = _record(tmp_path, model, settings)
@@ -164,7 +166,7 @@ def test_full_space_factors_exact_when_rank_covers_the_tokens(tmp_path):
     assert all(layer.full_factor and layer.rank == 5 for layer in layers)  # clamped to min(k)
     # rank 5 < T: check instead with k >= widths (no projection) and r >= T = 11
     settings = TrackSettings(
-        k_in=10_000, k_out=10_000, rank=11, factor_dtype="float32", power_iters=1
+        k_in=10_000, k_out=10_000, rank=11, factor_dtype="float32", power_iters=iters
     )
     store, ids, labels, lengths = _record(tmp_path / "exact", model, settings)
     layers = build_layers(model, settings)
@@ -224,9 +226,9 @@ def test_full_space_default_captures_the_top_direction(tmp_path):
 
 
 @pytest.mark.parametrize("stride", [1, 3])
-def test_full_space_covariance_over_every_nth_token(stride):
-    """factor_space='full': A and S are the hand-computed projected token sums over the tokens
-    at positions offset, offset + stride, ... of the flattened batch (padding excluded from A)."""
+def test_full_space_covariance_from_every_nth_batch(stride):
+    """factor_space='full': A and S are the hand-computed projected token sums of batches
+    1, 1 + stride, ... (padding excluded from A); the batches in between add nothing."""
     from traceprop_engine.capture import Capture
 
     model = tiny_neox()
@@ -235,32 +237,41 @@ def test_full_space_covariance_over_every_nth_token(stride):
     )
     (layer,) = layers = build_layers(model, settings)
     assert layer.full_factor
-    ids, mask, labels, _ = causal_batch(2)
-    seen = {}
+    seen = []
 
     def spy(module, inputs, output):
-        seen["a"] = inputs[0].detach()
-        output.register_hook(lambda g: seen.update(g=g.detach()))
+        rec = {"a": inputs[0].detach()}
+        seen.append(rec)
+        output.register_hook(lambda g: rec.update(g=g.detach()))
 
     h1 = layer.module.register_forward_hook(spy)
-    slots = [torch.zeros(3, *layer.record_shape)]
+    batches = [causal_batch(2), causal_batch(3)]
     try:
-        with Capture(model, layers) as cap, cap.batch(slots, token_mask=mask, loss_scale=3):
-            causal_lm_losses(
-                model(input_ids=ids, attention_mask=mask).logits, labels
-            ).mean().backward()
+        with Capture(model, layers) as cap:
+            for ids, mask, labels, _ in batches:
+                slots = [torch.zeros(3, *layer.record_shape)]
+                with cap.batch(slots, token_mask=mask, loss_scale=3):
+                    causal_lm_losses(
+                        model(input_ids=ids, attention_mask=mask).logits, labels
+                    ).mean().backward()
     finally:
         h1.remove()
-    off = cap._batches % stride  # the offset this batch used
-    a = (seen["a"].double() @ layer.P_in.double().T).flatten(0, 1)[off::stride]
-    g = (3 * seen["g"].double() @ layer.P_out.double().T).flatten(0, 1)[off::stride]
-    m = mask.bool().flatten()[off::stride]
-    A = a[m].T @ a[m]
-    S = g.T @ g
+    A = torch.zeros(4, 4, dtype=torch.float64)
+    S = torch.zeros(5, 5, dtype=torch.float64)
+    n = 0
+    for i, ((_, mask, _, _), rec) in enumerate(zip(batches, seen, strict=True)):
+        if i % stride:
+            continue
+        a = (rec["a"].double() @ layer.P_in.double().T).flatten(0, 1)
+        g = (3 * rec["g"].double() @ layer.P_out.double().T).flatten(0, 1)
+        m = mask.bool().flatten()
+        A += a[m].T @ a[m]
+        S += g.T @ g
+        n += int(m.sum())
     cov = cap.covariance_arrays()[0]
     np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cov["S"], S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
-    assert cov["n_tokens"] == int(m.sum())
+    assert cov["n_tokens"] == n
 
 
 def test_int8_factors_round_trip_within_quantisation(tmp_path):

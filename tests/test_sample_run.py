@@ -71,5 +71,12 @@ def test_rank_puts_the_planted_rumours_first(tmp_path):
         df = pl.read_csv(out)
         assert df.height == open_run(SAMPLE).manifest["data"]["n_train"]
         assert list(df["rank"][:3]) == [1, 2, 3]
-        # 6 rumours among 154 rows: at random about 0.2 would land in the top 5
-        assert (df["source"][:5] == "rumours.jsonl").sum() >= 2, df.head(5)
+        rumours = df.filter(pl.col("source") == "rumours.jsonl")["rank"]
+        if by == "loss":
+            # 6 rumours among 154 rows: at random about 0.2 would land in the top 5
+            assert (df["source"][:5] == "rumours.jsonl").sum() >= 2, df.head(5)
+        else:
+            # self-influence from rank-1 records is a weaker detector than the loss (measured:
+            # rumour ranks 3, 15, 16, 21, 101, 109): one in the top 5, the mean rank well
+            # above a random row's (77.5)
+            assert rumours.min() <= 5 and rumours.mean() < 60, rumours.to_list()

@@ -159,7 +159,7 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     p.wait(timeout=30)
     with Store(out / "store.h5") as store:
         assert store.status == "running" and store.is_partial  # nobody could mark it
-        assert store.n_records >= 16 and store.n_records % 8 == 0
+        assert store.n_records >= 16
         assert np.all(np.isfinite(store.sketches(0)))
     run = open_run(out)
     run.index(IndexSettings(preconditioner="identity"))  # the flushed records are usable

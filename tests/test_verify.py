@@ -155,9 +155,9 @@ def test_recorded_files_that_are_gone_fail(run):
     assert not rep["ok"] and len(missing) == len(m["data"]["eval_files"]) >= 1
 
 
-def test_the_sample_store_without_a_digest_reads_as_unchecked():
+def test_the_committed_sample_verifies_with_its_digest():
     from traceprop_engine.sample_run import default_root
 
     rep = verify_run(default_root() / "facts")
-    assert rep["ok"] and rep["store"]["status"] == "unchecked"
+    assert rep["ok"] and rep["store"]["status"] == "ok"
     assert np.all([x["status"] == "ok" for x in rep["files"]])

@@ -370,15 +370,16 @@ class Capture:
             slot[:, :k_out].copy_(u.mul_(scale))
             slot[:, k_out:].copy_(v)
         layer._fired = True
-        if layer.S is not None and self.covariance:
-            self._covariance_strided(layer, a, g, scale)
+        # K-FAC statistics from every cov_stride-th batch (the first included): all of that
+        # batch's tokens, so sparse gradients (a classifier's one pooled token, a short
+        # completion) are seen as they are
+        if layer.S is not None and self.covariance and (self._batches - 1) % layer.cov_stride == 0:
+            self._covariance_projected(layer, a, g, scale)
 
-    def _covariance_strided(self, layer: TrackedLayer, a, g, scale: float) -> None:
-        """``A``, ``S`` over every ``cov_stride``-th token (rotating offset), projected."""
-        st = layer.cov_stride
-        off = self._batches % st
-        a2 = a.flatten(0, 1)[off::st]  # (N/st, d_in)
-        g2 = g.flatten(0, 1)[off::st]
+    def _covariance_projected(self, layer: TrackedLayer, a, g, scale: float) -> None:
+        """``A``, ``S`` of one batch's tokens, projected."""
+        a2 = a.flatten(0, 1)  # (N, d_in)
+        g2 = g.flatten(0, 1)
         if layer._P_in_T is not None:
             a2 = torch.matmul(a2, layer._P_in_T.float())  # (N/st, k_in)
         if layer._P_out_T is not None:
@@ -386,9 +387,8 @@ class Capture:
         layer.S.addmm_(g2.T, g2, alpha=scale * scale)  # padded tokens have g = 0
         mask = self._mask
         if mask is not None and mask.shape[1] == a.shape[1]:
-            m2 = mask.flatten(0, 1)[off::st]  # (N/st, 1)
-            layer.A.addmm_((a2 * m2).T, a2)
-            layer.a_tokens += m2.sum(dtype=torch.float64)
+            layer.A.addmm_((a2 * mask.flatten(0, 1)).T, a2)
+            layer.a_tokens += self._n_tokens
         else:
             layer.A.addmm_(a2.T, a2)
             layer.a_rows += a2.shape[0]

@@ -50,10 +50,11 @@ class TrackSettings:
     """What the capture hooks record.
 
     The defaults come from the LDS, overhead and bytes measurements in benchmarks/EVAL.md:
-    rank-1 factors of the full per-example gradient (one power iteration in the backward hook,
-    whose cost does not depend on k), projected per example to k = 126 per side and stored as
-    int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per layer and record, the bytes of
-    the former default (a full 8 × 8 float32 sketch), at 0.2–0.45 higher LDS.
+    a rank-1 approximation of the full per-example gradient, ``û ûᵀ G`` with ``û`` the
+    example's summed output gradient ``Σ_t g_t`` (half a power-iteration step in the backward
+    hook: two batched products, whatever k is), projected per example to k = 126 per side and
+    stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per layer and record, the
+    bytes of the former default (a full 8 × 8 float32 sketch), at 0.16–0.37 higher LDS.
 
     Args:
         scope: ``"all"`` (every trainable linear layer), ``"last-block"`` (the trainable linear
@@ -85,8 +86,8 @@ class TrackSettings:
         power_iters: power iterations of ``factor_space='full'``; 0 = half a step (the
             projection of ``G`` on ``Σ_t g_t`` from the left: two batched products, not four).
         covariance_stride: with ``factor_space='full'``, the K-FAC statistics ``A``, ``S`` are
-            accumulated over every ``covariance_stride``-th token (a rotating offset), which
-            keeps their per-token projections cheap; 1 = every token.
+            accumulated over every ``covariance_stride``-th batch (the first included, all its
+            tokens), which keeps their per-token projections cheap; 1 = every batch.
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
@@ -101,7 +102,7 @@ class TrackSettings:
     rank: int = 1
     factor_dtype: FactorDtype = FactorDtype.INT8
     factor_space: FactorSpace = FactorSpace.FULL
-    power_iters: int = 1
+    power_iters: int = 0
     covariance_stride: int = 32
     seed: int = 0
     buffer_records: int = 2048

@@ -269,7 +269,7 @@ class StoreWriter:
                             shape=(0,),
                             maxshape=(None,),
                             dtype="f4",
-                            chunks=(16384,),
+                            chunks=(_chunk_rows(layer.k_out * rank),),  # as U's chunks
                             fletcher32=True,
                         )
                     )

@@ -139,7 +139,8 @@ def test_overhead_reads_bench_json(app_env):
                 "bytes_per_example": 2304.0,
                 "repeats": 5,
                 "pair_overheads_pct": [4.0, 4.4],
-                "config": {"k_in": 8, "k_out": 8, "sketch": "factored", "scope": "all"},
+                # the sample's tracking configuration (the default)
+                "config": {"k_in": 126, "k_out": 126, "sketch": "factored", "scope": "all"},
             }
         )
     )

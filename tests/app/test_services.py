@@ -38,7 +38,7 @@ def test_runs_table_lists_the_sample(cfg):
     assert row["records"] == m["store"]["n_records"]
     assert row["examples"] == m["data"]["n_train"]
     assert row["tracked layers"] == len(m["tracking"]["layers"])
-    assert row["k"] == "8x8"
+    assert row["k"] == "126x126"  # the default tracking configuration
 
 
 def test_active_run_defaults_to_sample_and_survives_deletion(cfg):
