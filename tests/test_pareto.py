@@ -61,3 +61,18 @@ def test_the_committed_table_has_the_default_on_the_front():
     assert default.name in {r.name for r in front(rows)}
     # no more than the former default's bytes (4380 measured; 1 byte of chunk rounding)
     assert default.bytes_per_example <= 4380 * 1.001
+
+
+def test_describe_names_the_measured_quality_of_a_run_configuration(tmp_path):
+    from traceprop_engine.cli import main
+    from traceprop_engine.evaluate.pareto import describe
+    from traceprop_engine.sample_run import default_root
+
+    assert "measured (benchmarks/EVAL.md): LDS" in describe(TrackSettings().to_dict())
+    assert "not measured" in describe({"k_in": 5, "k_out": 7, "rank": 1})
+    assert "none recorded" in describe(None)
+    p = _table(
+        tmp_path, [_row("cheap", 0.3, 2.0, 1000, k_in=8), _row("good", 0.7, 1.0, 900, k_in=9)]
+    )
+    assert "dominated by good" in describe({"k_in": 8}, p)
+    assert main(["info", str(default_root() / "facts")]) == 0

@@ -431,6 +431,10 @@ def _cmd_info(a) -> int:
             )
             if st.is_partial:
                 print(f"note: {st.describe_partial()}")
+    from .evaluate.pareto import describe
+
+    cfg = m.get("config") or {}
+    print(describe(cfg.get("track") if isinstance(cfg, dict) else None))
     if m.get("error"):
         print(f"error: {m['error']}")
     return 0

@@ -82,6 +82,32 @@ def front(rows: list[Measured]) -> list[Measured]:
     return [r for r in rows if not any(r.dominated_by(o) for o in rows if o is not r)]
 
 
+def describe(track: dict | None, path: str | Path = PARETO_FILE) -> str:
+    """One line for ``traceprop info`` and the app: the tracking configuration and, when it
+    was measured, its LDS per data set, overhead and bytes (and what dominates it)."""
+    if not track:
+        return "tracking: none recorded in run.json"
+    cfg = ", ".join(
+        f"{k}={track[k]}"
+        for k in ("k_in", "k_out", "rank", "factor_space", "factor_dtype")
+        if k in track
+    )
+    hit = assess(track, path)
+    if hit is None:
+        return (
+            f"tracking: {cfg} (quality of this configuration not measured; see benchmarks/EVAL.md)"
+        )
+    m = hit["measured"]
+    lds = ", ".join(f"{d} {v:.2f}" for d, v in m.lds.items())
+    text = (
+        f"tracking: {cfg}; measured (benchmarks/EVAL.md): LDS {lds}; overhead "
+        f"{m.overhead_pct:+.1f} %; {m.bytes_per_example:.0f} bytes/example"
+    )
+    if hit["dominated_by"]:
+        text += f"; dominated by {', '.join(hit['dominated_by'])}"
+    return text
+
+
 def assess(track: dict, path: str | Path = PARETO_FILE) -> dict | None:
     """The measured figures of the configuration ``track`` describes, and what dominates it.
 
