@@ -42,15 +42,7 @@ def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
     """Sketch-space factors: the best rank-1 approximation of P_out G P_inᵀ."""
     model = tiny_neox()
     settings = TrackSettings(k_in=8, k_out=8, rank=1, factor_dtype=dtype, factor_space="sketch")
-    ids, mask, labels, lengths = causal_batch()
-    with (
-        Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker,
-        tracker.step([0, 1, 2], padding_mask=mask) as rec,
-    ):
-        losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
-        losses.mean().backward()
-        rec.losses = losses
-    store = Store(tmp_path / "store.h5")
+    store, ids, labels, lengths = _record(tmp_path, model, settings)
     layers = build_layers(model, settings)
 
     def single(b):
@@ -111,15 +103,7 @@ def test_bf16_bits_round_trip():
 def test_bytes_per_record_and_bad_settings(tmp_path):
     model = tiny_neox()
     settings = TrackSettings(k_in=16, k_out=16, rank=1, factor_dtype="bfloat16")
-    ids, mask, labels, _ = causal_batch()
-    with (
-        Tracker(model, tmp_path / "s.h5", settings, background=False) as tracker,
-        tracker.step([0, 1, 2], padding_mask=mask) as rec,
-    ):
-        losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
-        losses.mean().backward()
-        rec.losses = losses
-    store = Store(tmp_path / "s.h5")
+    store, *_ = _record(tmp_path, model, settings)
     assert [layer.bytes_per_record for layer in store.layers] == [2 * 32] * len(store.layers)
     assert store.sketches(0).shape == (3, 16, 16)
     with pytest.raises(ConfigError, match="rank"):

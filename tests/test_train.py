@@ -77,9 +77,9 @@ def test_stop_flag_leaves_a_readable_partial_store(data, tmp_path):
     assert (run / "model" / "model.safetensors").exists()
 
 
-def test_sigterm_cancels_a_cli_run(data, tmp_path):
-    out = tmp_path / "sig"
-    cmd = [
+def _long_train_cmd(data, out, *extra: str) -> list[str]:
+    """A `traceprop train` of 50 epochs on the tiny model: long enough to be stopped."""
+    return [
         sys.executable,
         "-m",
         "traceprop_engine",
@@ -100,7 +100,13 @@ def test_sigterm_cancels_a_cli_run(data, tmp_path):
         "48",
         "--threads",
         "1",
+        *extra,
     ]
+
+
+def test_sigterm_cancels_a_cli_run(data, tmp_path):
+    out = tmp_path / "sig"
+    cmd = _long_train_cmd(data, out)
     p = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -124,30 +130,7 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     from traceprop_engine.query import IndexSettings, open_run
 
     out = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "traceprop_engine",
-        "train",
-        "--data",
-        str(data / "train"),
-        "--out",
-        str(out),
-        "--epochs",
-        "50",
-        "--tiny-layers",
-        "1",
-        "--tiny-width",
-        "32",
-        "--tiny-vocab",
-        "300",
-        "--max-length",
-        "48",
-        "--threads",
-        "1",
-        "--buffer-records",
-        "16",  # a flush every 2 steps
-    ]
+    cmd = _long_train_cmd(data, out, "--buffer-records", "16")  # a flush every 2 steps
     p = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
