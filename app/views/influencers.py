@@ -84,7 +84,19 @@ pre_opts = (
     if run.store.has_covariance or run.store.sketch == "dense"
     else ["identity"]
 )
-pre = c2.selectbox("Preconditioner", pre_opts, key="infl_pre")
+pre = c2.selectbox(
+    "Preconditioner",
+    pre_opts,
+    key="infl_pre",
+    help=(
+        "identity (default): the training gradients as recorded, compared by cosine "
+        "(TracIn along the trajectory; the best on both of our LDS benchmarks). kfac: "
+        "divides out the layer's input and output-gradient covariance (K-FAC), so directions "
+        "every example moves along count less. ekfac: K-FAC with eigenvalues corrected from "
+        "the stored records. Score > 0: the example pushed the model toward this output "
+        "(a proponent); < 0: away from it (an opponent)."
+    ),
+)
 
 if st.button("Find influencers", type="primary", key="infl_go"):
     try:
