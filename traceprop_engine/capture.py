@@ -183,6 +183,18 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
     return layers
 
 
+def _project_factor(x: torch.Tensor, p_t: torch.Tensor | None) -> torch.Tensor:
+    """``(B, d, r)`` factors times ``P`` (given as ``Pᵀ``, ``(d, k)``) -> ``(B, k, r)``: one 2-D
+    GEMM over all examples (a broadcast ``matmul`` would copy ``Pᵀ`` once per example)."""
+    if p_t is None:
+        return x
+    b, d, r = x.shape
+    if p_t.dtype != torch.float32:
+        p_t = p_t.float()
+    y = torch.mm(x.transpose(1, 2).reshape(b * r, d), p_t)  # (B·r, k)
+    return y.view(b, r, -1).transpose(1, 2)
+
+
 class Capture:
     """Owns the hooks on the tracked layers of one model.
 
@@ -355,10 +367,7 @@ class Capture:
             g = g.float()
         scale = self._scale
         u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
-        if layer._P_out_T is not None:
-            u = torch.matmul(u.transpose(1, 2), layer._P_out_T.float()).transpose(1, 2)
-        if layer._P_in_T is not None:
-            v = torch.matmul(v.transpose(1, 2), layer._P_in_T.float()).transpose(1, 2)
+        u, v = _project_factor(u, layer._P_out_T), _project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out
         if layer._fired:  # a layer used twice in one batch: factor the sum of both records

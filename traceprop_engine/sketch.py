@@ -141,19 +141,24 @@ def full_factors(
         orthonormal columns (``iters = 0``: the other way round); ``u vᵀ = G v vᵀ``, exact when ``v`` spans ``G``'s row space (e.g.
         ``r ≥ T`` after one iteration).
     """
+    # Row-vector layout, (B, r, d) @ (B, d, T) and (B, r, T) @ (B, T, d): with the factors as
+    # rows, MKL reads g and a along their contiguous dimension at ~2-4x the rate of the
+    # (B, T, d) x (B, d, r) batched GEMV (measured on 8 x 128 tokens, widths 256-1024).
     b, t, _ = g.shape
     if rank == 1:
-        u = g.sum(1).unsqueeze(-1)  # (B, d_out, 1)
+        ut = g.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
     else:
         gen = torch.Generator(device="cpu").manual_seed(0x5EED + t)
         w = torch.randn(t, rank, generator=gen)
         w[:, 0] = 1.0
-        u = torch.matmul(g.transpose(1, 2), w.to(g.device, g.dtype))  # (B, d_out, r)
+        ut = torch.matmul(w.T.to(g.device, g.dtype), g)  # (B, r, d_out)
     gt, at = g.transpose(1, 2), a.transpose(1, 2)
     if iters == 0:  # half a step: project G on the start from the left, U Vᵀ = û ûᵀ G
-        u = _orthonormal(u)  # (B, d_out, r)
-        return u, torch.bmm(at, torch.bmm(g, u))  # V = Gᵀ û carries the singular values
+        ut = _orthonormal(ut.transpose(1, 2)).transpose(1, 2)  # (B, r, d_out)
+        vt = torch.matmul(torch.matmul(ut, gt), a)  # (B, r, d_in) = (Gᵀ û)ᵀ, the σ's
+        return ut.transpose(1, 2), vt.transpose(1, 2)
     for _ in range(iters):
-        v = _orthonormal(torch.bmm(at, torch.bmm(g, u)))  # (B, d_in, r): Gᵀ u, normalised
-        u = torch.bmm(gt, torch.bmm(a, v))  # (B, d_out, r): G v
-    return u, v
+        vt = torch.matmul(torch.matmul(ut, gt), a)  # (B, r, d_in): (Gᵀ u)ᵀ
+        vt = _orthonormal(vt.transpose(1, 2)).transpose(1, 2)
+        ut = torch.matmul(torch.matmul(vt, at), g)  # (B, r, d_out): (G v)ᵀ
+    return ut.transpose(1, 2), vt.transpose(1, 2)
