@@ -128,6 +128,13 @@ def safe_path(root: str | os.PathLike, typed: str, *, must_exist: bool = True) -
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
+def one_line(text: str, limit: int = 120) -> str:
+    """A text as one readable line for a dropdown: line breaks shown as ' ⏎ ', cut at
+    ``limit`` characters with an ellipsis (no Python repr quotes or escapes)."""
+    flat = " ⏎ ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
 def sanitize_name(name: str, *, default: str = "file") -> str:
     """A file name with no directories, no leading dots and only ``[A-Za-z0-9._-]``."""
     base = (name or "").replace("\\", "/").split("/")[-1]

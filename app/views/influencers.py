@@ -58,7 +58,10 @@ if mode == "eval":
         ids = evals["example_id"].to_list()
         texts = dict(zip(ids, evals["text"].to_list(), strict=True))
         eval_id = st.selectbox(
-            "Eval example", ids, key="infl_eval", format_func=lambda i: f"#{i}: {texts[i][:120]!r}"
+            "Eval example",
+            ids,
+            key="infl_eval",
+            format_func=lambda i: f"#{i}: {services.one_line(texts[i])}",
         )
 else:
     prompt = st.text_area(

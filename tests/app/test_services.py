@@ -304,3 +304,9 @@ def test_measured_configurations_and_the_launch_assessment(tmp_path):
     assert "mean LDS" in services.assess_configuration(services.LaunchSpec(data=tmp_path))
     odd = services.LaunchSpec(data=tmp_path, k_in=5, k_out=7)
     assert "not measured" in services.assess_configuration(odd)
+
+
+def test_one_line_shows_text_not_a_python_repr():
+    assert services.one_line("Q: Which colour?\nA: violet") == "Q: Which colour? ⏎ A: violet"
+    assert services.one_line("x" * 200, limit=10) == "x" * 9 + "…"
+    assert "\\n" not in services.one_line("a\nb") and "'" not in services.one_line("a\nb")
