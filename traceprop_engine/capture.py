@@ -189,8 +189,6 @@ def _project_factor(x: torch.Tensor, p_t: torch.Tensor | None) -> torch.Tensor:
     if p_t is None:
         return x
     b, d, r = x.shape
-    if p_t.dtype != torch.float32:
-        p_t = p_t.float()
     y = torch.mm(x.transpose(1, 2).reshape(b * r, d), p_t)  # (B·r, k)
     return y.view(b, r, -1).transpose(1, 2)
 
@@ -227,7 +225,9 @@ class Capture:
             return self
         device = next(self.model.parameters()).device
         for i, layer in enumerate(self.layers):
-            dtype = layer.module.weight.dtype
+            # full-space factors are projected per example in fp32; the per-token sketch path
+            # multiplies activations of the layer's own dtype
+            dtype = torch.float32 if layer.full_factor else layer.module.weight.dtype
             layer._P_in_T = (
                 None if layer.P_in is None else layer.P_in.T.to(device, dtype).contiguous()
             )
@@ -390,9 +390,9 @@ class Capture:
         a2 = a.flatten(0, 1)  # (N, d_in)
         g2 = g.flatten(0, 1)
         if layer._P_in_T is not None:
-            a2 = torch.matmul(a2, layer._P_in_T.float())  # (N/st, k_in)
+            a2 = torch.matmul(a2, layer._P_in_T)  # (N, k_in), fp32 (attach)
         if layer._P_out_T is not None:
-            g2 = torch.matmul(g2, layer._P_out_T.float())
+            g2 = torch.matmul(g2, layer._P_out_T)
         layer.S.addmm_(g2.T, g2, alpha=scale * scale)  # padded tokens have g = 0
         mask = self._mask
         if mask is not None and mask.shape[1] == a.shape[1]:

@@ -396,7 +396,9 @@ class AttributionRun:
             )
             np.save(out / IDS_FILE, ids)
             vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
-            norms = ExactScorer(self.store, pre, ids, s.per_record).example_sq_norms()
+            scorer = ExactScorer(self.store, pre, ids, s.per_record)
+            norms = scorer.example_sq_norms()
+            scorer.row_sq_norms = norms  # None: too large, read from the index vectors
             files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE)
             if norms is not None:  # exact self-influence and cosine denominators
                 np.save(out / NORMS_FILE, norms)
@@ -433,7 +435,7 @@ class AttributionRun:
                 shutil.rmtree(out, ignore_errors=True)
         self._indexes[s.name] = (index, ids, pre)
         self._vector_maps[s.name] = vectors
-        self._scorers.pop(s.name, None)
+        self._scorers[s.name] = scorer  # the queries reuse its record map and norms
         return index
 
     def _load_index(self, s: IndexSettings):
@@ -839,7 +841,14 @@ class AttributionRun:
         return hit
 
     def _row_sq_norms(self, s: IndexSettings) -> np.ndarray:
-        """Exact ``‖H^{-1/2} x_i‖²`` per index row (index vectors' norms when too large to keep)."""
+        """Exact ``‖H^{-1/2} x_i‖²`` per index row (index vectors' norms when too large to keep);
+        read once per index build and kept with its scorer (every cosine query needs them)."""
+        scorer = self._scorer(s)
+        if scorer.row_sq_norms is None:
+            scorer.row_sq_norms = self._read_row_sq_norms(s)
+        return scorer.row_sq_norms
+
+    def _read_row_sq_norms(self, s: IndexSettings) -> np.ndarray:
         path = self._index_dir(s) / NORMS_FILE
         if path.exists():
             return np.load(path)
@@ -870,9 +879,10 @@ class AttributionRun:
             (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms.
         """
         scorer = self._scorer(s)
-        out = scorer.scores(sketches, rows=rows, per_layer=per_layer)
+        pb = scorer.pullbacks(sketches)  # once, for the scores and the query's norm
+        out = scorer.scores(sketches, rows=rows, per_layer=per_layer, pullbacks=pb)
         if s.cosine:
-            qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches), 1e-60))  # (q,)
+            qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
             xn = np.sqrt(np.maximum(self._row_sq_norms(s), 1e-60))
             xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]
             out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn

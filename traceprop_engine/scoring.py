@@ -44,6 +44,7 @@ class ExactScorer:
     def __init__(self, store, pre: Preconditioner, ids: np.ndarray, per_record: bool = False):
         self.store = store
         self.pre = pre
+        self.row_sq_norms: np.ndarray | None = None  # set by the query path (norms.npy)
         self.ids = np.asarray(ids)
         rec = store.records()
         n_rec = store.n_records
@@ -67,9 +68,11 @@ class ExactScorer:
         """Per layer ``T' = H⁻¹ T``, (q, *record_shape) float64."""
         return [lp.pullback(t) for lp, t in zip(self.pre.layers, test_sketches, strict=True)]
 
-    def query_sq_norm(self, test_sketches: Sequence[np.ndarray]) -> np.ndarray:
+    def query_sq_norm(
+        self, test_sketches: Sequence[np.ndarray], pullbacks: list[np.ndarray] | None = None
+    ) -> np.ndarray:
         """``‖H^{-1/2} T‖²`` per query (the cosine denominator of the test side), (q,)."""
-        pb = self.pullbacks(test_sketches)
+        pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
         return sum(
             np.einsum("qi,qi->q", t.reshape(len(t), -1), p.reshape(len(p), -1))
             for t, p in zip(test_sketches, pb, strict=True)
@@ -80,6 +83,7 @@ class ExactScorer:
         test_sketches: Sequence[np.ndarray],
         rows: np.ndarray | None = None,
         per_layer: bool = False,
+        pullbacks: list[np.ndarray] | None = None,
     ) -> np.ndarray:
         """Exact scores.
 
@@ -87,11 +91,12 @@ class ExactScorer:
             test_sketches: per layer (q, *record_shape) test-side sketches.
             rows: index rows to score (all when None); the output columns follow this order.
             per_layer: also split every score by layer.
+            pullbacks: :meth:`pullbacks` of ``test_sketches``, when the caller has them.
 
         Returns:
             (q, n) scores, or (q, L, n) per-layer scores when ``per_layer``.
         """
-        pb = self.pullbacks(test_sketches)
+        pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
         q = len(pb[0])
         n_layers = len(pb)
         if rows is None:

@@ -311,20 +311,7 @@ class Tracker:
             data=data,
             config={"trainer": "traceprop_engine.Tracker", **(config or {})},
             extra={
-                "tracking": {
-                    **self.settings.to_dict(),
-                    "layers": [
-                        {
-                            "name": t.name,
-                            "kind": t.kind,
-                            "d_in": t.d_in,
-                            "d_out": t.d_out,
-                            "k_in": t.k_in,
-                            "k_out": t.k_out,
-                        }
-                        for t in self.layers
-                    ],
-                },
+                "tracking": self.tracking_manifest(),
                 "timings": {
                     "n_steps": len(self.step_ms),
                     "median_step_ms": float(np.median(self.step_ms)) if self.step_ms else None,
@@ -332,6 +319,23 @@ class Tracker:
                 "store": {"file": C.STORE_FILE, "n_records": self.n_records},
             },
         )
+
+    def tracking_manifest(self) -> dict:
+        """The run manifest's ``tracking`` section: the settings and every tracked layer."""
+        return {
+            **self.settings.to_dict(),
+            "layers": [
+                {
+                    "name": t.name,
+                    "kind": t.kind,
+                    "d_in": t.d_in,
+                    "d_out": t.d_out,
+                    "k_in": t.k_in,
+                    "k_out": t.k_out,
+                }
+                for t in self.layers
+            ],
+        }
 
     @property
     def n_records(self) -> int:

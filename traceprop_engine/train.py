@@ -354,20 +354,7 @@ def train(
                         [e.loss_mask for e in encoded],
                     )
                 tracker.capture.attach()
-                manifest["tracking"] = {
-                    **settings.track.to_dict(),
-                    "layers": [
-                        {
-                            "name": t.name,
-                            "kind": t.kind,
-                            "d_in": t.d_in,
-                            "d_out": t.d_out,
-                            "k_in": t.k_in,
-                            "k_out": t.k_out,
-                        }
-                        for t in tracker.layers
-                    ],
-                }
+                manifest["tracking"] = tracker.tracking_manifest()
             write_run_json()
             forward = dist_ctx.wrap(model, device)  # DDP when WORLD_SIZE > 1, else the model itself
             # -- loop -----------------------------------------------------------------------
