@@ -35,6 +35,23 @@ def test_sample_indexes_are_fresh(monkeypatch):
         assert index.n == len(ids) == run.manifest["data"]["n_train"]
 
 
+def test_sample_manifest_holds_no_absolute_path():
+    text = (SAMPLE / C.MANIFEST_FILE).read_text()
+    assert str(default_root().resolve()) not in text
+    assert not [v for v in _strings(json.loads(text)) if v.startswith("/")]
+
+
+def _strings(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _strings(v)
+    elif isinstance(obj, str):
+        yield obj
+
+
 def test_sample_inputs_verify():
     rep = verify_run(SAMPLE)
     assert rep["ok"], json.dumps(rep, indent=2)

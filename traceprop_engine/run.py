@@ -66,6 +66,21 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
     os.replace(tmp, run_dir / C.MANIFEST_FILE)
 
 
+def relative_paths(obj, run_dir: Path, root: Path):
+    """``obj`` (a manifest) with every absolute path string under ``root`` rewritten relative to
+    ``run_dir``: for a run that travels with its data (the committed sample run), so that no
+    path of the machine that made it is kept. Readers resolve data relative to the run first."""
+    if isinstance(obj, dict):
+        return {k: relative_paths(v, run_dir, root) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [relative_paths(v, run_dir, root) for v in obj]
+    if isinstance(obj, str) and os.path.isabs(obj):
+        p = Path(obj).resolve()
+        if p == root or root in p.parents:
+            return os.path.relpath(p, run_dir.resolve())
+    return obj
+
+
 def read_manifest(run_dir: str | os.PathLike) -> dict:
     """The run's manifest; a run still marked 'running' whose process is gone reads as 'failed'."""
     run_dir = Path(run_dir)

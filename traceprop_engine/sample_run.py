@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .query import IndexSettings, open_run
+from .run import read_manifest, relative_paths, write_manifest
 from .sample_data import generate_sample_data
 from .settings import TrackSettings, TrainSettings
 from .train import train
@@ -61,6 +62,8 @@ def build_sample_run(root: Path | None = None, seed: int = 0) -> Path:
         )
     finally:
         torch.set_num_threads(threads)
+    # committed beside its data: keep no absolute path of the machine that built it
+    write_manifest(run_dir, relative_paths(read_manifest(run_dir), run_dir, root.resolve()))
     run = open_run(run_dir)
     for pc in SAMPLE_PRECONDITIONERS:
         run.index(IndexSettings(preconditioner=pc), rebuild=True)
