@@ -51,6 +51,8 @@ EX_LABEL = "label"
 EX_TOKEN_OFFSETS = "token_offsets"  # (n_examples + 1,) int64 into tokens / loss_mask
 EX_TOKENS = "tokens"  # (total_tokens,) int32
 EX_LOSS_MASK = "loss_mask"  # (total_tokens,) uint8
+# the example table's UTF-8 string columns, in order
+EX_STRING_COLUMNS = (EX_SOURCE, EX_SHA256, EX_SPLIT, EX_TEXT, EX_PROMPT, EX_COMPLETION, EX_LABEL)
 
 REC_EXAMPLE = "example_index"
 REC_STEP = "step"

@@ -995,11 +995,16 @@ class AttributionRun:
         """Mean over an example's records of the raw (unpreconditioned) sketch norm."""
         rec = self.store.records()
         sq = np.zeros(self.store.n_records)
-        for li in range(len(self.store.layers)):
+        for li, info in enumerate(self.store.layers):
             for start in range(0, self.store.n_records, CHUNK):
-                x = self.store.sketches(li, start, start + CHUNK)
-                x = x.reshape(len(x), -1)
-                sq[start : start + len(x)] += np.einsum("ij,ij->i", x, x)
+                if info.rank:  # ‖U Vᵀ‖² = Σ (UᵀU ⊙ VᵀV): no k_out × k_in rebuild
+                    u, v = self.store.factors(li, start, start + CHUNK)
+                    n = np.einsum("nor,nos,nir,nis->n", u, u, v, v, optimize=True)
+                else:
+                    x = self.store.sketches(li, start, start + CHUNK)
+                    x = x.reshape(len(x), -1)
+                    n = np.einsum("ij,ij->i", x, x)
+                sq[start : start + len(n)] += n
         df = pl.DataFrame({"example_id": rec[C.REC_EXAMPLE], "gn": np.sqrt(sq)})
         return df.group_by("example_id").agg(pl.col("gn").mean().alias("gradient_norm"))
 

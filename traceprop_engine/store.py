@@ -322,15 +322,7 @@ class StoreWriter:
         with self._lock:
             g = self._f.require_group(C.G_EXAMPLES)
             n = len(table[C.EX_SOURCE])
-            for col in (
-                C.EX_SOURCE,
-                C.EX_SHA256,
-                C.EX_SPLIT,
-                C.EX_TEXT,
-                C.EX_PROMPT,
-                C.EX_COMPLETION,
-                C.EX_LABEL,
-            ):
+            for col in C.EX_STRING_COLUMNS:
                 vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
                 g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
             g.create_dataset(C.EX_ROW, data=np.asarray(table[C.EX_ROW], dtype=np.int64))
@@ -530,14 +522,8 @@ class Store:
             need += [
                 f"{C.G_EXAMPLES}/{col}"
                 for col in (
-                    C.EX_SOURCE,
+                    *C.EX_STRING_COLUMNS,
                     C.EX_ROW,
-                    C.EX_SHA256,
-                    C.EX_SPLIT,
-                    C.EX_TEXT,
-                    C.EX_PROMPT,
-                    C.EX_COMPLETION,
-                    C.EX_LABEL,
                     C.EX_TOKEN_OFFSETS,
                     C.EX_TOKENS,
                     C.EX_LOSS_MASK,
@@ -760,15 +746,7 @@ class Store:
             return {}
         g = self._f[C.G_EXAMPLES]
         out = {}
-        for col in (
-            C.EX_SOURCE,
-            C.EX_SHA256,
-            C.EX_SPLIT,
-            C.EX_TEXT,
-            C.EX_PROMPT,
-            C.EX_COMPLETION,
-            C.EX_LABEL,
-        ):
+        for col in C.EX_STRING_COLUMNS:
             out[col] = g[col].asstr()[()]
         out[C.EX_ROW] = g[C.EX_ROW][()]
         return out
