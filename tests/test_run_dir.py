@@ -94,11 +94,11 @@ def test_a_held_lock_stops_a_second_train_before_it_writes(data, made):
 def test_two_train_processes_into_one_out(data, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    # Output goes to a file, not an unread pipe: a full pipe would block the first process in
+    # write() so that it could never reach the step boundary where SIGTERM stops it.
+    log = open(tmp_path / "first.log", "wb")  # noqa: SIM115 - closed in finally
     first = subprocess.Popen(
-        _cli_train(data, out, "--epochs", "400"),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        _cli_train(data, out, "--epochs", "400"), env=env, stdout=log, stderr=subprocess.STDOUT
     )
     try:
         deadline = time.monotonic() + 60
@@ -118,7 +118,11 @@ def test_two_train_processes_into_one_out(data, tmp_path):
         assert "Traceback" not in second.stderr
     finally:
         first.send_signal(signal.SIGTERM)
-        first.wait(timeout=60)
+        try:
+            first.wait(timeout=60)
+        finally:
+            first.kill()
+            log.close()
     m = read_manifest(out)
     assert m["run_id"] == run_id and m["status"] == "cancelled"
     steps = [x["step"] for x in read_progress(out)]

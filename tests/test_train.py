@@ -107,16 +107,17 @@ def _long_train_cmd(data, out, *extra: str) -> list[str]:
 def test_sigterm_cancels_a_cli_run(data, tmp_path):
     out = tmp_path / "sig"
     cmd = _long_train_cmd(data, out)
-    p = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
-    deadline = time.time() + 60
-    while time.time() < deadline and len(read_progress(out)) < 2:
-        time.sleep(0.2)
-    assert read_progress(out), "the run never made progress"
-    os.killpg(p.pid, signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err.decode()[-2000:]
+    # stderr goes to a file: an unread pipe fills up and blocks the run inside write().
+    with open(tmp_path / "sig.log", "wb") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and len(read_progress(out)) < 2:
+            time.sleep(0.2)
+        assert read_progress(out), "the run never made progress"
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=60)
+    err = (tmp_path / "sig.log").read_text()
+    assert p.returncode == 130, err[-2000:]
     m = read_manifest(out)
     assert m["status"] == "cancelled" and m["cancel_reason"] == "SIGTERM"
     store = Store(out / "store.h5")

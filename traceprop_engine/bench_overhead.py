@@ -333,10 +333,14 @@ def run_rss_bench(data: str, epochs: int = 1, extra: list[str] | None = None) ->
                 *flags,
                 *(extra or []),
             ]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            _, status, usage = os.wait4(proc.pid, 0)
+            # stderr to a file, not a pipe: nobody reads a pipe during wait4, and a full one
+            # would block the child in write() forever.
+            err_path = Path(tmp) / f"{arm}.stderr"
+            with open(err_path, "wb") as err_file:
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file)
+                _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            err = err_path.read_text(errors="replace")
             if proc.returncode != 0:
                 raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=err[-2000:])
             out[f"{arm}_peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux: KiB
