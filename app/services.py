@@ -26,7 +26,7 @@ import polars as pl
 import streamlit as st
 
 from traceprop_engine import constants as C
-from traceprop_engine import export
+from traceprop_engine.attribution import export
 from traceprop_engine.errors import TracepropError
 from traceprop_engine.run import list_runs, pid_alive, read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings
@@ -175,7 +175,7 @@ def save_uploads(cfg: AppConfig, files: list[tuple[str, bytes]]) -> Path:
 
 def sample_dataset(cfg: AppConfig, kind: str) -> tuple[Path, Path]:
     """The generated facts or classification set under ``runs_root/datasets`` (made once)."""
-    from traceprop_engine import sample_data as sd
+    from traceprop_engine.samples import data as sd
 
     out = cfg.runs_root / DATASETS_DIR / kind
     if kind == "facts":
@@ -356,7 +356,7 @@ def assess_configuration(spec: LaunchSpec) -> str:
 
 def step_times(run_dir: Path) -> pl.DataFrame:
     """Per-step wall time (ms) of a run: from the store's timings, else from progress.jsonl."""
-    from traceprop_engine.store import Store
+    from traceprop_engine.store.hdf5 import Store
 
     store = run_dir / C.STORE_FILE
     if store.exists():
@@ -716,7 +716,7 @@ def manifest_mtime(run_dir: str | os.PathLike) -> float:
 
 @st.cache_resource(max_entries=8, show_spinner="Opening the run…")
 def _open_run(run_dir: str, mtime: float):
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
 
     return open_run(run_dir), threading.Lock()
 
@@ -762,7 +762,7 @@ def run_query(
     preconditioner: str = C.DEFAULT_PRECONDITIONER,
 ):
     """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run)."""
-    from traceprop_engine.query import IndexSettings
+    from traceprop_engine.attribution.query import IndexSettings
 
     run, lock = open_cached(run_dir)
     s = IndexSettings(preconditioner=preconditioner)

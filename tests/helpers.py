@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traceprop_engine.sample_data import generate_sample_data
+from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.settings import TrackSettings, TrainSettings
 
 FAST = dict(

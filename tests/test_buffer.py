@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from traceprop_engine.buffer import SketchBuffer
+from traceprop_engine.capture.buffer import SketchBuffer
 
 
 def _buffer(capacity: int, sink_calls: list) -> SketchBuffer:

@@ -16,8 +16,8 @@ from transformers import (
 )
 
 from traceprop_engine import RunError, Store, Tracker, TrackSettings
-from traceprop_engine.capture import Capture, build_layers
-from traceprop_engine.losses import causal_lm_losses, classification_losses
+from traceprop_engine.capture.hooks import Capture, build_layers
+from traceprop_engine.training.losses import causal_lm_losses, classification_losses
 
 # fp32 round-off over a few hundred accumulated products, relative to the sketch's scale
 RTOL = 1e-4

@@ -10,22 +10,22 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import constants as C
-from traceprop_engine.compact import (
-    FactorStore,
-    compact_store,
-    factor_scores,
-    factorize_chunk,
-    sketch_scores,
-)
-from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
-from traceprop_engine.precondition import (
+from traceprop_engine.attribution.precondition import (
     EkfacMoments,
     LayerStats,
     Preconditioner,
     fit_woodbury,
     truncated_svd,
 )
-from traceprop_engine.store import Store, StoreWriter
+from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
+from traceprop_engine.store.compact import (
+    FactorStore,
+    compact_store,
+    factor_scores,
+    factorize_chunk,
+    sketch_scores,
+)
+from traceprop_engine.store.hdf5 import Store, StoreWriter
 
 RTOL_F64 = 1e-9  # float64 arithmetic on float32-stored factors of the same float32 sketches
 RTOL_F32 = 2e-4  # float32 products vs float64 reference
@@ -366,8 +366,8 @@ def test_woodbury_preconditioner_in_factor_scores(store_path, tests_q, tmp_path)
 
 
 def test_factor_scores_match_the_run_index_on_a_trained_run(tmp_path):
-    from traceprop_engine.query import IndexSettings, open_run
-    from traceprop_engine.train import train
+    from traceprop_engine.attribution.query import IndexSettings, open_run
+    from traceprop_engine.training.loop import train
 
     data = facts_data(tmp_path / "data")
     run_dir = train(fast_settings(data, tmp_path / "r", epochs=2))

@@ -1,4 +1,4 @@
-"""Tests of traceprop_engine.data: real files in every format, lineage, hashes, errors, split."""
+"""Tests of traceprop_engine.training.data: real files in every format, lineage, hashes, errors, split."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from traceprop_engine.data import (
+from traceprop_engine.errors import ConfigError, DataError
+from traceprop_engine.training.data import (
     Example,
     hash_files,
     load_examples,
     sha256_file,
     split_eval,
 )
-from traceprop_engine.errors import ConfigError, DataError
 
 
 def sha(data: bytes) -> str:

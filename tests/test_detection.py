@@ -111,7 +111,7 @@ def test_mislabel_generator_flips_exactly_the_listed_rows(tmp_path):
     for row in gt["mislabelled"]:
         assert rows[row - 1]["completion"].strip() != gt["true_labels"][str(row)]
     # the review texts carry their true sentiment: a flipped row's text reads like its true label
-    from traceprop_engine.sample_data import _CLOSINGS
+    from traceprop_engine.samples.data import _CLOSINGS
 
     for row in gt["mislabelled"]:
         text = rows[row - 1]["prompt"]

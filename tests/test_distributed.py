@@ -13,15 +13,15 @@ import torch
 from helpers import FAST, facts_data, fast_settings
 
 from traceprop_engine import Store
-from traceprop_engine.data import load_examples
-from traceprop_engine.distributed import DistContext, shard_file
-from traceprop_engine.losses import causal_lm_losses
-from traceprop_engine.models import build_model
-from traceprop_engine.query import AttributionRun
+from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
-from traceprop_engine.store import ShardedStore, open_run_store
-from traceprop_engine.train import train
+from traceprop_engine.store.hdf5 import ShardedStore, open_run_store
+from traceprop_engine.training.data import load_examples
+from traceprop_engine.training.distributed import DistContext, shard_file
+from traceprop_engine.training.loop import train
+from traceprop_engine.training.losses import causal_lm_losses
+from traceprop_engine.training.models import build_model
 
 # two processes reduce in another order than one: fp32 round-off, grown a little by a few Adam steps
 RTOL = 1e-3

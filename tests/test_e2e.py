@@ -174,7 +174,7 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path):
     ],
 )
 def test_every_command_documents_itself(cmd, capsys):
-    from traceprop_engine.cli import main
+    from traceprop_engine.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main([*cmd, "--help"])

@@ -9,10 +9,10 @@ import torch
 from test_capture import ATOL_REL, RTOL, causal_batch, check_causal, reference_sketches, tiny_neox
 
 from traceprop_engine import Store, Tracker, TrackSettings
-from traceprop_engine.capture import build_layers
+from traceprop_engine.capture.hooks import build_layers
+from traceprop_engine.capture.sketch import bf16_bits, from_bf16_bits, top_factors
 from traceprop_engine.errors import ConfigError
-from traceprop_engine.losses import causal_lm_losses
-from traceprop_engine.sketch import bf16_bits, from_bf16_bits, top_factors
+from traceprop_engine.training.losses import causal_lm_losses
 
 # subspace iteration against LAPACK's SVD, on records with a clear spectral gap
 FACTOR_RTOL = 1e-3
@@ -213,7 +213,7 @@ def test_full_space_default_captures_the_top_direction(tmp_path):
 def test_full_space_covariance_from_every_nth_batch(stride):
     """factor_space='full': A and S are the hand-computed projected token sums of batches
     1, 1 + stride, ... (padding excluded from A); the batches in between add nothing."""
-    from traceprop_engine.capture import Capture
+    from traceprop_engine.capture.hooks import Capture
 
     model = tiny_neox()
     settings = TrackSettings(

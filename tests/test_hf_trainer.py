@@ -13,15 +13,15 @@ from torch.utils.data import SequentialSampler
 from transformers import GPTNeoXForCausalLM, TrainingArguments
 
 from traceprop_engine import ConfigError, Store, Tracker, TrackSettings
-from traceprop_engine.data import load_examples
-from traceprop_engine.integrations.hf_trainer import (
+from traceprop_engine.training.data import load_examples
+from traceprop_engine.training.hf_trainer import (
     TracepropCollator,
     TracepropTrainer,
     encoded_dataset,
     rank_store_path,
 )
-from traceprop_engine.losses import causal_lm_losses
-from traceprop_engine.models import collate, encode_example, tiny_config, train_tokenizer
+from traceprop_engine.training.losses import causal_lm_losses
+from traceprop_engine.training.models import collate, encode_example, tiny_config, train_tokenizer
 
 # fp32 round-off between two runs of the same math in a different order of operations
 RTOL = 1e-4
@@ -214,8 +214,8 @@ def test_rank_store_path(tmp_path):
 
 
 def test_finish_run_makes_a_queryable_run(setup, tmp_path):
-    from traceprop_engine.integrations.hf_trainer import finish_run
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.training.hf_trainer import finish_run
 
     model, tok, enc = setup
     model = copy.deepcopy(model)
@@ -229,8 +229,8 @@ def test_finish_run_makes_a_queryable_run(setup, tmp_path):
 
 
 def test_finish_run_saves_a_peft_base_built_from_a_config(setup, tmp_path):
-    from traceprop_engine.integrations.hf_trainer import finish_run
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.training.hf_trainer import finish_run
 
     base, tok, enc = setup
     cfg = LoraConfig(

@@ -18,11 +18,11 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import IndexBuildError
-from traceprop_engine import query as query_module
-from traceprop_engine.cli import main
-from traceprop_engine.export import audit_trail, csv_bytes, rows_to_bytes
-from traceprop_engine.query import IDS_FILE, VECTORS_FILE, IndexSettings, open_run
-from traceprop_engine.train import train
+from traceprop_engine.attribution import query as query_module
+from traceprop_engine.attribution.export import audit_trail, csv_bytes, rows_to_bytes
+from traceprop_engine.attribution.query import IDS_FILE, VECTORS_FILE, IndexSettings, open_run
+from traceprop_engine.cli.main import main
+from traceprop_engine.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 IDENTITY = IndexSettings(preconditioner="identity", cosine=False)
@@ -95,7 +95,7 @@ def snapshot(d: Path) -> dict[str, bytes]:
 _BUILDER = """
 import sys, time
 from pathlib import Path
-from traceprop_engine.query import IndexSettings, open_run
+from traceprop_engine.attribution.query import IndexSettings, open_run
 run = open_run(sys.argv[1])
 go = Path(sys.argv[2])
 Path(sys.argv[3]).touch()

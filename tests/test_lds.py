@@ -301,7 +301,7 @@ def test_parse_config_spec_types_and_errors():
 
 def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
 
     out = tmp_path / "ev"
     r = run_lds(_settings(data, out, exact=True, bm25=True))
@@ -368,7 +368,7 @@ def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp
 
 
 def test_cli_config_flag_errors_name_the_allowed_keys(data, tmp_path, capsys):
-    from traceprop_engine.cli import main
+    from traceprop_engine.cli.main import main
 
     base = [
         "eval", "lds", "--data", str(data / "train"), "--eval-data", str(data / "eval"),

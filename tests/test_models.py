@@ -9,12 +9,12 @@ from helpers import facts_data, fast_settings
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from traceprop_engine import ConfigError, Store
-from traceprop_engine.models import resolve_model_path, train_tokenizer
-from traceprop_engine.query import open_run
+from traceprop_engine.attribution.query import open_run
 from traceprop_engine.run import read_manifest
-from traceprop_engine.sample_data import generate_classification_data
+from traceprop_engine.samples.data import generate_classification_data
 from traceprop_engine.settings import TrackSettings, TrainSettings
-from traceprop_engine.train import train
+from traceprop_engine.training.loop import train
+from traceprop_engine.training.models import resolve_model_path, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def data(tmp_path_factory):
 
 
 def test_local_gpt2_directory_trains_tracks_conv1d_and_queries(data, tmp_path):
-    from traceprop_engine.data import load_examples
+    from traceprop_engine.training.data import load_examples
 
     examples, _ = load_examples(data / "train")
     tok = train_tokenizer([e.full_text() for e in examples], 300)

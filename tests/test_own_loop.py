@@ -20,10 +20,10 @@ from transformers import GPTNeoXForCausalLM
 
 from traceprop_engine import ConfigError, QueryError, RunError, Tracker, TrackSettings
 from traceprop_engine import constants as C
-from traceprop_engine.losses import causal_lm_losses
-from traceprop_engine.models import tiny_config
-from traceprop_engine.query import IndexSettings, open_run
-from traceprop_engine.store import Store
+from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.store.hdf5 import Store
+from traceprop_engine.training.losses import causal_lm_losses
+from traceprop_engine.training.models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["the cat sat", "the dog ran", "a cat ran", "the bird sang", "a dog sat", "the cat ran"]

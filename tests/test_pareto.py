@@ -64,9 +64,9 @@ def test_the_committed_table_has_the_default_on_the_front():
 
 
 def test_describe_names_the_measured_quality_of_a_run_configuration(tmp_path):
-    from traceprop_engine.cli import main
+    from traceprop_engine.cli.main import main
     from traceprop_engine.evaluate.pareto import describe
-    from traceprop_engine.sample_run import default_root
+    from traceprop_engine.samples.run import default_root
 
     assert "measured (benchmarks/EVAL.md): LDS" in describe(TrackSettings().to_dict())
     assert "not measured" in describe({"k_in": 5, "k_out": 7, "rank": 1})

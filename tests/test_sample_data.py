@@ -1,4 +1,4 @@
-"""Tests of traceprop_engine.sample_data: determinism, loadability, ground truth that holds."""
+"""Tests of traceprop_engine.samples.data: determinism, loadability, ground truth that holds."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from traceprop_engine.data import load_examples
 from traceprop_engine.errors import ConfigError
-from traceprop_engine.sample_data import (
+from traceprop_engine.samples.data import (
     CLASSIFICATION_LABELS,
     generate_classification_data,
     generate_sample_data,
 )
+from traceprop_engine.training.data import load_examples
 
 
 def read_tree(root: Path) -> dict[str, bytes]:

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from traceprop_engine import constants as C
-from traceprop_engine.export import verify_run
-from traceprop_engine.query import IndexSettings, open_run
-from traceprop_engine.sample_data import generate_sample_data
-from traceprop_engine.sample_run import SAMPLE_PRECONDITIONERS, default_root
-from traceprop_engine.store import Store
+from traceprop_engine.attribution.export import verify_run
+from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.samples.data import generate_sample_data
+from traceprop_engine.samples.run import SAMPLE_PRECONDITIONERS, default_root
+from traceprop_engine.store.hdf5 import Store
 
 SAMPLE = default_root() / "facts"
 
@@ -80,7 +80,7 @@ def test_sample_answers_a_fact_with_the_rows_that_state_it():
 def test_rank_puts_the_planted_rumours_first(tmp_path):
     import polars as pl
 
-    from traceprop_engine.cli import main
+    from traceprop_engine.cli.main import main
 
     for by in ("loss", "self-influence"):
         out = tmp_path / f"{by}.csv"

@@ -10,7 +10,7 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import ModelMismatchError, SchemaVersionError, Store, StoreError
-from traceprop_engine.train import train
+from traceprop_engine.training.loop import train
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from helpers import facts_data, fast_settings
 from traceprop_engine import ConfigError, DataError, RunError, Store
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
-from traceprop_engine.train import StopFlag, train
+from traceprop_engine.training.loop import StopFlag, train
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     """A run killed with SIGKILL (no handler runs: OOM killer, preempted node) leaves a store
     that opens, says it is partial, and holds every record flushed before the kill; the run
     then lists as failed and its records can be indexed and queried."""
-    from traceprop_engine.query import IndexSettings, open_run
+    from traceprop_engine.attribution.query import IndexSettings, open_run
 
     out = tmp_path / "killed"
     cmd = _long_train_cmd(data, out, "--buffer-records", "16")  # a flush every 2 steps

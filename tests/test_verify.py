@@ -14,10 +14,10 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import RunError, Store, StoreError
-from traceprop_engine.cli import main
-from traceprop_engine.export import verify_run
-from traceprop_engine.store import DIGEST_ATTR, content_digest
-from traceprop_engine.train import train
+from traceprop_engine.attribution.export import verify_run
+from traceprop_engine.cli.main import main
+from traceprop_engine.store.hdf5 import DIGEST_ATTR, content_digest
+from traceprop_engine.training.loop import train
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_recorded_files_that_are_gone_fail(run):
 
 
 def test_the_committed_sample_verifies_with_its_digest():
-    from traceprop_engine.sample_run import default_root
+    from traceprop_engine.samples.run import default_root
 
     rep = verify_run(default_root() / "facts")
     assert rep["ok"] and rep["store"]["status"] == "ok"

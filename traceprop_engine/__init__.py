@@ -1,5 +1,6 @@
 """Traceprop: training-data attribution recorded inside the training backward pass."""
 
+from .capture.tracker import Tracker
 from .errors import (
     ConfigError,
     DataError,
@@ -13,8 +14,7 @@ from .errors import (
     TracepropError,
 )
 from .settings import SketchKind, Task, TrackSettings, TrainSettings
-from .store import Store
-from .tracker import Tracker
+from .store.hdf5 import Store
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+# The checkout (or source tree) this package sits in: sample runs and measured results live there.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 SCHEMA_VERSION = 2
 # 1: full sketches only; 2 adds rank-r factor storage (layers/NNN/U, V), still reads 1
 READABLE_SCHEMA_VERSIONS = (1, 2)

@@ -70,7 +70,7 @@ class TrackSettings:
         covariance: accumulate K-FAC statistics ``A``, ``S`` in the projected space (factored
             sketches only: dense layers have no Kronecker factors).
         rank: store each factored record as rank-``rank`` factors ``U Vᵀ`` computed inline on
-            the device (subspace iteration, :func:`traceprop_engine.sketch.top_factors`):
+            the device (subspace iteration, :func:`traceprop_engine.capture.sketch.top_factors`):
             ``rank·(k_out + k_in)`` numbers instead of ``k_out·k_in``. ``0`` stores the full
             sketch. Per-example records are nearly rank 1, so a large k stored as rank-1
             factors beats a small full sketch of the same bytes (benchmarks/EVAL.md).

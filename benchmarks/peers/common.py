@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from traceprop_engine.losses import causal_lm_losses
-from traceprop_engine.models import tiny_config
+from traceprop_engine.capture.tracker import Tracker
 from traceprop_engine.settings import TrackSettings
-from traceprop_engine.tracker import Tracker
+from traceprop_engine.training.losses import causal_lm_losses
+from traceprop_engine.training.models import tiny_config
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -68,7 +68,7 @@ def make_batch(seed: int = 0, n: int | None = None):
 
 
 def linear_names(model) -> list[str]:
-    from traceprop_engine.capture import find_layers
+    from traceprop_engine.capture.hooks import find_layers
 
     return [n for n, _ in find_layers(model, "all")]
 

@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from traceprop_engine.losses import causal_lm_losses  # noqa: E402
+from traceprop_engine.capture.tracker import Tracker  # noqa: E402
 from traceprop_engine.settings import TrackSettings  # noqa: E402
-from traceprop_engine.tracker import Tracker  # noqa: E402
+from traceprop_engine.training.losses import causal_lm_losses  # noqa: E402
 
 
 class TraceBaseArm(C.TraceArm):

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from traceprop_engine.losses import causal_lm_losses  # noqa: E402
+from traceprop_engine.training.losses import causal_lm_losses  # noqa: E402
 
 
 class LogixArm(C.Arm):

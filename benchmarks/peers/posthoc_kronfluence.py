@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from traceprop_engine.losses import causal_lm_losses  # noqa: E402
+from traceprop_engine.training.losses import causal_lm_losses  # noqa: E402
 
 
 class LMDataset(torch.utils.data.Dataset):

@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
 from traceprop_engine import constants as TC  # noqa: E402
+from traceprop_engine.attribution.query import open_run  # noqa: E402
 from traceprop_engine.evaluate.lds import lds_scores, summarize  # noqa: E402
-from traceprop_engine.losses import causal_lm_losses  # noqa: E402
-from traceprop_engine.models import collate, load_saved_model  # noqa: E402
-from traceprop_engine.query import open_run  # noqa: E402
+from traceprop_engine.training.losses import causal_lm_losses  # noqa: E402
+from traceprop_engine.training.models import collate, load_saved_model  # noqa: E402
 
 
 def load_eval(eval_dir: Path, run_name: str):

@@ -13,7 +13,7 @@ SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "facts"
 
 
 def test_influencers_rows_follow_the_sign_at_a_large_top_k(app_env):
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
 
     ev = int(open_run(SAMPLE).eval_examples()["example_id"][0])
     res, _ = services.run_query(SAMPLE, eval_example=ev, top_k=1000)

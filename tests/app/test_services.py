@@ -130,7 +130,7 @@ def test_save_uploads_refuses_bad_files(cfg, files, match):
 # -- exports ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sample_result():
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
 
     run = open_run(SAMPLE)
     res = run.query(eval_example=int(run.eval_examples()["example_id"][0]), top_k=4)

@@ -3,13 +3,13 @@
 Two tasks, each a generated data set, a tracked tiny GPT-NeoX trained from scratch per seed,
 and one suspicion score per training example and method (higher = more suspicious):
 
-- ``mislabel``: template product reviews from :func:`~traceprop_engine.sample_data.generate_classification_data`
+- ``mislabel``: template product reviews from :func:`~traceprop_engine.samples.data.generate_classification_data`
   with planted flipped labels, framed as causal LM (``"<review>\\nSentiment:"`` → ``" positive"``),
   so the tiny causal model can learn it. Methods: self-influence (per preconditioner), negative
   influence on the (correctly labelled) eval set, gradient norm, training loss, and a
   representation baseline (share of the 10 nearest training neighbours, by cosine of mean-pooled
   hidden states, that carry another label).
-- ``backdoor``: the facts data of :func:`~traceprop_engine.sample_data.generate_sample_data`
+- ``backdoor``: the facts data of :func:`~traceprop_engine.samples.data.generate_sample_data`
   plus a few poisoned copies of training questions with a rare trigger phrase and a fixed target
   completion (:func:`generate_backdoor_data`). Methods: influence on trigger queries (held-out
   questions carrying the trigger, with the target as completion; per preconditioner),
@@ -100,7 +100,7 @@ def generate_backdoor_data(
     the trigger and the target as completion), ``ground_truth.json`` (``poisoned``: 1-based rows
     of ``train.jsonl``; ``trigger``, ``target``).
     """
-    from ..sample_data import generate_sample_data
+    from ..samples.data import generate_sample_data
 
     out_dir = Path(out_dir)
     src = out_dir / "_facts"
@@ -146,7 +146,7 @@ def generate_mislabel_data(
     out_dir: Path, *, seed: int = 0, n: int = 160, n_planted: int = 8
 ) -> dict:
     """Reviews with ``n_planted`` flipped labels, as prompt/completion rows for a causal LM."""
-    from ..sample_data import generate_classification_data
+    from ..samples.data import generate_classification_data
 
     out_dir = Path(out_dir)
     src = out_dir / "_reviews"
@@ -207,7 +207,7 @@ class DetectSettings:
 
 def _train(s: DetectSettings, data: Path, eval_data: Path, run_dir: Path, seed: int) -> Path:
     from ..settings import TrackSettings, TrainSettings
-    from ..train import train
+    from ..training.loop import train
 
     man = run_dir / C.MANIFEST_FILE
     if man.exists() and json.loads(man.read_text()).get("status") == C.STATUS_COMPLETED:
@@ -238,8 +238,8 @@ def _train_losses(run, n_train: int) -> np.ndarray:
     """Per-example loss (the store's definition) of every training example under the final model."""
     import torch
 
-    from ..losses import example_losses
-    from ..models import collate, model_inputs
+    from ..training.losses import example_losses
+    from ..training.models import collate, model_inputs
 
     loaded = run._model()
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
@@ -262,7 +262,7 @@ def _normed(h: np.ndarray) -> np.ndarray:
 
 def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[str, np.ndarray]:
     """Summed influence of every training example on the queries, per preconditioner."""
-    from ..query import IndexSettings
+    from ..attribution.query import IndexSettings
 
     sketches = [run.query_sketches(run.encode(p, c)[0])[0] for p, c in queries]
     out = {}
@@ -278,7 +278,7 @@ def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[
 
 def score_methods(run, task: str, data_dir: Path) -> dict[str, np.ndarray]:
     """Suspicion score per training example (higher = more suspicious) for every method."""
-    from ..query import IndexSettings
+    from ..attribution.query import IndexSettings
 
     ex = run.examples()
     n_train = int((ex["split"] == C.SPLIT_TRAIN).sum())
@@ -325,7 +325,7 @@ def run_detection(s: DetectSettings, *, overwrite: bool = False) -> list[dict]:
     """
     import torch
 
-    from ..query import open_run
+    from ..attribution.query import open_run
 
     torch.set_num_threads(1)
     out = Path(s.out)
@@ -408,8 +408,8 @@ def _sanity(run, task: str, data_dir: Path) -> dict:
     """Did the model learn the planted behaviour? (mean query losses under the final model)"""
     import torch
 
-    from ..losses import example_losses
-    from ..models import collate, model_inputs
+    from ..training.losses import example_losses
+    from ..training.models import collate, model_inputs
 
     loaded = run._model()
     pad = loaded.tokenizer.pad_token_id

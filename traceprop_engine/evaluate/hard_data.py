@@ -8,7 +8,7 @@ attribute. The evaluation asks each asked fact in a terse question format that n
 uses (``"kavo colour ?"`` → ``" red"``): a model can only answer
 by generalising from the statements, so attribution has to find the two statement rows among
 rows that share the entity name (the distractor) or the attribute word (every other entity's
-rows). Unlike :func:`traceprop_engine.sample_data.generate_sample_data`, whose training set holds
+rows). Unlike :func:`traceprop_engine.samples.data.generate_sample_data`, whose training set holds
 question-format rows, the eval format here is absent from training.
 
 Everything is lower case and separated by spaces (word-level, about 110 distinct words plus the

@@ -121,7 +121,7 @@ class LdsSettings:
         damping: preconditioner damping (``None``: the engine's default).
         compact: compact-storage methods, ``(k, preconditioner, c)``: the k run's sketches are
             compacted to rank-``c`` factors (``runs/k{k}/factors-c{c}.h5``, reused on a resume)
-            and scored with :func:`traceprop_engine.compact.factor_scores` (family
+            and scored with :func:`traceprop_engine.store.compact.factor_scores` (family
             ``factored-c``, method ``"{preconditioner} c={c}"``). Entries whose k is not in the
             sweep are skipped. Scoring only: not part of the settings a resume checks.
         exact: also train the exact run (``runs/exact``: ``k_in = k_out = EXACT_K``, clamped to
@@ -419,8 +419,8 @@ def _record(row: dict, task: str) -> dict:
 def _eval_losses(model_dir: Path, encs: list, task: str, batch_size: int = 16) -> np.ndarray:
     import torch
 
-    from ..losses import example_losses
-    from ..models import collate, load_saved_model, model_inputs
+    from ..training.losses import example_losses
+    from ..training.models import collate, load_saved_model, model_inputs
 
     loaded = load_saved_model(model_dir, "cpu")
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
@@ -440,7 +440,7 @@ def _retrain_subset(job: dict) -> dict:
 
     torch.set_num_threads(1)
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from ..train import train
+    from ..training.loop import train
 
     t0 = time.perf_counter()
     work: Path = job["work"]
@@ -530,7 +530,7 @@ def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> N
 
 def _base_model(s: LdsSettings, eval_dir: Path) -> str:
     """The shared initial model directory (built once for the tiny model)."""
-    from ..models import TINY, build_model, save_model
+    from ..training.models import TINY, build_model, save_model
 
     if s.train.model != TINY:
         return (
@@ -539,7 +539,7 @@ def _base_model(s: LdsSettings, eval_dir: Path) -> str:
     base = eval_dir / BASE_MODEL_DIR
     if (base / "traceprop_model.json").exists():
         return str(base.resolve())
-    from ..data import load_examples, split_eval
+    from ..training.data import load_examples, split_eval
 
     t = s.train
     examples, _ = load_examples(t.data, task=t.task.value)
@@ -579,7 +579,7 @@ def _run_names(s: LdsSettings) -> dict[str, TrackSettings]:
 
 
 def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval_dir: Path) -> Path:
-    from ..train import train
+    from ..training.loop import train
 
     run_dir = eval_dir / RUNS_DIR / name
     man = run_dir / C.MANIFEST_FILE
@@ -694,7 +694,7 @@ def run_lds(
     main_dir = _ensure_run(main, runs[main], s, base, eval_dir)
     result.seconds["tracked_run_main"] = round(time.perf_counter() - t0, 2)
 
-    from ..query import open_run
+    from ..attribution.query import open_run
 
     run = open_run(main_dir)
     examples = run.examples()
@@ -826,8 +826,8 @@ def _fix_dense_sign_dtype(run) -> None:
 
 def _factor_file(store, rank: int, run_dir: Path) -> Path:
     """``run_dir/factors-c{rank}.h5``, built from the run's store unless a valid one is there."""
-    from ..compact import FactorStore, compact_store, factor_file_name
     from ..errors import IndexStaleError, StoreError
+    from ..store.compact import FactorStore, compact_store, factor_file_name
 
     path = run_dir / factor_file_name(rank)
     if path.exists():
@@ -856,8 +856,8 @@ def _compact_methods(
     preconditioner of the run's persisted index for that kind), so at ``c = min(k_out, k_in)``
     the scores equal the full-sketch scores up to float32 storage round-off.
     """
-    from ..compact import FactorStore, factor_scores
-    from ..query import IndexSettings, open_run
+    from ..attribution.query import IndexSettings, open_run
+    from ..store.compact import FactorStore, factor_scores
 
     run = open_run(run_dir)
     try:
@@ -899,7 +899,7 @@ def _score_methods(
     s: LdsSettings, run_dirs: dict[str, Path], eval_ids: list[int], n_train: int, progress
 ):
     """Yield ``{method, family, k, preconditioner, scores (n_eval, n_train)}`` for every method."""
-    from ..query import IndexSettings, open_run
+    from ..attribution.query import IndexSettings, open_run
 
     def attribution(run_dir: Path, family: str, k, precs: Sequence[str]):
         run = open_run(run_dir)

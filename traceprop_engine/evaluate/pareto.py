@@ -12,9 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import constants as C
 from ..errors import ConfigError
 
-PARETO_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "pareto.json"
+PARETO_FILE = C.REPO_ROOT / "benchmarks" / "results" / "pareto.json"
 MATCH_KEYS = ("k_in", "k_out", "rank", "factor_space", "factor_dtype", "power_iters")
 BYTES_TOLERANCE = 0.01
 

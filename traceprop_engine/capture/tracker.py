@@ -3,7 +3,7 @@
 Example (your own loop)::
 
     from traceprop_engine import Tracker, TrackSettings
-    from traceprop_engine.query import open_run
+    from traceprop_engine.attribution.query import open_run
 
     with Tracker(model, "runs/mine/store.h5", TrackSettings(k_in=8, k_out=8)) as tracker:
         for epoch in range(n_epochs):
@@ -44,12 +44,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import constants as C
+from .. import constants as C
+from ..errors import ConfigError, RunError
+from ..settings import TrackSettings
+from ..store.hdf5 import BackgroundSink, StoreWriter
 from .buffer import SketchBuffer
-from .capture import Capture, build_layers
-from .errors import ConfigError, RunError
-from .settings import TrackSettings
-from .store import BackgroundSink, StoreWriter
+from .hooks import Capture, build_layers
 
 log = logging.getLogger(__name__)
 
@@ -406,8 +406,8 @@ def make_run(
     Raises:
         ConfigError: no ``store.h5`` in ``run_dir``; a model without ``save_pretrained``; bad task.
     """
-    from .models import LoadedModel, count_parameters, quiet_hf, save_model
-    from .run import library_versions, new_run_id, now, write_manifest
+    from ..run import library_versions, new_run_id, now, write_manifest
+    from ..training.models import LoadedModel, count_parameters, quiet_hf, save_model
 
     run_dir = Path(run_dir)
     if not (run_dir / C.STORE_FILE).exists():

@@ -10,7 +10,7 @@ single ``device -> host`` copy of the whole flat tensor. Host memory stays bound
 Factored records stored as rank-r factors (``TrackSettings.rank > 0``): the hooks write each
 step's full ``(B, k_out, k_in)`` sketches into a per-step *scratch* tensor instead, and
 :meth:`SketchBuffer.commit` factorises the scratch of every layer of one shape in one batched
-call (:func:`~traceprop_engine.sketch.top_factors`, on the device) and keeps only ``U`` and
+call (:func:`~traceprop_engine.capture.sketch.top_factors`, on the device) and keeps only ``U`` and
 ``V`` in the buffer, as a ``(k_out + k_in, r)`` record (``U`` rows first). Only factors cross
 to the host, and the buffer holds ``r (k_out + k_in)`` numbers per record and layer.
 """

@@ -3,7 +3,7 @@
 ``traceprop sample`` regenerates ``sample_runs/`` deterministically (seeded data, model init,
 data order and projections; one torch thread). The data set has ground truth a person can check
 by eye: every eval question paraphrases a fact stated in one or two training examples, and
-``rumours.jsonl`` plants contradicting answers (see :mod:`traceprop_engine.sample_data`).
+``rumours.jsonl`` plants contradicting answers (see :mod:`traceprop_engine.samples.data`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from .query import IndexSettings, open_run
-from .run import read_manifest, relative_paths, write_manifest
-from .sample_data import generate_sample_data
-from .settings import TrackSettings, TrainSettings
-from .train import train
+from .. import constants as C
+from ..attribution.query import IndexSettings, open_run
+from ..run import read_manifest, relative_paths, write_manifest
+from ..settings import TrackSettings, TrainSettings
+from ..training.loop import train
+from .data import generate_sample_data
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ SAMPLE_PRECONDITIONERS = ("identity", "kfac", "ekfac")
 
 
 def default_root() -> Path:
-    return Path(__file__).resolve().parent.parent / "sample_runs"
+    return C.REPO_ROOT / "sample_runs"
 
 
 def build_sample_run(root: Path | None = None, seed: int = 0) -> Path:

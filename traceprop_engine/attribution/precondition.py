@@ -195,7 +195,7 @@ class LayerPreconditioner:
     ``index_left · (preconditioned Ŝ) · index_rightᵀ`` instead: a second Kronecker JL
     projection, so inner products of index vectors are unbiased estimates of the exact scores
     and FAISS holds ``m²`` numbers per layer however large k is. :meth:`pullback` ignores it:
-    exact scores come from the stored records (:mod:`traceprop_engine.scoring`).
+    exact scores come from the stored records (:mod:`traceprop_engine.attribution.scoring`).
 
     Attributes:
         name: layer name (as in the store).
@@ -260,7 +260,7 @@ class LayerPreconditioner:
 
         ``T' = leftᵀ ((left T right) ⊙ scale²) rightᵀ`` — for K-FAC (symmetric factors)
         ``L² T R²``, i.e. ``H⁻¹ T``. Scoring unpreconditioned (e.g. low-rank factored) training
-        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.compact`).
+        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.store.compact`).
 
         Args:
             test_sketches: (q, *shape) test-side sketches of this layer.

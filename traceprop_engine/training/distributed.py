@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node N -m traceprop_engine train ...`` (or any launcher that sets
 ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``) makes
-:func:`traceprop_engine.train.train` call :func:`setup`, which initialises the process group
+:func:`traceprop_engine.training.loop.train` call :func:`setup`, which initialises the process group
 (gloo on CPU, nccl on CUDA). The train loop then
 
 - wraps the model in ``DistributedDataParallel`` (the capture hooks stay on the *underlying*
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import constants as C
-from .errors import ConfigError
+from .. import constants as C
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -195,19 +195,19 @@ def bench_overhead(
 ) -> dict | None:
     """Tracked vs plain DDP steps on this rank, interleaved ABBA on one model (DESIGN.md §7).
 
-    Run under ``torchrun --nproc_per_node N -m traceprop_engine.distributed`` (or plain
-    ``python -m traceprop_engine.distributed`` for the one-process reference). Returns rank 0's
+    Run under ``torchrun --nproc_per_node N -m traceprop_engine.training.distributed`` (or plain
+    ``python -m traceprop_engine.training.distributed`` for the one-process reference). Returns rank 0's
     numbers (``None`` on other ranks): median step times, the median of paired ratios
     ``tracked/plain - 1`` with a bootstrap 95 % interval.
     """
     import tempfile
     import time
 
-    from .bench_overhead import _bootstrap_ci
+    from ..bench.overhead import _bootstrap_ci
+    from ..capture.tracker import Tracker
+    from ..settings import TrackSettings
     from .losses import causal_lm_losses
     from .models import tiny_config
-    from .settings import TrackSettings
-    from .tracker import Tracker
 
     torch.set_num_threads(1)
     ctx, device = setup(torch.device("cpu"))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from . import constants as C
+from .. import constants as C
 from .precondition import Preconditioner
 
 CHUNK = 4096  # records per streamed chunk

@@ -23,9 +23,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from . import constants as C
-from .errors import ModelMismatchError, SchemaVersionError, StoreError
-from .sketch import bf16_bits, from_bf16_bits
+from .. import constants as C
+from ..capture.sketch import bf16_bits, from_bf16_bits
+from ..errors import ModelMismatchError, SchemaVersionError, StoreError
 
 log = logging.getLogger(__name__)
 _STR = h5py.string_dtype("utf-8")

@@ -7,12 +7,12 @@ A factored sketch ``Ŝ ∈ R^{k_out×k_in}`` (DESIGN §1) is replaced by its ran
 
 Scores never rebuild ``Ŝ``. Every preconditioner here is a linear map ``P`` on the sketch, so
 ``⟨P T, P Ŝ⟩ = ⟨T', Ŝ⟩`` with ``T' = P*P T`` the test sketch pushed to the training side
-(:meth:`~traceprop_engine.precondition.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
+(:meth:`~traceprop_engine.attribution.precondition.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
 
     ⟨T', U Vᵀ⟩ = Σ_c u_cᵀ T' v_c,
 
 one (k_out×k_in)·(k_in×c) product per record on the query side only. The per-example score is
-the learning-rate-weighted sum over the example's records, as in :mod:`traceprop_engine.query`.
+the learning-rate-weighted sum over the example's records, as in :mod:`traceprop_engine.attribution.query`.
 
 Error bound (stored, per record and layer): the residual ``R = Ŝ − U Vᵀ`` has the discarded
 singular values ``σ_{c+1}, …`` of ``Ŝ``, so by von Neumann's trace inequality
@@ -55,10 +55,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from . import constants as C
-from .errors import ConfigError, IndexStaleError, StoreError
-from .precondition import Preconditioner
-from .store import Store, append_records, create_records_group
+from .. import constants as C
+from ..attribution.precondition import Preconditioner
+from ..errors import ConfigError, IndexStaleError, StoreError
+from .hdf5 import Store, append_records, create_records_group
 
 log = logging.getLogger(__name__)
 
@@ -609,7 +609,7 @@ def factor_scores(
         factors: an open :class:`FactorStore`.
         preconditioner: a fitted :class:`Preconditioner` (identity/K-FAC/EK-FAC, from the same
             store), a sequence of per-layer objects with ``name`` and ``pullback`` (e.g.
-            :class:`~traceprop_engine.precondition.WoodburyPreconditioner`), or None (identity).
+            :class:`~traceprop_engine.attribution.precondition.WoodburyPreconditioner`), or None (identity).
         chunk: records per streamed chunk.
         dtype: arithmetic dtype of the per-record products (float64 for exact checks).
         with_bound: also accumulate the guaranteed error bound.

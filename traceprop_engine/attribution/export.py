@@ -17,10 +17,10 @@ from pathlib import Path
 
 import polars as pl
 
-from . import constants as C
-from .data import sha256_file
-from .models import model_fingerprint
-from .run import library_versions, read_manifest
+from .. import constants as C
+from ..run import library_versions, read_manifest
+from ..training.data import sha256_file
+from ..training.models import model_fingerprint
 
 EXPORT_COLUMNS = [
     "rank",
@@ -37,7 +37,7 @@ EXPORT_COLUMNS = [
 
 
 def rows_for_export(result) -> pl.DataFrame:
-    """The full rows of a :class:`~traceprop_engine.query.QueryResult`, in a stable column order."""
+    """The full rows of a :class:`~traceprop_engine.attribution.query.QueryResult`, in a stable column order."""
     rows = result.rows
     cols = [c for c in EXPORT_COLUMNS if c in rows.columns] + [
         c for c in rows.columns if c not in EXPORT_COLUMNS
@@ -176,8 +176,8 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
     Raises:
         RunError: no readable run.json.
     """
-    from .errors import StoreError
-    from .store import open_run_store
+    from ..errors import StoreError
+    from ..store.hdf5 import open_run_store
 
     run_dir = Path(run_dir)
     m = read_manifest(run_dir)

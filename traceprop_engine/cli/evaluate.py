@@ -132,8 +132,8 @@ def _fmt(v) -> str:
 
 
 def _cmd_lds(a) -> int:
-    from .evaluate.lds import LdsSettings, parse_config_spec, run_lds
-    from .settings import TrackSettings, TrainSettings
+    from ..evaluate.lds import LdsSettings, parse_config_spec, run_lds
+    from ..settings import TrackSettings, TrainSettings
 
     logging.getLogger("traceprop_engine").setLevel(logging.INFO)
     t = TrainSettings(
@@ -200,7 +200,7 @@ def _cmd_lds(a) -> int:
 
 
 def _cmd_detect(a) -> int:
-    from .evaluate.detection import DetectSettings, run_detection
+    from ..evaluate.detection import DetectSettings, run_detection
 
     logging.getLogger("traceprop_engine").setLevel(logging.INFO)
     s = DetectSettings(

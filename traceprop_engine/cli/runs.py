@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import constants as C
+from .. import constants as C
 
 
 def register(sub) -> None:
@@ -93,8 +93,8 @@ def register(sub) -> None:
 
 
 def _cmd_audit(a) -> int:
-    from .export import audit_rows, audit_trail, write_csv
-    from .query import IndexSettings, open_run
+    from ..attribution.export import audit_rows, audit_trail, write_csv
+    from ..attribution.query import IndexSettings, open_run
 
     run = open_run(a.run)
     res = run.query(
@@ -117,7 +117,7 @@ def _cmd_audit(a) -> int:
 
 
 def _cmd_verify(a) -> int:
-    from .export import verify_run
+    from ..attribution.export import verify_run
 
     rep = verify_run(a.run)
     if a.json:
@@ -148,7 +148,7 @@ def _cmd_rank(a) -> int:
     import numpy as np
     import polars as pl
 
-    from .query import IndexSettings, open_run
+    from ..attribution.query import IndexSettings, open_run
 
     run = open_run(a.run)
     if a.by == "loss":
@@ -173,15 +173,15 @@ def _cmd_rank(a) -> int:
             f"{row['rank']:>4} {row[col]:>15.6g}  {row['source'] + ':' + str(row['row']):<28} {text}"
         )
     if a.csv:
-        from .export import write_csv
+        from ..attribution.export import write_csv
 
         write_csv(df, a.csv)
     return 0
 
 
 def _cmd_compact(a) -> int:
-    from .compact import compact_store
-    from .query import open_run
+    from ..attribution.query import open_run
+    from ..store.compact import compact_store
 
     run = open_run(a.run)  # validates the run; a DDP run's shards are read as one store
     out = compact_store(run.store, a.rank, a.out or Path(a.run) / f"factors-c{a.rank}.h5")
@@ -200,7 +200,7 @@ def _cmd_compact(a) -> int:
 
 
 def _cmd_sample(a) -> int:
-    from .sample_run import build_sample_run
+    from ..samples.run import build_sample_run
 
     out = build_sample_run(Path(a.out) if a.out else None, seed=a.seed)
     print(f"sample run written to {out}", file=sys.stderr)

@@ -15,7 +15,7 @@ micro-batch's arrival and its forward pass. So the integration is three small pi
 Example::
 
     from traceprop_engine import Tracker, TrackSettings
-    from traceprop_engine.integrations.hf_trainer import TracepropCollator, TracepropTrainer
+    from traceprop_engine.training.hf_trainer import TracepropCollator, TracepropTrainer
 
     with Tracker(model, "runs/hf/store.h5", TrackSettings(k_in=8, k_out=8)) as tracker:
         tracker.write_examples(table, tokens, loss_masks)          # lineage (optional)
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
+from ..capture.tracker import Tracker, make_run
 from ..errors import ConfigError
-from ..losses import example_losses
-from ..models import Encoded, collate
-from ..tracker import Tracker, make_run
+from .losses import example_losses
+from .models import Encoded, collate
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ try:
     from transformers import Trainer, TrainerCallback
 except ImportError as e:  # pragma: no cover - transformers is a dependency
     raise ImportError(
-        "traceprop_engine.integrations.hf_trainer needs transformers: pip install transformers"
+        "traceprop_engine.training.hf_trainer needs transformers: pip install transformers"
     ) from e
 
 
@@ -73,7 +73,7 @@ def encoded_dataset(encoded: Sequence[Encoded], indices: Sequence[int] | None = 
     """Rows ``{"example_index", "input_ids", "loss_mask", "label"}`` for :class:`TracepropCollator`.
 
     Args:
-        encoded: every example, as :func:`traceprop_engine.models.encode_example` made them.
+        encoded: every example, as :func:`traceprop_engine.training.models.encode_example` made them.
         indices: the example indices to train on (default: all), in dataset order.
     """
     idx = range(len(encoded)) if indices is None else indices

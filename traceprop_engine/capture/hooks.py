@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import ConfigError
-from .settings import FactorSpace, SketchKind, TrackSettings
+from ..errors import ConfigError
+from ..settings import FactorSpace, SketchKind, TrackSettings
 from .sketch import (
     apply_sparse_jl,
     full_factors,
@@ -350,7 +350,7 @@ class Capture:
 
         ``G_b = s Σ_t g_bt a_btᵀ`` is never formed: ``power_iters`` power iterations use only
         ``(B, T, d) × (B, d, r)`` products of the layer's own ``a`` and ``g``
-        (:func:`~traceprop_engine.sketch.full_factors`), so the per-token cost does not depend
+        (:func:`~traceprop_engine.capture.sketch.full_factors`), so the per-token cost does not depend
         on k. The factors are then projected per example, ``U = P_out u``, ``V = P_in v``
         (``(B, d) × (d, k)``, no token dimension), and written as the record
         ``(k_out + k_in, r)``. ``U Vᵀ = P_out (u vᵀ) P_inᵀ``: the sketch of the rank-r

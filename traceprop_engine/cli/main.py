@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from . import constants as C
-from .errors import TracepropError
+from .. import constants as C
+from ..errors import TracepropError
 
 log = logging.getLogger("traceprop")
 
@@ -24,7 +24,7 @@ log = logging.getLogger("traceprop")
 
 def _track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype with TrackSettings' defaults (one source)."""
-    from .settings import FactorDtype, FactorSpace, TrackSettings
+    from ..settings import FactorDtype, FactorSpace, TrackSettings
 
     d = TrackSettings()
     p.add_argument(
@@ -161,8 +161,8 @@ def _add_train(sub) -> None:
 
 
 def _cmd_train(a) -> int:
-    from .settings import TrackSettings, TrainSettings
-    from .train import train
+    from ..settings import TrackSettings, TrainSettings
+    from ..training.loop import train
 
     track = None
     if not a.no_track:
@@ -204,7 +204,7 @@ def _cmd_train(a) -> int:
         tiny_vocab=a.tiny_vocab,
     )
     run_dir = train(s, overwrite=a.overwrite)
-    from .run import read_manifest
+    from ..run import read_manifest
 
     m = read_manifest(run_dir)
     if int(os.environ.get("RANK", "0")) != 0:
@@ -249,7 +249,7 @@ def _add_index_flags(p) -> None:
 
 
 def _index_settings(a):
-    from .query import IndexSettings
+    from ..attribution.query import IndexSettings
 
     return IndexSettings(
         preconditioner=a.preconditioner,
@@ -290,7 +290,7 @@ def _bar_progress():
 
 
 def _cmd_index(a) -> int:
-    from .query import open_run
+    from ..attribution.query import open_run
 
     run = open_run(a.run)
     for n in run.notes:
@@ -335,9 +335,9 @@ def _add_query(sub) -> None:
 
 
 def _cmd_query(a) -> int:
-    from .errors import QueryError
-    from .export import rows_for_export, write_rows
-    from .query import open_run
+    from ..attribution.export import rows_for_export, write_rows
+    from ..attribution.query import open_run
+    from ..errors import QueryError
 
     for flag in ("prompt", "completion", "label"):
         v = getattr(a, flag)
@@ -406,8 +406,8 @@ def _add_info(sub) -> None:
 
 
 def _cmd_info(a) -> int:
-    from .run import read_manifest
-    from .store import open_run_store
+    from ..run import read_manifest
+    from ..store.hdf5 import open_run_store
 
     m = read_manifest(a.run)
     if a.json:
@@ -431,7 +431,7 @@ def _cmd_info(a) -> int:
             )
             if st.is_partial:
                 print(f"note: {st.describe_partial()}")
-    from .evaluate.pareto import describe
+    from ..evaluate.pareto import describe
 
     cfg = m.get("config") or {}
     print(describe(cfg.get("track") if isinstance(cfg, dict) else None))
@@ -452,7 +452,7 @@ def _add_runs(sub) -> None:
 
 
 def _cmd_runs(a) -> int:
-    from .run import list_runs, read_manifest
+    from ..run import list_runs, read_manifest
 
     runs = list_runs(a.root)
     if not runs:
@@ -518,7 +518,7 @@ def _add_bench(sub) -> None:
 
 
 def _cmd_bench_overhead(a) -> int:
-    from .bench_overhead import run_overhead_bench, run_rss_bench, summarize
+    from ..bench.overhead import run_overhead_bench, run_rss_bench, summarize
 
     r = run_overhead_bench(
         layers=a.layers,
@@ -554,16 +554,16 @@ def _cmd_bench_overhead(a) -> int:
 def _cmd_bench_query(a) -> int:
     import numpy as np
 
-    from .bench_query import run_query_bench
+    from ..bench.query import run_query_bench
 
     base = None
     run_dir = a.run or str(_sample_run_dir())
     if Path(run_dir).exists():
-        from .query import open_run
+        from ..attribution.query import open_run
 
         run = open_run(run_dir)
         _, _, pre = run.index()
-        from .query import VECTORS_FILE, IndexSettings
+        from ..attribution.query import VECTORS_FILE, IndexSettings
 
         base = np.load(run._index_dir(IndexSettings()) / VECTORS_FILE)
     sizes = tuple(int(x) for x in a.sizes.split(","))
@@ -576,7 +576,9 @@ def _cmd_bench_query(a) -> int:
 
 
 def _sample_run_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "sample_runs" / "facts"
+    from ..samples.run import default_root
+
+    return default_root() / "facts"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_index, _add_query, _add_info, _add_runs, _add_bench):
         add(sub)
-    from . import cli_eval, cli_more
+    from . import evaluate as cli_eval
+    from . import runs as cli_more
 
     cli_more.register(sub)
     cli_eval.register(sub)

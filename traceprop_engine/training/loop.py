@@ -28,10 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import constants as C
+from .. import constants as C
+from ..capture.tracker import Tracker
+from ..errors import ConfigError, RunError, TracepropError
+from ..run import library_versions, new_run_id, now, read_manifest, write_manifest
+from ..settings import TrainSettings
 from . import distributed
 from .data import Example, hash_files, load_examples, split_eval
-from .errors import ConfigError, RunError, TracepropError
 from .losses import example_losses
 from .models import (
     apply_lora,
@@ -42,9 +45,6 @@ from .models import (
     model_inputs,
     save_model,
 )
-from .run import library_versions, new_run_id, now, read_manifest, write_manifest
-from .settings import TrainSettings
-from .tracker import Tracker
 
 log = logging.getLogger(__name__)
 

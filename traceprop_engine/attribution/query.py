@@ -31,10 +31,9 @@ import numpy as np
 import polars as pl
 import torch
 
-from . import constants as C
-from .capture import Capture, TrackedLayer
-from .data import Example
-from .errors import (
+from .. import constants as C
+from ..capture.hooks import Capture, TrackedLayer
+from ..errors import (
     ConfigError,
     IndexBuildError,
     IndexStaleError,
@@ -43,14 +42,15 @@ from .errors import (
     StoreError,
     TracepropError,
 )
+from ..run import read_manifest
+from ..settings import SketchKind, parse_choice
+from ..store.hdf5 import open_run_store
+from ..training.data import Example
+from ..training.losses import example_losses
+from ..training.models import collate, encode_example, load_saved_model, model_inputs, quiet_hf
 from .index import INDEX_META_FILE, IndexKind, VectorIndex, build_index, index_lock, publish_dir
-from .losses import example_losses
-from .models import collate, encode_example, load_saved_model, model_inputs, quiet_hf
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
-from .run import read_manifest
 from .scoring import ExactScorer
-from .settings import SketchKind, parse_choice
-from .store import open_run_store
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ INDEX_SIDE = 8
 """m of the m × m index projection of layers with larger sketches (IndexSettings.index_side):
 64 numbers per layer, the size of a k = 8 sketch, so a k = 64 store indexes at the same size as
 before (1088 dims on the default 17-layer model). Its scores only pick candidates: every
-returned score is recomputed exactly from the store (:mod:`traceprop_engine.scoring`)."""
+returned score is recomputed exactly from the store (:mod:`traceprop_engine.attribution.scoring`)."""
 CANDIDATES = 4
 """FAISS returns ``max(CANDIDATES · top_k, MIN_CANDIDATES)`` rows per side for the exact re-rank."""
 MIN_CANDIDATES = 200
@@ -543,7 +543,7 @@ class AttributionRun:
         return self._loaded
 
     def _mismatch(self, detail: str):
-        from .errors import ModelMismatchError
+        from ..errors import ModelMismatchError
 
         return ModelMismatchError(
             f"the model in {self.dir / C.MODEL_DIR} does not match the store ({detail})"
@@ -592,7 +592,7 @@ class AttributionRun:
                 )
             r = ex.row(eval_example, named=True)
             ids, mask = self.store.tokens(eval_example)
-            from .models import Encoded
+            from ..training.models import Encoded
 
             lab = -1
             if self.task == "classification":
@@ -650,7 +650,7 @@ class AttributionRun:
 
     def _encode_ids(self, loaded, input_ids, labels, loss_mask, label):
         """An :class:`Encoded` from token ids and ``labels`` (-100: no loss) or a 0/1 loss mask."""
-        from .models import Encoded
+        from ..training.models import Encoded
 
         ids = _as_1d_ints(input_ids, "input_ids")
         if ids.size == 0:

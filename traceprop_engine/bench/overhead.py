@@ -45,10 +45,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .losses import causal_lm_losses
-from .models import tiny_config
-from .settings import TrackSettings
-from .tracker import Tracker
+from ..capture.tracker import Tracker
+from ..settings import TrackSettings
+from ..training.losses import causal_lm_losses
+from ..training.models import tiny_config
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _storage(path: Path) -> dict:
     """Steady-state bytes per record (storage per allocated chunk row), see the module doc."""
     import h5py
 
-    from . import constants as C
+    from .. import constants as C
 
     def per_row(ds) -> float:
         rows = ds.chunks[0] if ds.chunks else max(ds.shape[0], 1)

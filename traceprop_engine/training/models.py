@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigError, RunError
+from ..errors import ConfigError, RunError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -299,7 +299,7 @@ class Encoded:
 def encode_example(
     ex, tokenizer, task: str, max_length: int, label_ids: dict[str, int] | None = None
 ) -> Encoded:
-    """Tokenise one :class:`~traceprop_engine.data.Example` the way training sees it.
+    """Tokenise one :class:`~traceprop_engine.training.data.Example` the way training sees it.
 
     Causal LM: ``prompt + completion + eos`` with the loss on completion and eos (or on every
     token after the first for ``text``); a too-long example loses prompt tokens from the left

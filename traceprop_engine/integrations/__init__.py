@@ -1,1 +1,0 @@
-"""Integrations with other training frameworks (each imports its framework lazily)."""
