@@ -356,7 +356,7 @@ def assess_configuration(spec: LaunchSpec) -> str:
 
 def step_times(run_dir: Path) -> pl.DataFrame:
     """Per-step wall time (ms) of a run: from the store's timings, else from progress.jsonl."""
-    from traceprop_engine.store.hdf5 import Store
+    from traceprop_engine.store.reader import Store
 
     store = run_dir / C.STORE_FILE
     if store.exists():

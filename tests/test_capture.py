@@ -277,9 +277,9 @@ def test_covariance_equals_hand_computation():
     )
     S = sum(g[b, t][:, None] @ g[b, t][None, :] for b in range(3) for t in range(g.shape[1]))
     cov = cap.covariance_arrays()[0]
-    np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cov["S"], S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
-    assert cov["n_tokens"] == int(mask.sum())
+    np.testing.assert_allclose(cov.A, A.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cov.S, S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
+    assert cov.n_tokens == int(mask.sum())
 
 
 def test_hooks_idle_without_grad_and_removed_after_error(tmp_path):
@@ -340,14 +340,14 @@ def test_unpadded_mask_and_loss_scale_folding():
     s3, c3 = _cov_run(model, layers, ids, ones, ids, ones, 3.0)
     for li in range(len(layers)):
         np.testing.assert_array_equal(s1[li].numpy(), s2[li].numpy())
-        np.testing.assert_allclose(c1[li]["A"], c2[li]["A"], rtol=1e-6)
-        np.testing.assert_allclose(c1[li]["S"], c2[li]["S"], rtol=1e-6)
-        assert c1[li]["n_tokens"] == c2[li]["n_tokens"] == 30
+        np.testing.assert_allclose(c1[li].A, c2[li].A, rtol=1e-6)
+        np.testing.assert_allclose(c1[li].S, c2[li].S, rtol=1e-6)
+        assert c1[li].n_tokens == c2[li].n_tokens == 30
         np.testing.assert_allclose(
             s3[li].numpy(), 3 * s2[li].numpy(), rtol=1e-5, atol=1e-7 * float(s2[li].abs().max())
         )
-        np.testing.assert_allclose(c3[li]["A"], c2[li]["A"], rtol=1e-6)
-        np.testing.assert_allclose(c3[li]["S"], 9 * c2[li]["S"], rtol=1e-5)
+        np.testing.assert_allclose(c3[li].A, c2[li].A, rtol=1e-6)
+        np.testing.assert_allclose(c3[li].S, 9 * c2[li].S, rtol=1e-5)
 
 
 class _Twice(torch.nn.Module):
@@ -387,7 +387,7 @@ def test_forward_without_backward_leaves_no_statistics():
     for layer, slot, cov in zip(layers, slots, cap.covariance_arrays(), strict=True):
         assert not layer._stack
         assert torch.all(slot == 0)  # the layer took no part in a backward: zero gradient
-        assert np.all(cov["A"] == 0) and cov["n_tokens"] == 0
+        assert np.all(cov.A == 0) and cov.n_tokens == 0
 
 
 def test_bf16_autocast_gradients_are_projected_in_fp32():
@@ -423,4 +423,4 @@ def test_gradient_checkpointing_records_each_example_once(tmp_path, reentrant):
     model.train()  # checkpointing is active in training mode (dropout is 0 in this config)
     store, _ = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=4, k_out=6))
     _, mask, _, _ = causal_batch()
-    assert store.covariance(0)["n_tokens"] == int(mask.sum())  # A counted once, not per re-run
+    assert store.covariance(0).n_tokens == int(mask.sum())  # A counted once, not per re-run

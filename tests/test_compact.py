@@ -10,6 +10,7 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import constants as C
+from traceprop_engine.attribution.factor_scores import factor_scores, sketch_scores
 from traceprop_engine.attribution.precondition import (
     EkfacMoments,
     LayerStats,
@@ -18,14 +19,10 @@ from traceprop_engine.attribution.precondition import (
     truncated_svd,
 )
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
-from traceprop_engine.store.compact import (
-    FactorStore,
-    compact_store,
-    factor_scores,
-    factorize_chunk,
-    sketch_scores,
-)
-from traceprop_engine.store.hdf5 import Store, StoreWriter
+from traceprop_engine.store.compact import FactorStore, compact_store, factorize_chunk
+from traceprop_engine.store.format import Covariance
+from traceprop_engine.store.reader import Store
+from traceprop_engine.store.writer import StoreWriter
 
 RTOL_F64 = 1e-9  # float64 arithmetic on float32-stored factors of the same float32 sketches
 RTOL_F32 = 2e-4  # float32 products vs float64 reference
@@ -79,7 +76,7 @@ def _write_store(path, seed=0, sketch="factored"):
     cov = []
     for ko, ki in SHAPES:
         a, g = rng.normal(size=(300, ki)) * np.linspace(0.3, 2, ki), rng.normal(size=(300, ko))
-        cov.append({"A": a.T @ a, "S": g.T @ g, "n_tokens": 300})
+        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
     if sketch == "factored":
         w.write_covariance(cov)
     w.close(C.STATUS_COMPLETED)
@@ -90,15 +87,15 @@ def _fit(store, kind):
     stats = []
     for li, layer in enumerate(store.layers):
         cov = store.covariance(li)
-        mom = EkfacMoments.from_factors(cov["A"], cov["S"])
+        mom = EkfacMoments.from_factors(cov.A, cov.S)
         mom.update(store.sketches(li))
         stats.append(
             LayerStats(
                 layer.name,
                 layer.record_shape,
-                cov["A"],
-                cov["S"],
-                int(cov["n_tokens"]),
+                cov.A,
+                cov.S,
+                int(cov.n_tokens),
                 moments=mom,
             )
         )

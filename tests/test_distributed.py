@@ -16,7 +16,7 @@ from traceprop_engine import Store
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
-from traceprop_engine.store.hdf5 import ShardedStore, open_run_store
+from traceprop_engine.store.sharded import ShardedStore, open_run_store
 from traceprop_engine.training.data import load_examples
 from traceprop_engine.training.distributed import DistContext, shard_file
 from traceprop_engine.training.loop import train
@@ -139,9 +139,9 @@ def test_shards_read_as_the_one_process_store(runs):
             ),
         )
         c1, c2 = one.covariance(li), sharded.covariance(li)
-        assert c1["n_tokens"] == c2["n_tokens"]
-        for k in ("A", "S"):
-            np.testing.assert_allclose(c2[k], c1[k], rtol=RTOL, atol=ATOL_REL * np.abs(c1[k]).max())
+        assert c1.n_tokens == c2.n_tokens
+        for a, b in ((c2.A, c1.A), (c2.S, c1.S)):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL_REL * np.abs(b).max())
         assert sharded.sq_norm_sum(li) == pytest.approx(one.sq_norm_sum(li), rel=RTOL)
     assert (
         sharded.status == "completed"

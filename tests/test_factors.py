@@ -253,9 +253,9 @@ def test_full_space_covariance_from_every_nth_batch(stride):
         S += g.T @ g
         n += int(m.sum())
     cov = cap.covariance_arrays()[0]
-    np.testing.assert_allclose(cov["A"], A.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cov["S"], S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
-    assert cov["n_tokens"] == n
+    np.testing.assert_allclose(cov.A, A.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cov.S, S.numpy(), rtol=1e-4, atol=1e-9 * float(S.abs().max()))
+    assert cov.n_tokens == n
 
 
 def test_int8_factors_round_trip_within_quantisation(tmp_path):

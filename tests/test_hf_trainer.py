@@ -124,13 +124,9 @@ def _assert_same_sketches(a: Store, b: Store) -> None:
             x, y, rtol=RTOL, atol=ATOL_REL * scale, err_msg=a.layers[li].name
         )
         ca, cb = a.covariance(li), b.covariance(li)
-        assert ca["n_tokens"] == cb["n_tokens"]
-        np.testing.assert_allclose(
-            ca["S"], cb["S"], rtol=RTOL, atol=ATOL_REL * np.abs(cb["S"]).max()
-        )
-        np.testing.assert_allclose(
-            ca["A"], cb["A"], rtol=RTOL, atol=ATOL_REL * np.abs(cb["A"]).max()
-        )
+        assert ca.n_tokens == cb.n_tokens
+        np.testing.assert_allclose(ca.S, cb.S, rtol=RTOL, atol=ATOL_REL * np.abs(cb.S).max())
+        np.testing.assert_allclose(ca.A, cb.A, rtol=RTOL, atol=ATOL_REL * np.abs(cb.A).max())
 
 
 def test_trainer_matches_manual_loop_with_training(setup, tmp_path):

@@ -21,7 +21,7 @@ from transformers import GPTNeoXForCausalLM
 from traceprop_engine import ConfigError, QueryError, RunError, Tracker, TrackSettings
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.query import IndexSettings, open_run
-from traceprop_engine.store.hdf5 import Store
+from traceprop_engine.store.reader import Store
 from traceprop_engine.training.losses import causal_lm_losses
 from traceprop_engine.training.models import tiny_config
 

@@ -61,7 +61,7 @@ def reference_scores(store, test, kind, damping=0.1):
             total += np.einsum("ab,nab->n", t, X)
             continue
         cov = store.covariance(li)
-        A, S = cov["A"] / cov["n_tokens"], cov["S"] / cov["n_tokens"]
+        A, S = cov.A / cov.n_tokens, cov.S / cov.n_tokens
         raw = store.sketches(li).astype(np.float64)
         if kind == "kfac":
             c = (raw**2).sum() / n_rec / (np.trace(S) * np.trace(A))

@@ -23,7 +23,7 @@ from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.cli.main import main
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
-from traceprop_engine.store.hdf5 import StoreWriter
+from traceprop_engine.store.writer import StoreWriter
 from traceprop_engine.training import loop as train_mod
 from traceprop_engine.training.loop import LOCK_FILE, train
 

@@ -48,7 +48,7 @@ def test_completed_run_writes_everything(data, tmp_path):
     toks, mask = store.tokens(0)
     assert len(toks) == len(mask) and mask.sum() >= 1 and mask[0] == 0
     assert len(read_progress(run)) == m["timings"]["n_steps"]
-    assert store.covariance(0)["n_tokens"] > 0
+    assert store.covariance(0).n_tokens > 0
     assert m["model"]["fingerprint"] and m["data"]["files"]
 
 
@@ -216,7 +216,7 @@ def test_an_error_mid_run_marks_it_failed_and_keeps_a_readable_store(data, tmp_p
     assert m["status"] == "failed" and "disk on fire" in m["error"]
     store = Store(tmp_path / "crash" / "store.h5")
     assert store.status == "failed" and store.is_partial and store.n_records == 3 * 8
-    assert store.covariance(0)["n_tokens"] > 0  # what was accumulated is kept
+    assert store.covariance(0).n_tokens > 0  # what was accumulated is kept
 
 
 def test_a_killed_run_reads_as_failed(data, tmp_path):

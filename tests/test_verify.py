@@ -16,7 +16,7 @@ from helpers import facts_data, fast_settings
 from traceprop_engine import RunError, Store, StoreError
 from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.cli.main import main
-from traceprop_engine.store.hdf5 import DIGEST_ATTR, content_digest
+from traceprop_engine.store.format import DIGEST_ATTR, content_digest
 from traceprop_engine.training.loop import train
 
 

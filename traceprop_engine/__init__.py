@@ -14,7 +14,7 @@ from .errors import (
     TracepropError,
 )
 from .settings import SketchKind, Task, TrackSettings, TrainSettings
-from .store.hdf5 import Store
+from .store.reader import Store
 
 __version__ = "0.1.0"
 

@@ -101,7 +101,7 @@ def _decode(arr):
 
 
 def test_overhead_from_real_timings(at, tmp_path):
-    from traceprop_engine.store.hdf5 import Store
+    from traceprop_engine.store.reader import Store
 
     _goto(at, "overhead")
     charts = at.get("plotly_chart")

@@ -177,7 +177,7 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
         RunError: no readable run.json.
     """
     from ..errors import StoreError
-    from ..store.hdf5 import open_run_store
+    from ..store.sharded import open_run_store
 
     run_dir = Path(run_dir)
     m = read_manifest(run_dir)

@@ -260,7 +260,7 @@ class LayerPreconditioner:
 
         ``T' = leftᵀ ((left T right) ⊙ scale²) rightᵀ`` — for K-FAC (symmetric factors)
         ``L² T R²``, i.e. ``H⁻¹ T``. Scoring unpreconditioned (e.g. low-rank factored) training
-        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.store.compact`).
+        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.attribution.factor_scores`).
 
         Args:
             test_sketches: (q, *shape) test-side sketches of this layer.

@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..run import read_manifest
 from ..settings import SketchKind, parse_choice
-from ..store.hdf5 import open_run_store
+from ..store.sharded import open_run_store
 from ..training.data import Example
 from ..training.losses import example_losses
 from ..training.models import collate, encode_example, load_saved_model, model_inputs, quiet_hf
@@ -273,9 +273,7 @@ class AttributionRun:
             moments = None
             if kind is PreconditionerKind.EKFAC:
                 moments = (
-                    EkfacMoments.from_factors(
-                        cov["A"] / cov["n_tokens"], cov["S"] / cov["n_tokens"]
-                    )
+                    EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
                     if cov
                     else EkfacMoments.dense(layer.dim)
                 )
@@ -290,9 +288,9 @@ class AttributionRun:
                 LayerStats(
                     name=layer.name,
                     shape=layer.record_shape,
-                    A=cov["A"] if cov else None,
-                    S=cov["S"] if cov else None,
-                    n_tokens=int(cov["n_tokens"]) if cov else 0,
+                    A=cov.A if cov else None,
+                    S=cov.S if cov else None,
+                    n_tokens=int(cov.n_tokens) if cov else 0,
                     mean_sq_norm=None if moments is not None else self.store.sq_norm_sum(li) / n,
                     moments=moments,
                 )

@@ -24,7 +24,7 @@ the write were synchronous (an upper bound for a machine without a spare core).
 
 Storage. ``bytes_per_example`` is the steady-state store size of one record: per sketch dataset
 (and per record-metadata dataset) the HDF5 storage size divided by the rows its allocated chunks
-hold. HDF5 allocates whole chunks (``store._chunk_rows``: ~1 MiB, up to 4096 rows), so a short
+hold. HDF5 allocates whole chunks (``store.format.chunk_rows``: ~128 KiB, up to 4096 rows), so a short
 benchmark's file is mostly empty chunk space; dividing the file size by a few hundred records
 (``short_run_file_bytes_per_example``) says nothing about a real run. For uncompressed sketches
 the steady-state figure equals the nominal ``4 · k_in · k_out`` per layer; with compression it

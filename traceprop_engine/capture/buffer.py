@@ -3,9 +3,10 @@ in one large transfer per flush.
 
 All layers share one flat device tensor, laid out layer-major so that every layer's region is a
 contiguous ``(capacity, *record_shape)`` view and a step's rows ``[pos, pos+B)`` are contiguous
-too: the hooks write with ``out=`` into that slice (no allocation, no copy), and a flush is a
-single ``device -> host`` copy of the whole flat tensor. Host memory stays bounded: the sink
-(the HDF5 writer) receives at most ``capacity`` records at a time.
+too: the hooks write into that slice in place (``baddbmm_`` / ``copy_``: no allocation, no
+extra copy), and a flush is a single ``device -> host`` copy of the whole flat tensor. Host memory
+stays bounded: the sink receives at most ``capacity`` records at a time, and
+:class:`BackgroundSink` (the store writer's thread) holds at most ``max_pending`` such chunks.
 
 Factored records stored as rank-r factors (``TrackSettings.rank > 0``): the hooks write each
 step's full ``(B, k_out, k_in)`` sketches into a per-step *scratch* tensor instead, and
@@ -18,14 +19,21 @@ to the host, and the buffer holds ``r (k_out + k_in)`` numbers per record and la
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..errors import StoreError
 from .sketch import top_factors
+
+if TYPE_CHECKING:
+    from ..store.writer import StoreWriter
 
 FlushSink = Callable[[list[np.ndarray], dict[str, np.ndarray]], None]
 
@@ -214,3 +222,41 @@ class SketchBuffer:
         self.pos = 0
         self.n_flushed += n
         self.sink(arrays, meta)
+
+
+class BackgroundSink:
+    """Hands flushed chunks to a writer thread so training does not wait on HDF5.
+
+    At most ``max_pending`` chunks wait in the queue, which bounds host memory; an error in the
+    writer thread is raised on the next :meth:`__call__` or on :meth:`close`. The thread looks
+    ``writer.append`` up per chunk (the overhead bench swaps it for a timed one).
+    """
+
+    def __init__(self, writer: StoreWriter, max_pending: int = 2) -> None:
+        self._writer = writer
+        self._q: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, name="traceprop-writer", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self._writer.append(*item)
+                except BaseException as e:  # surfaced to the training thread
+                    self._error = e
+
+    def __call__(self, arrays, meta) -> None:
+        if self._error is not None:
+            raise StoreError(f"writing the store failed: {self._error}") from self._error
+        self._q.put((arrays, meta))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join()
+        if self._error is not None:
+            raise StoreError(f"writing the store failed: {self._error}") from self._error

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..settings import FactorSpace, SketchKind, TrackSettings
+from ..store.format import Covariance
 from .sketch import (
     apply_sparse_jl,
     full_factors,
@@ -454,18 +455,18 @@ class Capture:
         return None
 
     # -- covariance -----------------------------------------------------------------------
-    def covariance_arrays(self) -> list[dict]:
-        """Per layer: ``A``, ``S`` (float64 numpy) and the token count, or ``{}`` when off."""
-        out = []
+    def covariance_arrays(self) -> list[Covariance | None]:
+        """Per layer: ``A``, ``S`` (float64 numpy) and the token count, or None when off."""
+        out: list[Covariance | None] = []
         for layer in self.layers:
             if layer.A is None:
-                out.append({})
+                out.append(None)
                 continue
             out.append(
-                {
-                    "A": layer.A.double().cpu().numpy(),
-                    "S": layer.S.double().cpu().numpy(),
-                    "n_tokens": float(layer.a_tokens.item()) + layer.a_rows,
-                }
+                Covariance(
+                    A=layer.A.double().cpu().numpy(),
+                    S=layer.S.double().cpu().numpy(),
+                    n_tokens=float(layer.a_tokens.item()) + layer.a_rows,
+                )
             )
         return out

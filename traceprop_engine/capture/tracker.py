@@ -47,8 +47,8 @@ from torch import nn
 from .. import constants as C
 from ..errors import ConfigError, RunError
 from ..settings import TrackSettings
-from ..store.hdf5 import BackgroundSink, StoreWriter
-from .buffer import SketchBuffer
+from ..store.writer import StoreWriter
+from .buffer import BackgroundSink, SketchBuffer
 from .hooks import Capture, build_layers
 
 log = logging.getLogger(__name__)

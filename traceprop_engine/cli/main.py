@@ -407,7 +407,7 @@ def _add_info(sub) -> None:
 
 def _cmd_info(a) -> int:
     from ..run import read_manifest
-    from ..store.hdf5 import open_run_store
+    from ..store.sharded import open_run_store
 
     m = read_manifest(a.run)
     if a.json:

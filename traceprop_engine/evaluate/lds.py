@@ -121,7 +121,7 @@ class LdsSettings:
         damping: preconditioner damping (``None``: the engine's default).
         compact: compact-storage methods, ``(k, preconditioner, c)``: the k run's sketches are
             compacted to rank-``c`` factors (``runs/k{k}/factors-c{c}.h5``, reused on a resume)
-            and scored with :func:`traceprop_engine.store.compact.factor_scores` (family
+            and scored with :func:`traceprop_engine.attribution.factor_scores.factor_scores` (family
             ``factored-c``, method ``"{preconditioner} c={c}"``). Entries whose k is not in the
             sweep are skipped. Scoring only: not part of the settings a resume checks.
         exact: also train the exact run (``runs/exact``: ``k_in = k_out = EXACT_K``, clamped to
@@ -856,8 +856,9 @@ def _compact_methods(
     preconditioner of the run's persisted index for that kind), so at ``c = min(k_out, k_in)``
     the scores equal the full-sketch scores up to float32 storage round-off.
     """
+    from ..attribution.factor_scores import factor_scores
     from ..attribution.query import IndexSettings, open_run
-    from ..store.compact import FactorStore, factor_scores
+    from ..store.compact import FactorStore
 
     run = open_run(run_dir)
     try:

@@ -1,26 +1,14 @@
-"""Compact storage: rank-``c`` factors of every stored sketch, and queries straight from them (LoRIF).
+"""Compact storage: rank-``c`` factors of every stored sketch (LoRIF), in a factor file.
 
 A factored sketch ``Ŝ ∈ R^{k_out×k_in}`` (DESIGN §1) is replaced by its rank-``c`` truncated SVD
 ``Ŝ ≈ U Vᵀ`` with ``U ∈ R^{k_out×c}`` (singular values folded in) and ``V ∈ R^{k_in×c}``:
 ``c (k_out + k_in)`` numbers instead of ``k_out k_in`` (c = 1 at k = 32: 64 vs 1024). At
-``c = min(k_out, k_in)`` the factors are exact.
+``c = min(k_out, k_in)`` the factors are exact. The residual ``R = Ŝ − U Vᵀ`` has the discarded
+singular values ``σ_{c+1}, …`` of ``Ŝ``; its norms ``‖R‖_* = Σ_{j>c} σ_j`` and
+``‖R‖_F = (Σ_{j>c} σ_j²)^{1/2}`` are kept per record, for the error bound of the scores.
 
-Scores never rebuild ``Ŝ``. Every preconditioner here is a linear map ``P`` on the sketch, so
-``⟨P T, P Ŝ⟩ = ⟨T', Ŝ⟩`` with ``T' = P*P T`` the test sketch pushed to the training side
-(:meth:`~traceprop_engine.attribution.precondition.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
-
-    ⟨T', U Vᵀ⟩ = Σ_c u_cᵀ T' v_c,
-
-one (k_out×k_in)·(k_in×c) product per record on the query side only. The per-example score is
-the learning-rate-weighted sum over the example's records, as in :mod:`traceprop_engine.attribution.query`.
-
-Error bound (stored, per record and layer): the residual ``R = Ŝ − U Vᵀ`` has the discarded
-singular values ``σ_{c+1}, …`` of ``Ŝ``, so by von Neumann's trace inequality
-
-    |⟨T', R⟩| ≤ min(‖T'‖_2 ‖R‖_*, ‖T'‖_F ‖R‖_F),
-
-with ``‖R‖_* = Σ_{j>c} σ_j`` and ``‖R‖_F = (Σ_{j>c} σ_j²)^{1/2}`` kept in the factor file.
-:func:`factor_scores` sums these (× |lr|) into a guaranteed per-example bound.
+Scores straight from the factors (never rebuilding ``Ŝ``) and their bound are in
+:mod:`traceprop_engine.attribution.factor_scores`.
 
 File ``RUN/factors-c{rank}.h5`` (``format = "traceprop-factors"``, ``version = 1``)::
 
@@ -34,10 +22,11 @@ File ``RUN/factors-c{rank}.h5`` (``format = "traceprop-factors"``, ``version = 1
                   V (n, k_in, c)  f4
                   residual_fro (n,) f4, residual_nuc (n,) f4
 
-Training time: :func:`factorize_chunk` works on one flushed chunk (what ``BackgroundSink`` hands
-its writer thread) and :class:`FactorWriter` has ``StoreWriter.append``'s signature, so the
-writer thread can write factors next to (or instead of) full sketches; the training hot path is
-untouched either way. It is not wired into the tracker here.
+Training time: :func:`factorize_chunk` works on one flushed chunk (what
+:class:`~traceprop_engine.capture.buffer.BackgroundSink` hands its writer thread) and
+:class:`FactorWriter` has ``StoreWriter.append``'s signature, so the writer thread can write
+factors next to (or instead of) full sketches; the training hot path is untouched either way.
+It is not wired into the tracker here.
 
 Dense sketches (``(k,)`` vectors) have no matrix structure to factor; compaction refuses them.
 """
@@ -56,28 +45,25 @@ import h5py
 import numpy as np
 
 from .. import constants as C
-from ..attribution.precondition import Preconditioner
 from ..errors import ConfigError, IndexStaleError, StoreError
-from .hdf5 import Store, append_records, create_records_group
+from .format import append_records, chunk_rows, create_records_group
+from .reader import Store
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "FACTORS_FORMAT",
     "FACTORS_VERSION",
-    "ExampleScores",
     "FactorStore",
     "FactorWriter",
     "compact_store",
     "factor_file_name",
-    "factor_scores",
     "factorize_chunk",
-    "sketch_scores",
 ]
 
 FACTORS_FORMAT = "traceprop-factors"
 FACTORS_VERSION = 1
-CHUNK = 4096  # records per streamed chunk (as in query.py)
+CHUNK = 4096  # records per streamed chunk (as in attribution.scoring)
 
 F_U, F_V = "U", "V"
 F_RES_FRO, F_RES_NUC = "residual_fro", "residual_nuc"
@@ -126,10 +112,6 @@ def factorize_chunk(arr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]
     """
     u, v, _ = _svd_factors(arr, _check_rank(rank))
     return u.astype(np.float32), v.astype(np.float32)
-
-
-def _chunk_rows(record_numel: int, target_bytes: int = 1 << 17) -> int:
-    return max(1, min(4096, target_bytes // (4 * max(1, record_numel))))
 
 
 class FactorWriter:
@@ -200,7 +182,7 @@ class FactorWriter:
                     shape=(0, rows, c),
                     maxshape=(None, rows, c),
                     dtype="f4",
-                    chunks=(_chunk_rows(rows * c), rows, c),
+                    chunks=(chunk_rows(rows * c), rows, c),
                     compression=compression,
                 )
             for name in (F_RES_FRO, F_RES_NUC):
@@ -472,213 +454,3 @@ class FactorStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# -- queries --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExampleScores:
-    """Scores of ``q`` queries against every training example with records.
-
-    Attributes:
-        example_ids: (n_examples,) example indices, ascending (the rows of ``scores``' columns).
-        scores: (q, n_examples) ``Σ_records lr · Σ_layers ⟨P T, P Ŝ⟩``; > 0 = proponent.
-        bound: (q, n_examples) guaranteed ``|score − full-sketch score|`` (factored scores only).
-    """
-
-    example_ids: np.ndarray
-    scores: np.ndarray
-    bound: np.ndarray | None = None
-
-
-def _pulled_back(
-    test_sketches: Sequence[np.ndarray],
-    names: list[str],
-    shapes: list[tuple[int, ...]],
-    preconditioner,
-) -> list[np.ndarray]:
-    """``T'`` per layer, (q, k_out, k_in) float64, in the order of ``names``."""
-    if len(test_sketches) != len(names):
-        raise ConfigError(
-            f"got test sketches for {len(test_sketches)} layers, the store has {len(names)} ({names})"
-        )
-    ts = []
-    for t, shape, name in zip(test_sketches, shapes, names, strict=True):
-        t = np.asarray(t, dtype=np.float64)
-        t = t[None] if t.shape == shape else t
-        if t.shape[1:] != shape:
-            raise StoreError(
-                f"layer {name!r}: test sketch shape {t.shape}, the store holds {shape} per record"
-            )
-        ts.append(t)
-    if preconditioner is None:
-        return ts
-    layers = (
-        preconditioner.layers
-        if isinstance(preconditioner, Preconditioner)
-        else list(preconditioner)
-    )
-    by_name = {lp.name: lp for lp in layers}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ConfigError(
-            f"the preconditioner has no layer(s) {missing}; fit it on the same store "
-            f"(it has {sorted(by_name)})"
-        )
-    return [by_name[n].pullback(t) for n, t in zip(names, ts, strict=True)]
-
-
-def _per_example(rec: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ex = rec[C.REC_EXAMPLE]
-    ids = np.unique(ex)
-    return ids, np.searchsorted(ids, ex), rec[C.REC_LR].astype(np.float64)
-
-
-def _accumulate(out: np.ndarray, rows: np.ndarray, w: np.ndarray, per_record: np.ndarray) -> None:
-    for qi in range(out.shape[0]):  # (q, m) record scores → lr-weighted sum per example
-        out[qi] += np.bincount(rows, weights=w * per_record[qi], minlength=out.shape[1])
-
-
-def _factored_inner(t: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``Σ_c u_cᵀ T'_q v_c`` for every query q and record: (q, m). One GEMM plus an elementwise sum."""
-    q, ko, ki = t.shape
-    m, _, c = u.shape
-    if ki <= ko:  # contract the smaller side first
-        tv = t.reshape(q * ko, ki) @ np.swapaxes(v, 0, 1).reshape(ki, m * c)  # (q·ko, m·c)
-        return np.einsum("qomc,moc->qm", tv.reshape(q, ko, m, c), u, optimize=True)
-    tu = np.swapaxes(t, 1, 2).reshape(q * ki, ko) @ np.swapaxes(u, 0, 1).reshape(
-        ko, m * c
-    )  # (q·ki, m·c)
-    return np.einsum("qimc,mic->qm", tu.reshape(q, ki, m, c), v, optimize=True)
-
-
-LOWRANK_RTOL = 1e-9
-"""Singular values of ``T'`` below this fraction of the largest are treated as zero (round-off)."""
-
-
-@dataclass(frozen=True)
-class _LowRankTest:
-    """``T'_q = A_q B_qᵀ`` for all queries of one layer, stacked: A (k_out, Σt), B (k_in, Σt)."""
-
-    a: np.ndarray
-    b: np.ndarray
-    owner: np.ndarray  # (Σt,) query index of each column
-
-    @classmethod
-    def maybe(cls, t: np.ndarray, dtype) -> _LowRankTest | None:
-        """The exact (numerical-rank) factorisation of ``T'`` when it beats the GEMM route."""
-        q, ko, ki = t.shape
-        u, s, vt = np.linalg.svd(t, full_matrices=False)  # (q,ko,r), (q,r), (q,r,ki)
-        keep = s > LOWRANK_RTOL * np.maximum(s[:, :1], 1e-300)
-        if int(keep.sum()) * (ko + ki) >= q * ko * ki:  # full-rank T' (e.g. EK-FAC): use the GEMM
-            return None
-        a = np.concatenate([u[i][:, keep[i]] * s[i][keep[i]] for i in range(q)], axis=1)
-        b = np.concatenate([vt[i][keep[i]].T for i in range(q)], axis=1)
-        owner = np.repeat(np.arange(q), keep.sum(1))
-        return cls(a.astype(dtype), b.astype(dtype), owner)
-
-    def inner(self, u: np.ndarray, v: np.ndarray, q: int) -> np.ndarray:
-        """``⟨A Bᵀ, U Vᵀ⟩ = Σ_{c,t} (Aᵀu_c)_t (Bᵀv_c)_t``: O((k_out + k_in) c t) per record."""
-        au = np.tensordot(u, self.a, axes=([1], [0]))  # (m, c, Σt)
-        bv = np.tensordot(v, self.b, axes=([1], [0]))  # (m, c, Σt)
-        per_col = np.einsum("mct,mct->tm", au, bv)  # (Σt, m)
-        out = np.zeros((q, u.shape[0]), dtype=per_col.dtype)
-        np.add.at(out, self.owner, per_col)
-        return out
-
-
-def factor_scores(
-    test_sketches: Sequence[np.ndarray],
-    factors: FactorStore,
-    preconditioner: Preconditioner | Sequence | None = None,
-    *,
-    chunk: int = CHUNK,
-    dtype: type = np.float32,
-    with_bound: bool = True,
-) -> ExampleScores:
-    """Brute-force influence scores of every training example, straight from the factors.
-
-    ``score(q, i) = Σ_{records r of i} lr_r Σ_layers Σ_c u_{r,c}ᵀ T'_q v_{r,c}`` with
-    ``T' = P*P T`` (module docstring) — equal to the full-sketch score when the factors are
-    lossless, and within ``bound`` of it otherwise.
-
-    Args:
-        test_sketches: per layer (in the factor file's layer order), ``(k_out, k_in)`` or
-            ``(q, k_out, k_in)`` test-side sketches (``AttributionRun.query_sketches``).
-        factors: an open :class:`FactorStore`.
-        preconditioner: a fitted :class:`Preconditioner` (identity/K-FAC/EK-FAC, from the same
-            store), a sequence of per-layer objects with ``name`` and ``pullback`` (e.g.
-            :class:`~traceprop_engine.attribution.precondition.WoodburyPreconditioner`), or None (identity).
-        chunk: records per streamed chunk.
-        dtype: arithmetic dtype of the per-record products (float64 for exact checks).
-        with_bound: also accumulate the guaranteed error bound.
-
-    Returns:
-        :class:`ExampleScores` (cosine similarity is not supported: the norms of the per-example
-        sums need the full vectors).
-    """
-    names = factors.layer_names
-    ts = _pulled_back(
-        test_sketches, names, [layer.record_shape for layer in factors.layers], preconditioner
-    )
-    ids, rows, w = _per_example(factors.records())
-    q = ts[0].shape[0]
-    out = np.zeros((q, len(ids)))
-    bound = np.zeros((q, len(ids))) if with_bound else None
-    # ‖T'‖_2 and ‖T'‖_F per layer and query, for the von Neumann bound
-    norms = [(np.linalg.norm(t, ord=2, axis=(1, 2)), np.linalg.norm(t, axis=(1, 2))) for t in ts]
-    ts_d = [t.astype(dtype) for t in ts]
-    # a per-example test gradient has rank ≤ its number of target tokens and K-FAC keeps that
-    # rank: then ⟨T', UVᵀ⟩ costs O((k_out + k_in) c t) per record instead of O(k_out k_in c)
-    low = [_LowRankTest.maybe(t, dtype) for t in ts]
-    for start in range(0, factors.n_records, chunk):
-        stop = min(start + chunk, factors.n_records)
-        rec_scores = np.zeros((q, stop - start))
-        rec_bound = np.zeros((q, stop - start)) if with_bound else None
-        for li in range(len(names)):
-            u, v = factors.factors(li, start, stop)
-            u, v = u.astype(dtype, copy=False), v.astype(dtype, copy=False)
-            if low[li] is not None:
-                rec_scores += low[li].inner(u, v, q)
-            else:
-                rec_scores += _factored_inner(ts_d[li], u, v)
-            if with_bound:
-                fro, nuc = factors.residual_norms(li, start, stop)
-                spec, tfro = norms[li]
-                rec_bound += np.minimum(spec[:, None] * nuc[None], tfro[:, None] * fro[None])
-        _accumulate(out, rows[start:stop], w[start:stop], rec_scores)
-        if with_bound:
-            _accumulate(bound, rows[start:stop], np.abs(w[start:stop]), rec_bound)
-    return ExampleScores(ids, out, bound)
-
-
-def sketch_scores(
-    test_sketches: Sequence[np.ndarray],
-    store: Store,
-    preconditioner: Preconditioner | Sequence | None = None,
-    *,
-    chunk: int = CHUNK,
-    dtype: type = np.float32,
-) -> ExampleScores:
-    """The same brute-force scores from the full stored sketches: ``Σ lr ⟨T', Ŝ⟩`` (the reference)."""
-    if store.sketch != "factored":
-        raise ConfigError(
-            f"{store.path} holds dense sketches; sketch_scores works on factored stores"
-        )
-    names = [layer.name for layer in store.layers]
-    ts = _pulled_back(
-        test_sketches, names, [layer.record_shape for layer in store.layers], preconditioner
-    )
-    ids, rows, w = _per_example(store.records())
-    q = ts[0].shape[0]
-    out = np.zeros((q, len(ids)))
-    flat = [t.reshape(q, -1).T.astype(dtype) for t in ts]  # (k_out·k_in, q)
-    for start in range(0, store.n_records, chunk):
-        stop = min(start + chunk, store.n_records)
-        rec_scores = np.zeros((stop - start, q))
-        for li in range(len(names)):
-            x = store.sketches(li, start, stop)
-            rec_scores += x.reshape(x.shape[0], -1).astype(dtype, copy=False) @ flat[li]
-        _accumulate(out, rows[start:stop], w[start:stop], rec_scores.T)
-    return ExampleScores(ids, out)

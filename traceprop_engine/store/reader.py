@@ -1,0 +1,379 @@
+"""The store reader: a read-only view of one ``store.h5``, validated on open.
+
+Layout in docs/store-format.md and :mod:`.format`. Only the first ``n_records`` records of a
+store count (see :mod:`.writer`); a damaged dataset (Fletcher-32 mismatch) reads as a
+:class:`StoreError` that says so, never as numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .. import constants as C
+from ..errors import ModelMismatchError, SchemaVersionError, StoreError
+from .format import DIGEST_ATTR, Covariance, LayerInfo, content_digest, decode_factors
+
+
+def _damaged(store, info, read):
+    """``read()``, with a Fletcher-32 mismatch (bytes changed on disk) as a clear StoreError."""
+    try:
+        return read()
+    except OSError as e:
+        raise StoreError(
+            f"{store.path}: the records of layer {info.name} are damaged ({e}); "
+            "the store cannot be trusted: re-run the training"
+        ) from e
+
+
+def _rows_at(ds: h5py.Dataset, records: np.ndarray) -> np.ndarray:
+    """Rows ``records`` (sorted, unique) of a dataset: one contiguous read when they are dense
+    enough (h5py's point selection is slow for many rows), else a point selection."""
+    records = np.asarray(records, dtype=np.int64)
+    if len(records) == 0:
+        return np.zeros((0, *ds.shape[1:]), ds.dtype)
+    lo, hi = int(records[0]), int(records[-1]) + 1
+    if hi - lo <= 4 * len(records) + 64:
+        return ds[lo:hi][records - lo]
+    return ds[records]
+
+
+class PartialStatus:
+    """What a store view (:class:`Store`, or the shards of a DDP run) says about a run that did
+    not complete: one wording for both. Needs ``status``, ``n_records`` and ``has_covariance``."""
+
+    status: str
+    n_records: int
+
+    def _partial_where(self) -> str:
+        """Which files are partial, as a clause after the status (none for a single file)."""
+        return ""
+
+    @property
+    def is_partial(self) -> bool:
+        """True unless the run that wrote the store completed."""
+        return self.status != C.STATUS_COMPLETED
+
+    def describe_partial(self) -> str:
+        """A sentence for users about a partial store (empty string when complete)."""
+        if not self.is_partial:
+            return ""
+        return (
+            f"this store is partial (status '{self.status}'{self._partial_where()}): it holds the "
+            f"{self.n_records} records written before the run stopped; scores cover only the "
+            "examples seen so far"
+            + (
+                ""
+                if self.has_covariance
+                else ", and it has no covariance (identity preconditioning only)"
+            )
+        )
+
+
+class Store(PartialStatus):
+    """Read-only view of a store, validated on open.
+
+    Raises:
+        StoreError: the file is missing or not a readable Traceprop store (truncated, corrupt).
+        SchemaVersionError: written by another schema version.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            self.path = self.path / C.STORE_FILE
+        if not self.path.exists():
+            raise StoreError(
+                f"no store at {self.path}: run 'traceprop train --out DIR' first, or check the path"
+            )
+        try:
+            self._f = h5py.File(self.path, "r", locking=False)
+        except OSError as e:
+            raise StoreError(
+                f"{self.path} is not a readable HDF5 file ({e}); it may be truncated or corrupt "
+                "(a run killed mid-write). Re-run the training to rebuild it."
+            ) from e
+        a = self._f.attrs
+        if a.get("format") != C.STORE_FORMAT:
+            self._f.close()
+            raise StoreError(
+                f"{self.path} is an HDF5 file but not a Traceprop store (no format='{C.STORE_FORMAT}' attribute)"
+            )
+        try:
+            version = int(a.get("schema_version", -1))
+        except (TypeError, ValueError):
+            self._f.close()
+            raise StoreError(
+                f"{self.path} has a schema_version attribute that is not an integer "
+                f"({a.get('schema_version')!r}): the file is damaged or was not written by Traceprop"
+            ) from None
+        if version not in C.READABLE_SCHEMA_VERSIONS:
+            self._f.close()
+            raise SchemaVersionError(
+                f"{self.path} has store schema version {version}; this Traceprop reads version "
+                f"{C.SCHEMA_VERSION}. Re-run the training with this version, or use the Traceprop "
+                "release that wrote it."
+            )
+        try:
+            self.status = str(a["status"])
+            self.n_records = int(a["n_records"])
+            self.sketch = str(a["sketch"])
+            self.manifest = json.loads(a["manifest"])
+            self.layers = [
+                LayerInfo.read(i, self._f[f"{C.G_LAYERS}/{k}"])
+                for i, k in enumerate(sorted(self._f[C.G_LAYERS]))
+            ]
+            for layer in self.layers:
+                data = C.L_U if layer.rank else C.L_SKETCH
+                have = self._f[f"{layer.group}/{data}"].shape[0]
+                if have < self.n_records:
+                    raise StoreError(
+                        f"layer {layer.name} holds {have} records, the store says {self.n_records}"
+                    )
+            self._check_complete_layout()
+        except (KeyError, ValueError, OSError) as e:
+            self._f.close()
+            raise StoreError(
+                f"{self.path} is damaged or incomplete ({e}); re-run the training"
+            ) from e
+
+    def _check_complete_layout(self) -> None:
+        """Every dataset the readers use is there (raises KeyError naming the first missing one)."""
+        f = self._f
+        need = [f"{C.G_RECORDS}/{name}" for name in C.RECORD_FIELDS]
+        if C.G_EXAMPLES in f:
+            need += [
+                f"{C.G_EXAMPLES}/{col}"
+                for col in (
+                    *C.EX_STRING_COLUMNS,
+                    C.EX_ROW,
+                    C.EX_TOKEN_OFFSETS,
+                    C.EX_TOKENS,
+                    C.EX_LOSS_MASK,
+                )
+            ]
+        missing = [n for n in need if n not in f]
+        if missing:
+            raise KeyError(
+                f"missing dataset {missing[0]!r}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            )
+
+    def verify_content(self) -> dict:
+        """Recompute the content digest and compare it with the one written at completion.
+
+        Returns:
+            ``{"status": ok|changed|unreadable|absent|unchecked, "expected", "actual", "detail"}``:
+            ``absent`` when a store with checksummed datasets has lost its digest attribute,
+            ``unchecked`` for a store written before digests were recorded (nothing to compare).
+        """
+        want = self._f.attrs.get(DIGEST_ATTR)
+        want = str(want) if want is not None else None
+        try:
+            got = content_digest(self._f)
+        except (OSError, KeyError, ValueError) as e:
+            return {"status": "unreadable", "expected": want, "actual": None, "detail": str(e)}
+        if want is None:
+            first = (
+                self._f[f"{self.layers[0].group}/{C.L_U if self.layers[0].rank else C.L_SKETCH}"]
+                if self.layers
+                else None
+            )
+            legacy = first is None or not first.fletcher32
+            return {
+                "status": "unchecked" if legacy else "absent",
+                "expected": None,
+                "actual": got,
+                "detail": "written before stores recorded a content digest"
+                if legacy
+                else "the content digest attribute was removed",
+            }
+        return {
+            "status": "ok" if got == want else "changed",
+            "expected": want,
+            "actual": got,
+            "detail": "",
+        }
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def n_examples(self) -> int:
+        return int(self._f[C.G_EXAMPLES].attrs["n_examples"]) if C.G_EXAMPLES in self._f else 0
+
+    @property
+    def has_covariance(self) -> bool:
+        return all(C.L_COV_A in self._f[layer.group] for layer in self.layers)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the store's content: changes when records or statistics change."""
+        at = self._f.attrs
+        digest = at.get(DIGEST_ATTR)  # absent in stores written before digests (fingerprint kept)
+        return (
+            f"{self.manifest.get('run_id', '')}:{self.n_records}:{at.get('status')}:{at.get('finished', '')}"
+            + (f":{digest}" if digest is not None else "")
+        )
+
+    @property
+    def dim(self) -> int:
+        return sum(layer.dim for layer in self.layers)
+
+    # -- data -------------------------------------------------------------------------------
+    def sketches(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Records ``start:stop`` of one layer, (n, *record_shape) float32.
+
+        A layer stored as rank-r factors is rebuilt as ``U Vᵀ`` (what was recorded, to the
+        factors' precision); scoring code that can use the factors directly calls
+        :meth:`factors` instead.
+        """
+        info = self.layers[layer]
+        if info.rank:
+            u, v = self.factors(layer, start, stop)
+            return np.matmul(u, v.transpose(0, 2, 1))
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        return _damaged(self, info, lambda: self._f[f"{info.group}/{C.L_SKETCH}"][start:stop])
+
+    def factors(
+        self, layer: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``U`` (n, k_out, r) and ``V`` (n, k_in, r) float32 of a factor-stored layer.
+
+        Raises:
+            StoreError: the layer stores full sketches (``rank`` 0).
+        """
+        info = self.layers[layer]
+        if not info.rank:
+            raise StoreError(f"layer {info.name} stores full sketches, not factors")
+        stop = self.n_records if stop is None else min(stop, self.n_records)
+        g = self._f[info.group]
+        u, v, sc = _damaged(
+            self,
+            info,
+            lambda: (
+                g[C.L_U][start:stop],
+                g[C.L_V][start:stop],
+                g[C.L_SCALE][start:stop] if C.L_SCALE in g else None,
+            ),
+        )
+        return decode_factors(u, v, info.factor_dtype, sc)
+
+    def sketches_at(self, layer: int, records: np.ndarray) -> np.ndarray:
+        """Like :meth:`sketches` for a sorted array of record numbers."""
+        info = self.layers[layer]
+        if info.rank:
+            u, v = self.factors_at(layer, records)
+            return np.matmul(u, v.transpose(0, 2, 1))
+        return _damaged(
+            self, info, lambda: _rows_at(self._f[f"{info.group}/{C.L_SKETCH}"], records)
+        )
+
+    def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`factors` for a sorted array of record numbers."""
+        info = self.layers[layer]
+        if not info.rank:
+            raise StoreError(f"layer {info.name} stores full sketches, not factors")
+        g = self._f[info.group]
+        u, v, sc = _damaged(
+            self,
+            info,
+            lambda: (
+                _rows_at(g[C.L_U], records),
+                _rows_at(g[C.L_V], records),
+                _rows_at(g[C.L_SCALE], records) if C.L_SCALE in g else None,
+            ),
+        )
+        return decode_factors(u, v, info.factor_dtype, sc)
+
+    def records(self) -> dict[str, np.ndarray]:
+        g = self._f[C.G_RECORDS]
+        try:
+            return {name: g[name][: self.n_records] for name in C.RECORD_FIELDS}
+        except OSError as e:
+            raise StoreError(
+                f"{self.path}: the records table is damaged ({e}); re-run the training"
+            ) from e
+
+    def projection(self, layer: int, side: str) -> np.ndarray | None:
+        name = C.L_P_IN if side == "in" else C.L_P_OUT
+        info = self.layers[layer]
+        g = self._f[info.group]
+        if name in g:
+            return g[name][()]
+        k, d = (info.k_in, info.d_in) if side == "in" else (info.k_out, info.d_out)
+        if info.sketch != "dense" and k < d:
+            # a side is projected unless its k equals the layer width (then no matrix is stored)
+            raise StoreError(
+                f"{self.path} is damaged or incomplete (missing dataset '{info.group}/{name}': "
+                f"layer {info.name} projects {d} -> {k}); re-run the training"
+            )
+        return None
+
+    def dense_projection(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        g = self._f[self.layers[layer].group]
+        nnz = int(g.attrs["dense_nnz"])
+        sign = g[C.L_DENSE_SIGN][()].astype(np.float32) * 2 - 1
+        return g[C.L_DENSE_INDEX][()].astype(np.int64), (sign / np.sqrt(nnz)).astype(np.float32)
+
+    def covariance(self, layer: int) -> Covariance | None:
+        """The layer's K-FAC statistics; None for a dense layer or a run without covariance."""
+        return Covariance.read(self._f[self.layers[layer].group])
+
+    def sq_norm_sum(self, layer: int) -> float:
+        return float(self._f[self.layers[layer].group].attrs.get(C.L_SQNORM, 0.0))
+
+    def examples(self) -> dict[str, np.ndarray]:
+        """The example table (index = example index) as numpy columns."""
+        if C.G_EXAMPLES not in self._f:
+            return {}
+        g = self._f[C.G_EXAMPLES]
+        out = {}
+        for col in C.EX_STRING_COLUMNS:
+            out[col] = g[col].asstr()[()]
+        out[C.EX_ROW] = g[C.EX_ROW][()]
+        return out
+
+    def tokens(self, example: int) -> tuple[np.ndarray, np.ndarray]:
+        """The exact token ids and loss mask example ``example`` was trained on."""
+        g = self._f[C.G_EXAMPLES]
+        lo, hi = g[C.EX_TOKEN_OFFSETS][example : example + 2]
+        return g[C.EX_TOKENS][lo:hi], g[C.EX_LOSS_MASK][lo:hi]
+
+    def timings(self) -> dict:
+        g = self._f[C.G_TIMINGS]
+        out = {k: (v.item() if hasattr(v, "item") else v) for k, v in g.attrs.items()}
+        out["step_ms"] = g[C.T_STEP_MS][()] if C.T_STEP_MS in g else np.zeros(0)
+        return out
+
+    def attrs(self) -> dict:
+        return dict(self._f.attrs)
+
+    def check_model(self, layer_names: Sequence[str], widths: Sequence[tuple[int, int]]) -> None:
+        """Raise :class:`ModelMismatchError` unless the model's tracked layers match the store."""
+        want = [(layer.name, layer.d_in, layer.d_out) for layer in self.layers]
+        have = [(n, di, do) for n, (di, do) in zip(layer_names, widths, strict=False)]
+        if want != have:
+            diff = next(((w, h) for w, h in zip(want, have, strict=False) if w != h), None)
+            detail = (
+                f"first difference: store has {diff[0]}, model has {diff[1]}"
+                if diff
+                else (f"store tracks {len(want)} layers, model has {len(have)}")
+            )
+            raise ModelMismatchError(
+                f"the model does not match the store {self.path} ({detail}); query with the run's own "
+                "saved model (RUN/model) and the same scope"
+            )
+
+    def close(self) -> None:
+        if self._f.id.valid:
+            self._f.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,251 @@
+"""The store writer (used by the tracker during training).
+
+Layout and every name are documented in docs/store-format.md and :mod:`.format`. The writer
+appends records in chunks (resizable, chunked datasets), updates ``n_records`` only after the data
+of a chunk is written and flushes the file, so a run that stops (cancelled, failed, crashed
+between flushes) leaves a store whose first ``n_records`` records are complete and whose
+``status`` says what happened. The training loop hands it chunks through
+:class:`~traceprop_engine.capture.buffer.BackgroundSink` (a writer thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .. import constants as C
+from .format import (
+    DIGEST_ATTR,
+    FACTOR_STORAGE,
+    Covariance,
+    append_records,
+    chunk_rows,
+    content_digest,
+    create_records_group,
+    encode_factors,
+)
+
+log = logging.getLogger(__name__)
+_STR = h5py.string_dtype("utf-8")
+
+
+class StoreWriter:
+    """Creates a store and appends records; thread-safe for one background writer.
+
+    Args:
+        path: the ``store.h5`` to create (an existing file is replaced).
+        layers: tracked layers (``TrackedLayer`` objects: name, kind, widths, projections).
+        manifest: the run manifest (JSON-serialisable), stored as the ``manifest`` attribute.
+        sketch: ``"factored"`` or ``"dense"``.
+        compression: HDF5 filter for the sketch datasets (``None``, ``"lzf"``, ``"gzip"``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        layers: Sequence,
+        manifest: dict,
+        sketch: str,
+        compression: str | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".h5.tmp")
+        # v110 at most: "latest" (superblock v3) marks the file open-for-write in its header, and
+        # after a SIGKILL (OOM killer, preempted node) no reader could open it again; with
+        # superblock v2 the first n_records records (flushed) stay readable
+        self._f = h5py.File(tmp, "w", libver=("earliest", "v110"))
+        os.replace(tmp, self.path)  # the open handle follows the rename (same filesystem)
+        f = self._f
+        f.attrs["format"] = C.STORE_FORMAT
+        f.attrs["schema_version"] = C.SCHEMA_VERSION
+        f.attrs["status"] = C.STATUS_RUNNING
+        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        f.attrs["loss_definition"] = C.LOSS_DEFINITION
+        f.attrs["sketch"] = sketch
+        f.attrs["n_records"] = 0
+        f.attrs["manifest"] = json.dumps(manifest, sort_keys=True, default=str)
+        f.attrs["layer_names"] = json.dumps([layer.name for layer in layers])
+        create_records_group(f)
+        lg = f.create_group(C.G_LAYERS)
+        self._sketch_ds = []
+        self._sq_norm = np.zeros(len(layers), dtype=np.float64)
+        for i, layer in enumerate(layers):
+            g = lg.create_group(f"{i:03d}")
+            g.attrs.update(
+                name=layer.name,
+                kind=layer.kind,
+                sketch=sketch,
+                d_in=layer.d_in,
+                d_out=layer.d_out,
+                k_in=layer.k_in,
+                k_out=layer.k_out,
+                dense_k=getattr(layer, "dense_k", 0),
+            )
+            rank = int(getattr(layer, "rank", 0))
+            if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
+                fdt = str(getattr(layer, "factor_dtype", "float32"))
+                g.attrs[C.L_RANK] = rank
+                g.attrs[C.L_FACTOR_DTYPE] = fdt
+                pair = []
+                for name, rows in ((C.L_U, layer.k_out), (C.L_V, layer.k_in)):
+                    pair.append(
+                        g.create_dataset(
+                            name,
+                            shape=(0, rows, rank),
+                            maxshape=(None, rows, rank),
+                            dtype=FACTOR_STORAGE[fdt],
+                            chunks=(chunk_rows(rows * rank), rows, rank),
+                            compression=compression,
+                            fletcher32=True,
+                        )
+                    )
+                if fdt == "int8":
+                    pair.append(
+                        g.create_dataset(
+                            C.L_SCALE,
+                            shape=(0,),
+                            maxshape=(None,),
+                            dtype="f4",
+                            chunks=(chunk_rows(layer.k_out * rank),),  # as U's chunks
+                            fletcher32=True,
+                        )
+                    )
+                self._sketch_ds.append((pair, layer.k_out, fdt))
+            else:
+                shape = tuple(layer.record_shape)
+                self._sketch_ds.append(
+                    g.create_dataset(
+                        C.L_SKETCH,
+                        shape=(0, *shape),
+                        maxshape=(None, *shape),
+                        dtype="f4",
+                        chunks=(chunk_rows(int(np.prod(shape))), *shape),
+                        compression=compression,
+                        fletcher32=True,
+                    )
+                )
+            if layer.P_in is not None:
+                g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
+            if layer.P_out is not None:
+                g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
+            if getattr(layer, "dense_index", None) is not None:
+                g.create_dataset(
+                    C.L_DENSE_INDEX,
+                    data=layer.dense_index.numpy().astype(np.int32),
+                    compression="gzip",
+                )
+                g.create_dataset(
+                    C.L_DENSE_SIGN,
+                    data=(layer.dense_sign.numpy() > 0).astype(np.int8),
+                    compression="gzip",
+                )
+                g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
+        f.create_group(C.G_TIMINGS)
+        f.flush()
+        self._lock = threading.Lock()
+        self.n_records = 0
+
+    def write_examples(
+        self,
+        table: dict[str, Sequence],
+        tokens: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+    ) -> None:
+        """The example table with lineage and the exact token ids / loss masks trained on.
+
+        ``table`` columns: source, row, sha256, split, text, prompt, completion, label (str or
+        None). Row ``i`` of the table is example index ``i``.
+        """
+        with self._lock:
+            g = self._f.require_group(C.G_EXAMPLES)
+            n = len(table[C.EX_SOURCE])
+            for col in C.EX_STRING_COLUMNS:
+                vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
+                g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
+            g.create_dataset(C.EX_ROW, data=np.asarray(table[C.EX_ROW], dtype=np.int64))
+            lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            g.create_dataset(C.EX_TOKEN_OFFSETS, data=offsets)
+            flat_t = np.concatenate(tokens).astype(np.int32) if n else np.zeros(0, np.int32)
+            flat_m = np.concatenate(loss_masks).astype(np.uint8) if n else np.zeros(0, np.uint8)
+            g.create_dataset(C.EX_TOKENS, data=flat_t, compression="gzip")
+            g.create_dataset(C.EX_LOSS_MASK, data=flat_m, compression="gzip")
+            g.attrs["n_examples"] = n
+            self._f.flush()
+
+    def append(self, arrays: list[np.ndarray], meta: dict[str, np.ndarray]) -> None:
+        """Append one flushed chunk of records (all layers + metadata), then mark it readable."""
+        with self._lock:
+            n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
+            for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
+                if isinstance(ds, tuple):  # ([U, V(, scale)], k_out, dtype); arr (n, ko + ki, r)
+                    pair, k_out, fdt = ds
+                    vals, ru, rv = encode_factors(arr[:, :k_out], arr[:, k_out:], fdt)
+                    for d, val in zip(pair, vals, strict=True):
+                        d.resize(n0 + n, axis=0)
+                        d[n0 : n0 + n] = val
+                    # ||U V^T||_F^2 = sum((U^T U) * (V^T V)) of what is stored
+                    gu = np.matmul(ru.transpose(0, 2, 1).astype(np.float64), ru)
+                    gv = np.matmul(rv.transpose(0, 2, 1).astype(np.float64), rv)
+                    self._sq_norm[i] += float((gu * gv).sum())
+                    continue
+                ds.resize(n0 + n, axis=0)
+                ds[n0 : n0 + n] = arr
+                self._sq_norm[i] += float(
+                    np.einsum("i,i->", arr.ravel(), arr.ravel(), dtype=np.float64)
+                )
+            append_records(self._f[C.G_RECORDS], n0, meta)
+            self.n_records = n0 + n
+            self._f.attrs["n_records"] = self.n_records
+            for i, ds in enumerate(self._sketch_ds):
+                group = ds[0][0].parent if isinstance(ds, tuple) else ds.parent
+                group.attrs[C.L_SQNORM] = self._sq_norm[i]
+            self._f.flush()
+
+    def write_covariance(self, cov: Sequence[Covariance | None]) -> None:
+        """Per layer (in layer order) its K-FAC statistics, or None for a layer without any."""
+        with self._lock:
+            for i, c in enumerate(cov):
+                if c is not None:
+                    c.write(self._f[f"{C.G_LAYERS}/{i:03d}"])
+            self._f.flush()
+
+    def write_timings(self, step_ms: Sequence[float], extra: dict | None = None) -> None:
+        with self._lock:
+            g = self._f[C.G_TIMINGS]
+            if C.T_STEP_MS in g:
+                del g[C.T_STEP_MS]
+            g.create_dataset(C.T_STEP_MS, data=np.asarray(step_ms, dtype=np.float64))
+            for k, v in (extra or {}).items():
+                g.attrs[k] = v
+            self._f.flush()
+
+    def set_attrs(self, **attrs) -> None:
+        with self._lock:
+            for k, v in attrs.items():
+                self._f.attrs[k] = (
+                    json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict) else v
+                )
+            self._f.flush()
+
+    def close(self, status: str) -> None:
+        with self._lock:
+            if not self._f.id.valid:
+                return
+            self._f.attrs["status"] = status
+            try:
+                self._f.attrs[DIGEST_ATTR] = content_digest(self._f)
+            except (OSError, KeyError) as e:  # never hide the run's own outcome behind this
+                log.error("could not compute the store's content digest: %s", e)
+            self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self._f.flush()
+            self._f.close()
