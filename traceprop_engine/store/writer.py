@@ -79,80 +79,89 @@ class StoreWriter:
         self._sketch_ds = []
         self._sq_norm = np.zeros(len(layers), dtype=np.float64)
         for i, layer in enumerate(layers):
-            g = lg.create_group(f"{i:03d}")
-            g.attrs.update(
-                name=layer.name,
-                kind=layer.kind,
-                sketch=sketch,
-                d_in=layer.d_in,
-                d_out=layer.d_out,
-                k_in=layer.k_in,
-                k_out=layer.k_out,
-                dense_k=getattr(layer, "dense_k", 0),
+            self._sketch_ds.append(
+                self._create_layer(lg.create_group(f"{i:03d}"), layer, sketch, compression)
             )
-            rank = int(getattr(layer, "rank", 0))
-            if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
-                fdt = str(getattr(layer, "factor_dtype", "float32"))
-                g.attrs[C.L_RANK] = rank
-                g.attrs[C.L_FACTOR_DTYPE] = fdt
-                pair = []
-                for name, rows in ((C.L_U, layer.k_out), (C.L_V, layer.k_in)):
-                    pair.append(
-                        g.create_dataset(
-                            name,
-                            shape=(0, rows, rank),
-                            maxshape=(None, rows, rank),
-                            dtype=FACTOR_STORAGE[fdt],
-                            chunks=(chunk_rows(rows * rank), rows, rank),
-                            compression=compression,
-                            fletcher32=True,
-                        )
-                    )
-                if fdt == "int8":
-                    pair.append(
-                        g.create_dataset(
-                            C.L_SCALE,
-                            shape=(0,),
-                            maxshape=(None,),
-                            dtype="f4",
-                            chunks=(chunk_rows(layer.k_out * rank),),  # as U's chunks
-                            fletcher32=True,
-                        )
-                    )
-                self._sketch_ds.append((pair, layer.k_out, fdt))
-            else:
-                shape = tuple(layer.record_shape)
-                self._sketch_ds.append(
-                    g.create_dataset(
-                        C.L_SKETCH,
-                        shape=(0, *shape),
-                        maxshape=(None, *shape),
-                        dtype="f4",
-                        chunks=(chunk_rows(int(np.prod(shape))), *shape),
-                        compression=compression,
-                        fletcher32=True,
-                    )
-                )
-            if layer.P_in is not None:
-                g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
-            if layer.P_out is not None:
-                g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
-            if getattr(layer, "dense_index", None) is not None:
-                g.create_dataset(
-                    C.L_DENSE_INDEX,
-                    data=layer.dense_index.numpy().astype(np.int32),
-                    compression="gzip",
-                )
-                g.create_dataset(
-                    C.L_DENSE_SIGN,
-                    data=(layer.dense_sign.numpy() > 0).astype(np.int8),
-                    compression="gzip",
-                )
-                g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
         f.create_group(C.G_TIMINGS)
         f.flush()
         self._lock = threading.Lock()
         self.n_records = 0
+
+    @staticmethod
+    def _create_layer(g: h5py.Group, layer, sketch: str, compression: str | None):
+        """One layer's attributes, its empty resizable record datasets and its projections.
+
+        Returns what :meth:`append` writes records into: the ``sketch`` dataset, or for rank-r
+        factors ``([U, V(, scale)], k_out, factor dtype)``.
+        """
+        g.attrs.update(
+            name=layer.name,
+            kind=layer.kind,
+            sketch=sketch,
+            d_in=layer.d_in,
+            d_out=layer.d_out,
+            k_in=layer.k_in,
+            k_out=layer.k_out,
+            dense_k=getattr(layer, "dense_k", 0),
+        )
+        rank = int(getattr(layer, "rank", 0))
+        if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
+            fdt = str(getattr(layer, "factor_dtype", "float32"))
+            g.attrs[C.L_RANK] = rank
+            g.attrs[C.L_FACTOR_DTYPE] = fdt
+            pair = []
+            for name, rows in ((C.L_U, layer.k_out), (C.L_V, layer.k_in)):
+                pair.append(
+                    g.create_dataset(
+                        name,
+                        shape=(0, rows, rank),
+                        maxshape=(None, rows, rank),
+                        dtype=FACTOR_STORAGE[fdt],
+                        chunks=(chunk_rows(rows * rank), rows, rank),
+                        compression=compression,
+                        fletcher32=True,
+                    )
+                )
+            if fdt == "int8":
+                pair.append(
+                    g.create_dataset(
+                        C.L_SCALE,
+                        shape=(0,),
+                        maxshape=(None,),
+                        dtype="f4",
+                        chunks=(chunk_rows(layer.k_out * rank),),  # as U's chunks
+                        fletcher32=True,
+                    )
+                )
+            sketch_ds = (pair, layer.k_out, fdt)
+        else:
+            shape = tuple(layer.record_shape)
+            sketch_ds = g.create_dataset(
+                C.L_SKETCH,
+                shape=(0, *shape),
+                maxshape=(None, *shape),
+                dtype="f4",
+                chunks=(chunk_rows(int(np.prod(shape))), *shape),
+                compression=compression,
+                fletcher32=True,
+            )
+        if layer.P_in is not None:
+            g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
+        if layer.P_out is not None:
+            g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
+        if getattr(layer, "dense_index", None) is not None:
+            g.create_dataset(
+                C.L_DENSE_INDEX,
+                data=layer.dense_index.numpy().astype(np.int32),
+                compression="gzip",
+            )
+            g.create_dataset(
+                C.L_DENSE_SIGN,
+                data=(layer.dense_sign.numpy() > 0).astype(np.int8),
+                compression="gzip",
+            )
+            g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
+        return sketch_ds
 
     def write_examples(
         self,
