@@ -9,9 +9,10 @@ from pathlib import Path
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.export import verify_run
-from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.attribution.query import open_run
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.samples.run import SAMPLE_PRECONDITIONERS, default_root
+from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.hdf5 import Store
 
 SAMPLE = default_root() / "facts"

@@ -27,39 +27,31 @@ test loss); :meth:`VectorIndex.search_both` returns proponents and opponents (mo
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import functools
-import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import faiss
 import numpy as np
 
+from traceprop_engine.attribution.index_files import check_files, file_digest
 from traceprop_engine.errors import ConfigError, IndexBuildError, IndexStaleError, StoreError
-from traceprop_engine.settings import parse_choice
+from traceprop_engine.settings import IndexKind, parse_choice
 
 __all__ = [
     "AUTO_FLAT_MAX",
     "INDEX_FILE",
     "INDEX_META_FILE",
-    "IndexKind",
     "SearchResult",
     "VectorIndex",
     "build_index",
     "default_nlist",
-    "file_digest",
-    "index_lock",
     "l2_normalize",
-    "publish_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,29 +64,14 @@ IVF is needed for interactive latency."""
 INDEX_FILE = "index.faiss"
 INDEX_META_FILE = "index.json"
 _META_FORMAT = "traceprop-index"
-FULL_DIGEST_MAX = 256 << 20
-"""Files up to this size are hashed whole on every load; larger ones by :func:`file_digest`'s
-evenly spaced blocks (a few hundred MiB of hashing per load stays well under a second)."""
-_DIGEST_BLOCKS = 256
-_DIGEST_BLOCK = 1 << 20
 _CALIB_QUERIES = 200
 _CALIB_K = 10
-_MAX_TRAIN_PER_LIST = 64
+_MAX_TRAIN_PER_LIST = 64  # faiss k-means samples at most 256 per centroid; 64 is plenty here
 NPROBE_SAFETY = 3.0
 """The tuned nprobe is multiplied by this: held-out queries (not stored vectors) measured
 0.04-0.05 lower recall@10 than the leave-one-out calibration queries at the same nprobe
 (synthetic sketches, 1e4-1e5 x 1024); 2x still gave 0.93 at 1e5, and a probe costs well under
-a millisecond."""  # faiss k-means samples at most 256 per centroid; 64 is plenty here
-
-
-class IndexKind(str, Enum):
-    """Which FAISS index to build."""
-
-    AUTO = "auto"
-    FLAT = "flat"
-    IVF = "ivf"
-    IVFPQ = "ivfpq"
-    HNSW = "hnsw"
+a millisecond."""
 
 
 def _parse_kind(kind: IndexKind | str) -> IndexKind:
@@ -342,7 +319,7 @@ class VectorIndex:
 
         Args:
             directory: target folder (the run's index folder, or the temporary folder it is
-                built in; see :func:`publish_dir`).
+                built in; see :func:`~traceprop_engine.attribution.index_files.publish_dir`).
             fingerprint: identifies the store contents the vectors came from (and the
                 preconditioner); :meth:`load` refuses another one.
             files: other files of ``directory`` that belong to the index (already written);
@@ -419,7 +396,7 @@ class VectorIndex:
                 f"the store is now {expected_fingerprint!r}; rebuild it with "
                 "`traceprop index RUN --rebuild` (or let the caller rebuild it automatically)"
             )
-        _check_files(d, meta)
+        check_files(d, meta, required=INDEX_FILE)
         if meta.get("faiss_version") != faiss.__version__:
             log.warning(
                 "index %s was written by faiss %s, running %s",
@@ -449,105 +426,6 @@ class VectorIndex:
             tuned_recall=meta.get("tuned_recall"),
             extra_dims=extra,
         )
-
-
-def file_digest(path: str | Path) -> dict:
-    """``{"size", "sha256"}`` of a file: the whole file up to :data:`FULL_DIGEST_MAX` bytes, above
-    it the first and last blocks and evenly spaced ones in between (``"sampled": true``)."""
-    p = Path(path)
-    size = p.stat().st_size
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        if size <= FULL_DIGEST_MAX:
-            while block := f.read(1 << 22):
-                h.update(block)
-        else:
-            for off in np.linspace(0, size - _DIGEST_BLOCK, _DIGEST_BLOCKS).astype(np.int64):
-                f.seek(int(off))
-                h.update(f.read(_DIGEST_BLOCK))
-    out = {"size": size, "sha256": h.hexdigest()}
-    if size > FULL_DIGEST_MAX:
-        out["sampled"] = True
-    return out
-
-
-def _check_files(d: Path, meta: dict) -> None:
-    files = meta.get("files")
-    if not isinstance(files, dict) or INDEX_FILE not in files:
-        raise StoreError(
-            f"the index in {d} records no file digests (written by an older Traceprop, or its "
-            "build was interrupted); rebuild it with `traceprop index RUN --rebuild`"
-        )
-    for name, want in files.items():
-        p = d / name
-        try:
-            got = file_digest(p)
-        except OSError as e:
-            raise StoreError(f"{p} is missing or unreadable ({e}); rebuild the index") from e
-        if got != want:
-            raise StoreError(
-                f"{p} was changed or damaged after the index was built (size {got['size']}, "
-                f"recorded {want.get('size')}; digest differs); rebuild it with "
-                "`traceprop index RUN --rebuild`"
-            )
-
-
-@contextlib.contextmanager
-def index_lock(lock_path: str | Path, *, exclusive: bool) -> Iterator[bool]:
-    """Hold an advisory ``flock`` on ``lock_path``: exclusive to build, shared to load.
-
-    Yields whether a lock is held: a reader in a read-only folder proceeds without one (an
-    index it loads is still checked against its digests). A builder that cannot create the
-    lock file gets the OSError.
-    """
-    p = Path(lock_path)
-    try:
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        if exclusive:
-            raise
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            yield False
-            return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Move a completely written index folder ``tmp`` to ``final``, replacing an older one.
-
-    Call under the exclusive :func:`index_lock`. The old folder is first renamed aside (a
-    process that memory-mapped its files keeps reading them), then ``tmp`` is renamed into
-    place, then the old one is deleted; each rename is atomic, so ``final`` is at every moment
-    either absent or a complete index.
-    """
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems refuse fsync on a directory
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def _ivf_of(index: faiss.Index):
@@ -671,46 +549,13 @@ def build_index(
 
     index, nl = _make_index(kind, dim, n_total, nlist, pq_m, hnsw_m)
     extra = index.d - dim
-    calib: _RunningTopK | None = None
+    calib: _Calibration | None = None
     max_norm = None
     if nl is not None:
-        n_train = min(n_total, max(nl * _MAX_TRAIN_PER_LIST, 10_000))
-        sample, rows, max_norm = _sample_rows(
-            lambda: _chunks(vectors, dim, normalize), n_total, n_train, rng
+        max_norm, calib = _train_ivf(
+            index, kind, nl, lambda: _chunks(vectors, dim, normalize), n_total, rng, seed, nprobe
         )
-        log.info("training %s (nlist=%d) on %d vectors", kind.value, nl, sample.shape[0])
-        index.cp.seed = seed
-        if hasattr(index, "pq"):
-            index.pq.cp.seed = seed
-        try:
-            index.train(_augment(sample, max_norm, extra))
-        except RuntimeError as e:
-            raise StoreError(f"FAISS training failed: {e}") from e
-        if nprobe is None:
-            pick = rng.choice(sample.shape[0], size=min(_CALIB_QUERIES, len(rows)), replace=False)
-            calib_q = sample[pick].copy()
-            calib_q[len(pick) // 2 :] *= -1  # opponent searches
-            calib_self = rows[pick]
-            calib = _RunningTopK(calib_q, _CALIB_K + 1)
-        del sample
-
-    done = 0
-    for chunk in _chunks(vectors, dim, normalize):
-        try:
-            index.add(chunk if max_norm is None else _augment(chunk, max_norm, extra))
-        except RuntimeError as e:
-            raise StoreError(f"FAISS add failed: {e}") from e
-        if calib is not None:
-            calib.update(chunk, done)
-        done += chunk.shape[0]
-        if progress is not None:
-            progress(done, n_total)
-    if done != n_total:
-        raise StoreError(
-            f"the vector source yielded {done} vectors, {n_total} were announced; the store "
-            "changed while indexing — rebuild the index"
-        )
-
+    _add_all(index, _chunks(vectors, dim, normalize), n_total, max_norm, extra, calib, progress)
     vi = VectorIndex(
         index,
         kind,
@@ -724,17 +569,85 @@ def build_index(
         extra_dims=extra,
     )
     if calib is not None:
-        chosen, rec = vi.tune_nprobe(calib.q, calib.ids, target_recall, exclude=calib_self)
+        chosen, rec = vi.tune_nprobe(calib.top.q, calib.top.ids, target_recall, exclude=calib.rows)
         vi.set_nprobe(int(np.ceil(chosen * nprobe_safety)))
         log.info(
             "nprobe=%d reaches recall@%d=%.3f on %d calibration queries; using %d",
             chosen,
             _CALIB_K,
             rec,
-            calib.q.shape[0],
+            calib.top.q.shape[0],
             vi.nprobe,
         )
     return vi
+
+
+@dataclass
+class _Calibration:
+    """Leave-one-out calibration queries for the nprobe tuning: their running exact top-k and
+    the stored row each was taken from (dropped from both answers)."""
+
+    top: _RunningTopK
+    rows: np.ndarray
+
+
+def _train_ivf(
+    index: faiss.Index,
+    kind: IndexKind,
+    nl: int,
+    chunks: Callable[[], Iterator[np.ndarray]],
+    n_total: int,
+    rng: np.random.Generator,
+    seed: int,
+    nprobe: int | None,
+) -> tuple[float, _Calibration | None]:
+    """Train the coarse quantiser on a seeded sample; returns the largest vector norm (the
+    MIPS-to-L2 radius) and, when nprobe is to be tuned, calibration queries from the sample."""
+    n_train = min(n_total, max(nl * _MAX_TRAIN_PER_LIST, 10_000))
+    sample, rows, max_norm = _sample_rows(chunks, n_total, n_train, rng)
+    log.info("training %s (nlist=%d) on %d vectors", kind.value, nl, sample.shape[0])
+    index.cp.seed = seed
+    if hasattr(index, "pq"):
+        index.pq.cp.seed = seed
+    try:
+        index.train(_augment(sample, max_norm, index.d - sample.shape[1]))
+    except RuntimeError as e:
+        raise StoreError(f"FAISS training failed: {e}") from e
+    if nprobe is not None:
+        return max_norm, None
+    pick = rng.choice(sample.shape[0], size=min(_CALIB_QUERIES, len(rows)), replace=False)
+    calib_q = sample[pick].copy()
+    calib_q[len(pick) // 2 :] *= -1  # opponent searches
+    return max_norm, _Calibration(_RunningTopK(calib_q, _CALIB_K + 1), rows[pick])
+
+
+def _add_all(
+    index: faiss.Index,
+    chunks: Iterator[np.ndarray],
+    n_total: int,
+    max_norm: float | None,
+    extra: int,
+    calib: _Calibration | None,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Add every chunk (augmented for IVF), accumulating the calibration queries' exact answers
+    in the same pass."""
+    done = 0
+    for chunk in chunks:
+        try:
+            index.add(chunk if max_norm is None else _augment(chunk, max_norm, extra))
+        except RuntimeError as e:
+            raise StoreError(f"FAISS add failed: {e}") from e
+        if calib is not None:
+            calib.top.update(chunk, done)
+        done += chunk.shape[0]
+        if progress is not None:
+            progress(done, n_total)
+    if done != n_total:
+        raise StoreError(
+            f"the vector source yielded {done} vectors, {n_total} were announced; the store "
+            "changed while indexing — rebuild the index"
+        )
 
 
 def _make_index(
