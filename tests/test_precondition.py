@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from traceprop_engine.attribution.kfac import fit_layer
 from traceprop_engine.attribution.precondition import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerStats,
     Preconditioner,
-    fit_layer,
 )
 from traceprop_engine.errors import ConfigError, StoreError
 from traceprop_engine.settings import PreconditionerKind

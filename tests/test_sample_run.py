@@ -30,7 +30,7 @@ def test_sample_indexes_are_fresh(monkeypatch):
     def no_rebuild(*a, **k):
         raise AssertionError("the committed index was stale and got rebuilt")
 
-    monkeypatch.setattr(run, "build_index", no_rebuild)
+    monkeypatch.setattr(run.indexes, "build", no_rebuild)
     for pc in SAMPLE_PRECONDITIONERS:
         index, ids, pre = run.index(IndexSettings(preconditioner=pc))
         assert index.n == len(ids) == run.manifest["data"]["n_train"]

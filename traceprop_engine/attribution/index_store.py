@@ -23,7 +23,8 @@ import numpy as np
 from .. import constants as C
 from ..errors import IndexBuildError, IndexStaleError, StoreError, TracepropError
 from ..settings import IndexSettings
-from .index import INDEX_META_FILE, VectorIndex, build_index
+from .index import INDEX_META_FILE, VectorIndex
+from .index_build import build_index
 from .index_files import index_lock, publish_dir
 from .precondition import Preconditioner
 from .scoring import ExactScorer
