@@ -762,7 +762,7 @@ def run_query(
     preconditioner: str = C.DEFAULT_PRECONDITIONER,
 ):
     """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run)."""
-    from traceprop_engine.attribution.query import IndexSettings
+    from traceprop_engine.settings import IndexSettings
 
     run, lock = open_cached(run_dir)
     s = IndexSettings(preconditioner=preconditioner)

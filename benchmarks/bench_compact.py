@@ -16,10 +16,10 @@ from scipy.stats import spearmanr
 torch.set_num_threads(1)
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.factor_scores import factor_scores, sketch_scores
-from traceprop_engine.attribution.precondition import fit_woodbury
-from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.attribution.query import open_run
+from traceprop_engine.attribution.woodbury import fit_woodbury
 from traceprop_engine.samples.data import generate_sample_data
-from traceprop_engine.settings import TrackSettings, TrainSettings
+from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings
 from traceprop_engine.store.compact import FactorStore, compact_store
 from traceprop_engine.store.reader import Store
 from traceprop_engine.store.writer import StoreWriter

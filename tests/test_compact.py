@@ -15,9 +15,8 @@ from traceprop_engine.attribution.precondition import (
     EkfacMoments,
     LayerStats,
     Preconditioner,
-    fit_woodbury,
-    truncated_svd,
 )
+from traceprop_engine.attribution.woodbury import fit_woodbury, truncated_svd
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
 from traceprop_engine.store.compact import FactorStore, compact_store, factorize_chunk
 from traceprop_engine.store.format import Covariance
@@ -363,7 +362,8 @@ def test_woodbury_preconditioner_in_factor_scores(store_path, tests_q, tmp_path)
 
 
 def test_factor_scores_match_the_run_index_on_a_trained_run(tmp_path):
-    from traceprop_engine.attribution.query import IndexSettings, open_run
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.settings import IndexSettings
     from traceprop_engine.training.loop import train
 
     data = facts_data(tmp_path / "data")

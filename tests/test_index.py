@@ -7,14 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from traceprop_engine.attribution.index import (
-    INDEX_META_FILE,
-    IndexKind,
-    VectorIndex,
-    build_index,
-    l2_normalize,
-)
+from traceprop_engine.attribution.index import INDEX_META_FILE, VectorIndex, l2_normalize
+from traceprop_engine.attribution.index_build import build_index
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
+from traceprop_engine.settings import IndexKind
 
 SCORE_RTOL = 1e-4  # float32 faiss vs float64 numpy scores
 MIN_IVF_RECALL = 0.9

@@ -18,10 +18,12 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import IndexBuildError
-from traceprop_engine.attribution import query as query_module
+from traceprop_engine.attribution import vectors as vectors_module
 from traceprop_engine.attribution.export import audit_trail, csv_bytes, rows_to_bytes
-from traceprop_engine.attribution.query import IDS_FILE, VECTORS_FILE, IndexSettings, open_run
+from traceprop_engine.attribution.index_store import IDS_FILE, VECTORS_FILE
+from traceprop_engine.attribution.query import open_run
 from traceprop_engine.cli.main import main
+from traceprop_engine.settings import IndexSettings
 from traceprop_engine.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +97,8 @@ def snapshot(d: Path) -> dict[str, bytes]:
 _BUILDER = """
 import sys, time
 from pathlib import Path
-from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.attribution.query import open_run
+from traceprop_engine.settings import IndexSettings
 run = open_run(sys.argv[1])
 go = Path(sys.argv[2])
 Path(sys.argv[3]).touch()
@@ -156,7 +159,7 @@ def test_interrupted_rebuild_leaves_the_previous_index(run_dir, monkeypatch):
     d = run_dir / "index" / IDENTITY.name
     open_run(run_dir).index(IDENTITY, rebuild=True)
     before = snapshot(d)
-    monkeypatch.setattr(query_module, "CHUNK", 8)  # the vectors are written in several chunks
+    monkeypatch.setattr(vectors_module, "CHUNK", 8)  # the vectors are written in several chunks
 
     def interrupt(stage, done, total):
         if stage == "vectors":

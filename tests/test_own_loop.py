@@ -20,7 +20,8 @@ from transformers import GPTNeoXForCausalLM
 
 from traceprop_engine import ConfigError, QueryError, RunError, Tracker, TrackSettings
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.attribution.query import open_run
+from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
 from traceprop_engine.training.losses import causal_lm_losses
 from traceprop_engine.training.models import tiny_config
@@ -95,7 +96,7 @@ def test_finish_makes_a_run_that_open_run_and_the_cli_accept(run_dir):
     assert m["tracking"]["k_in"] == 8 and len(m["tracking"]["layers"]) > 0
     run = open_run(run_dir)
     assert run.store.n_records == 12
-    assert run._model().tokenizer is None
+    assert run.model().tokenizer is None
     info = subprocess.run(
         [sys.executable, "-m", "traceprop_engine", "info", str(run_dir)],
         capture_output=True,
@@ -128,7 +129,7 @@ def test_finish_with_a_tokenizer_answers_text_queries(tmp_path):
     tracker = train(tmp_path, epochs=1)
     tracker.finish(tracker.trained_model, tok)
     run = open_run(tmp_path)
-    assert run._model().tokenizer is not None
+    assert run.model().tokenizer is not None
     res = run.query(prompt="the cat", completion=" sat", top_k=2)
     assert res.rows.height == 4
     s = run.scores(prompt="the cat", completion=" sat")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from traceprop_engine.attribution.kfac import fit_layer
 from traceprop_engine.attribution.precondition import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerStats,
     Preconditioner,
-    PreconditionerKind,
-    fit_layer,
 )
 from traceprop_engine.errors import ConfigError, StoreError
+from traceprop_engine.settings import PreconditionerKind
 
 RTOL_F64 = 1e-5  # float64 path vs. an explicit inverse of a (k_out*k_in)^2 matrix
 RTOL_F32 = 1e-4  # float32 output vs. float64 reference

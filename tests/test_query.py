@@ -10,8 +10,8 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import QueryError, RunError
-from traceprop_engine.attribution.query import IndexSettings, open_run
-from traceprop_engine.settings import TrackSettings
+from traceprop_engine.attribution.query import open_run
+from traceprop_engine.settings import IndexSettings, TrackSettings
 from traceprop_engine.training.loop import StopFlag, train
 
 # float32 vectors vs float64 reference

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.export import verify_run
-from traceprop_engine.attribution.query import IndexSettings, open_run
+from traceprop_engine.attribution.query import open_run
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.samples.run import SAMPLE_PRECONDITIONERS, default_root
+from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
 
 SAMPLE = default_root() / "facts"
@@ -29,7 +30,7 @@ def test_sample_indexes_are_fresh(monkeypatch):
     def no_rebuild(*a, **k):
         raise AssertionError("the committed index was stale and got rebuilt")
 
-    monkeypatch.setattr(run, "build_index", no_rebuild)
+    monkeypatch.setattr(run.indexes, "build", no_rebuild)
     for pc in SAMPLE_PRECONDITIONERS:
         index, ids, pre = run.index(IndexSettings(preconditioner=pc))
         assert index.n == len(ids) == run.manifest["data"]["n_train"]

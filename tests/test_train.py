@@ -128,7 +128,8 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     """A run killed with SIGKILL (no handler runs: OOM killer, preempted node) leaves a store
     that opens, says it is partial, and holds every record flushed before the kill; the run
     then lists as failed and its records can be indexed and queried."""
-    from traceprop_engine.attribution.query import IndexSettings, open_run
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.settings import IndexSettings
 
     out = tmp_path / "killed"
     cmd = _long_train_cmd(data, out, "--buffer-records", "16")  # a flush every 2 steps

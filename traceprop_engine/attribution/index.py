@@ -2,7 +2,7 @@
 
 Kinds (all ``METRIC_INNER_PRODUCT``):
 
-- ``flat``: exact ``IndexFlatIP``. The default below :data:`AUTO_FLAT_MAX` vectors.
+- ``flat``: exact ``IndexFlatIP``. The default below :data:`~traceprop_engine.attribution.index_build.AUTO_FLAT_MAX` vectors.
 - ``ivf``: ``IndexIVFFlat`` over the *MIPS-to-L2 transform* (Bachrach et al. 2014): every
   stored vector gets one extra coordinate ``sqrt(M² - ‖x‖²)`` (``M`` = the largest norm, found in
   the sampling pass) and queries get a 0, so all stored vectors lie on one sphere, k-means and
@@ -18,7 +18,7 @@ Kinds (all ``METRIC_INNER_PRODUCT``):
   ``rerank`` top candidates are re-scored exactly from the full vectors, read through a callback
   ``fetch(ids) -> (len(ids), dim)`` (e.g. rows of an HDF5 dataset).
 - ``hnsw``: ``IndexHNSWFlat`` (graph; fast queries, slow build — optional).
-- ``auto``: flat up to :data:`AUTO_FLAT_MAX` vectors, ivf above.
+- ``auto``: flat up to :data:`~traceprop_engine.attribution.index_build.AUTO_FLAT_MAX` vectors, ivf above.
 
 Sign convention (DESIGN §1): positive score = proponent (up-weighting the example lowers the
 test loss); :meth:`VectorIndex.search_both` returns proponents and opponents (most negative).
@@ -27,89 +27,35 @@ test loss); :meth:`VectorIndex.search_both` returns proponents and opponents (mo
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import functools
-import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import faiss
 import numpy as np
 
+from traceprop_engine.attribution.index_files import check_files, file_digest
 from traceprop_engine.errors import ConfigError, IndexBuildError, IndexStaleError, StoreError
-from traceprop_engine.settings import parse_choice
+from traceprop_engine.settings import IndexKind
 
 __all__ = [
-    "AUTO_FLAT_MAX",
     "INDEX_FILE",
     "INDEX_META_FILE",
-    "IndexKind",
     "SearchResult",
     "VectorIndex",
-    "build_index",
-    "default_nlist",
-    "file_digest",
-    "index_lock",
     "l2_normalize",
-    "publish_dir",
 ]
 
 log = logging.getLogger(__name__)
 
-AUTO_FLAT_MAX = 200_000
-"""``auto`` uses exact flat search up to this many vectors. Measured on 2 cores, dim 1024: an
-exact single query over 1e5 vectors takes a few tens of ms and grows linearly, so above ~2e5
-IVF is needed for interactive latency."""
-
 INDEX_FILE = "index.faiss"
 INDEX_META_FILE = "index.json"
 _META_FORMAT = "traceprop-index"
-FULL_DIGEST_MAX = 256 << 20
-"""Files up to this size are hashed whole on every load; larger ones by :func:`file_digest`'s
-evenly spaced blocks (a few hundred MiB of hashing per load stays well under a second)."""
-_DIGEST_BLOCKS = 256
-_DIGEST_BLOCK = 1 << 20
-_CALIB_QUERIES = 200
-_CALIB_K = 10
-_MAX_TRAIN_PER_LIST = 64
-NPROBE_SAFETY = 3.0
-"""The tuned nprobe is multiplied by this: held-out queries (not stored vectors) measured
-0.04-0.05 lower recall@10 than the leave-one-out calibration queries at the same nprobe
-(synthetic sketches, 1e4-1e5 x 1024); 2x still gave 0.93 at 1e5, and a probe costs well under
-a millisecond."""  # faiss k-means samples at most 256 per centroid; 64 is plenty here
-
-
-class IndexKind(str, Enum):
-    """Which FAISS index to build."""
-
-    AUTO = "auto"
-    FLAT = "flat"
-    IVF = "ivf"
-    IVFPQ = "ivfpq"
-    HNSW = "hnsw"
-
-
-def _parse_kind(kind: IndexKind | str) -> IndexKind:
-    return parse_choice(IndexKind, kind, "index kind")
-
-
-def default_nlist(n: int) -> int:
-    """IVF list count: ``≈ sqrt(n)`` rounded to a power of two, within [16, 8192].
-
-    Fewer lists than the textbook ``4·sqrt(n)`` keep the k-means training affordable on 2 cores
-    at dim 1024 (1024 lists at 1e6 vectors); the query cost is about the same for a fixed
-    fraction of the data scanned.
-    """
-    target = np.sqrt(max(n, 1))
-    return int(min(8192, max(16, 2 ** round(np.log2(target)))))
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -119,7 +65,7 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.where(norms > 0, norms, 1.0)
 
 
-def _threads(n: int | None) -> int:
+def faiss_threads(n: int | None) -> int:
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(n or avail or 1, avail or 1))
 
@@ -142,7 +88,7 @@ def _caller_threads() -> Iterator[None]:
             torch.set_num_threads(prev_torch)
 
 
-def _keeps_caller_threads(fn):
+def keeps_caller_threads(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with _caller_threads():
@@ -162,7 +108,7 @@ class SearchResult:
 
 
 class VectorIndex:
-    """A built or loaded index. Use :func:`build_index` or :meth:`load` to get one."""
+    """A built or loaded index. Use :func:`~traceprop_engine.attribution.index_build.build_index` or :meth:`load` to get one."""
 
     def __init__(
         self,
@@ -187,7 +133,7 @@ class VectorIndex:
         self.normalize = normalize
         self.rerank = rerank
         self.fetch = fetch
-        self.threads = _threads(threads)
+        self.threads = faiss_threads(threads)
         self.tuned_recall = tuned_recall
         self.nprobe = nprobe
         self.ef_search = ef_search
@@ -242,7 +188,7 @@ class VectorIndex:
         q = self._prep(queries)
         return self._search_prepped(q, k)
 
-    @_keeps_caller_threads
+    @keeps_caller_threads
     def _search_prepped(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
@@ -342,7 +288,7 @@ class VectorIndex:
 
         Args:
             directory: target folder (the run's index folder, or the temporary folder it is
-                built in; see :func:`publish_dir`).
+                built in; see :func:`~traceprop_engine.attribution.index_files.publish_dir`).
             fingerprint: identifies the store contents the vectors came from (and the
                 preconditioner); :meth:`load` refuses another one.
             files: other files of ``directory`` that belong to the index (already written);
@@ -419,7 +365,7 @@ class VectorIndex:
                 f"the store is now {expected_fingerprint!r}; rebuild it with "
                 "`traceprop index RUN --rebuild` (or let the caller rebuild it automatically)"
             )
-        _check_files(d, meta)
+        check_files(d, meta, required=INDEX_FILE)
         if meta.get("faiss_version") != faiss.__version__:
             log.warning(
                 "index %s was written by faiss %s, running %s",
@@ -451,105 +397,6 @@ class VectorIndex:
         )
 
 
-def file_digest(path: str | Path) -> dict:
-    """``{"size", "sha256"}`` of a file: the whole file up to :data:`FULL_DIGEST_MAX` bytes, above
-    it the first and last blocks and evenly spaced ones in between (``"sampled": true``)."""
-    p = Path(path)
-    size = p.stat().st_size
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        if size <= FULL_DIGEST_MAX:
-            while block := f.read(1 << 22):
-                h.update(block)
-        else:
-            for off in np.linspace(0, size - _DIGEST_BLOCK, _DIGEST_BLOCKS).astype(np.int64):
-                f.seek(int(off))
-                h.update(f.read(_DIGEST_BLOCK))
-    out = {"size": size, "sha256": h.hexdigest()}
-    if size > FULL_DIGEST_MAX:
-        out["sampled"] = True
-    return out
-
-
-def _check_files(d: Path, meta: dict) -> None:
-    files = meta.get("files")
-    if not isinstance(files, dict) or INDEX_FILE not in files:
-        raise StoreError(
-            f"the index in {d} records no file digests (written by an older Traceprop, or its "
-            "build was interrupted); rebuild it with `traceprop index RUN --rebuild`"
-        )
-    for name, want in files.items():
-        p = d / name
-        try:
-            got = file_digest(p)
-        except OSError as e:
-            raise StoreError(f"{p} is missing or unreadable ({e}); rebuild the index") from e
-        if got != want:
-            raise StoreError(
-                f"{p} was changed or damaged after the index was built (size {got['size']}, "
-                f"recorded {want.get('size')}; digest differs); rebuild it with "
-                "`traceprop index RUN --rebuild`"
-            )
-
-
-@contextlib.contextmanager
-def index_lock(lock_path: str | Path, *, exclusive: bool) -> Iterator[bool]:
-    """Hold an advisory ``flock`` on ``lock_path``: exclusive to build, shared to load.
-
-    Yields whether a lock is held: a reader in a read-only folder proceeds without one (an
-    index it loads is still checked against its digests). A builder that cannot create the
-    lock file gets the OSError.
-    """
-    p = Path(lock_path)
-    try:
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        if exclusive:
-            raise
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            yield False
-            return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Move a completely written index folder ``tmp`` to ``final``, replacing an older one.
-
-    Call under the exclusive :func:`index_lock`. The old folder is first renamed aside (a
-    process that memory-mapped its files keeps reading them), then ``tmp`` is renamed into
-    place, then the old one is deleted; each rename is atomic, so ``final`` is at every moment
-    either absent or a complete index.
-    """
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems refuse fsync on a directory
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
 def _ivf_of(index: faiss.Index):
     try:
         return faiss.extract_index_ivf(index)
@@ -569,227 +416,3 @@ def _recall(got: np.ndarray, exact: np.ndarray) -> float:
         for g, e in zip(got, exact, strict=True)
     ]
     return float(np.mean(hits))
-
-
-class _RunningTopK:
-    """Exact top-k of fixed queries, accumulated chunk by chunk (for nprobe calibration)."""
-
-    def __init__(self, queries: np.ndarray, k: int):
-        self.q = queries
-        self.k = k
-        self.scores = np.full((queries.shape[0], 0), -np.inf, dtype=np.float32)
-        self.ids = np.zeros((queries.shape[0], 0), dtype=np.int64)
-
-    def update(self, chunk: np.ndarray, offset: int) -> None:
-        s = self.q @ chunk.T  # (q, n_chunk)
-        ids = np.broadcast_to(np.arange(offset, offset + chunk.shape[0]), s.shape)
-        s = np.concatenate([self.scores, s], axis=1)
-        ids = np.concatenate([self.ids, ids], axis=1)
-        keep = min(self.k, s.shape[1])
-        part = np.argpartition(-s, keep - 1, axis=1)[:, :keep]
-        self.scores = np.take_along_axis(s, part, 1)
-        self.ids = np.take_along_axis(ids, part, 1)
-
-
-def _chunks(
-    source: Callable[[], Iterable[np.ndarray]] | np.ndarray, dim: int, normalize: bool
-) -> Iterator[np.ndarray]:
-    it = _as_chunks(source) if isinstance(source, np.ndarray) else source()
-    for chunk in it:
-        c = np.ascontiguousarray(chunk, dtype=np.float32)
-        if c.ndim != 2 or c.shape[1] != dim:
-            raise StoreError(f"a vector chunk has shape {c.shape}, expected (n, {dim})")
-        yield l2_normalize(c) if normalize else c
-
-
-def _as_chunks(x: np.ndarray, size: int = 65_536) -> Iterator[np.ndarray]:
-    for i in range(0, x.shape[0], size):
-        yield x[i : i + size]
-
-
-@_keeps_caller_threads
-def build_index(
-    vectors: Callable[[], Iterable[np.ndarray]] | np.ndarray,
-    dim: int,
-    n_total: int,
-    *,
-    kind: IndexKind | str = IndexKind.AUTO,
-    normalize: bool = False,
-    nlist: int | None = None,
-    nprobe: int | None = None,
-    target_recall: float = 0.95,
-    nprobe_safety: float = NPROBE_SAFETY,
-    pq_m: int | None = None,
-    rerank: int = 100,
-    fetch: Callable[[np.ndarray], np.ndarray] | None = None,
-    hnsw_m: int = 32,
-    ef_search: int = 128,
-    threads: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    seed: int = 0,
-) -> VectorIndex:
-    """Build an inner-product index by streaming chunks of vectors.
-
-    Args:
-        vectors: a callable returning a *fresh* iterator of (n_chunk, dim) arrays (IVF kinds
-            iterate twice: once for the training sample, once to add), or one array.
-        dim: vector dimension D.
-        n_total: total number of vectors the iterator yields.
-        kind: flat, ivf, ivfpq, hnsw or auto (flat up to :data:`AUTO_FLAT_MAX`, then ivf).
-        normalize: L2-normalise vectors (and later queries): cosine scoring.
-        nlist: IVF lists; default :func:`default_nlist`.
-        nprobe: IVF lists probed per query; default: tuned to ``target_recall``.
-        target_recall: recall@10 the tuned nprobe must reach on calibration queries.
-        nprobe_safety: factor applied to the tuned nprobe (see :data:`NPROBE_SAFETY`).
-        pq_m: ivfpq sub-quantisers, default dim // 16 (the augmented vectors are zero-padded
-            to a multiple of it).
-        rerank: ivfpq candidates re-scored exactly with ``fetch``.
-        fetch: ``fetch(sorted_ids) -> (len(ids), dim)`` full vectors, for ivfpq re-ranking.
-        hnsw_m, ef_search: HNSW graph degree and search breadth.
-        threads: FAISS OpenMP threads (default: all available cores).
-        progress: called as ``progress(done, n_total)`` after each chunk is added.
-        seed: seeds the training sample, k-means and the calibration queries.
-
-    Returns:
-        The built :class:`VectorIndex`; ids are row numbers in iteration order.
-
-    Raises:
-        ConfigError: bad kind or parameters.
-        StoreError: the iterator yields another count or dimension than announced, or FAISS
-            fails.
-    """
-    kind = _parse_kind(kind)
-    if n_total < 1 or dim < 1:
-        raise ConfigError(f"cannot build an index of {n_total} vectors of dimension {dim}")
-    if kind is IndexKind.AUTO:
-        kind = IndexKind.FLAT if n_total <= AUTO_FLAT_MAX else IndexKind.IVF
-    if not 0 < target_recall <= 1:
-        raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
-    n_threads = _threads(threads)
-    faiss.omp_set_num_threads(n_threads)
-    rng = np.random.default_rng(seed)
-
-    index, nl = _make_index(kind, dim, n_total, nlist, pq_m, hnsw_m)
-    extra = index.d - dim
-    calib: _RunningTopK | None = None
-    max_norm = None
-    if nl is not None:
-        n_train = min(n_total, max(nl * _MAX_TRAIN_PER_LIST, 10_000))
-        sample, rows, max_norm = _sample_rows(
-            lambda: _chunks(vectors, dim, normalize), n_total, n_train, rng
-        )
-        log.info("training %s (nlist=%d) on %d vectors", kind.value, nl, sample.shape[0])
-        index.cp.seed = seed
-        if hasattr(index, "pq"):
-            index.pq.cp.seed = seed
-        try:
-            index.train(_augment(sample, max_norm, extra))
-        except RuntimeError as e:
-            raise StoreError(f"FAISS training failed: {e}") from e
-        if nprobe is None:
-            pick = rng.choice(sample.shape[0], size=min(_CALIB_QUERIES, len(rows)), replace=False)
-            calib_q = sample[pick].copy()
-            calib_q[len(pick) // 2 :] *= -1  # opponent searches
-            calib_self = rows[pick]
-            calib = _RunningTopK(calib_q, _CALIB_K + 1)
-        del sample
-
-    done = 0
-    for chunk in _chunks(vectors, dim, normalize):
-        try:
-            index.add(chunk if max_norm is None else _augment(chunk, max_norm, extra))
-        except RuntimeError as e:
-            raise StoreError(f"FAISS add failed: {e}") from e
-        if calib is not None:
-            calib.update(chunk, done)
-        done += chunk.shape[0]
-        if progress is not None:
-            progress(done, n_total)
-    if done != n_total:
-        raise StoreError(
-            f"the vector source yielded {done} vectors, {n_total} were announced; the store "
-            "changed while indexing — rebuild the index"
-        )
-
-    vi = VectorIndex(
-        index,
-        kind,
-        dim,
-        normalize=normalize,
-        nprobe=nprobe,
-        ef_search=ef_search if kind is IndexKind.HNSW else None,
-        rerank=rerank if kind is IndexKind.IVFPQ else 0,
-        fetch=fetch,
-        threads=n_threads,
-        extra_dims=extra,
-    )
-    if calib is not None:
-        chosen, rec = vi.tune_nprobe(calib.q, calib.ids, target_recall, exclude=calib_self)
-        vi.set_nprobe(int(np.ceil(chosen * nprobe_safety)))
-        log.info(
-            "nprobe=%d reaches recall@%d=%.3f on %d calibration queries; using %d",
-            chosen,
-            _CALIB_K,
-            rec,
-            calib.q.shape[0],
-            vi.nprobe,
-        )
-    return vi
-
-
-def _make_index(
-    kind: IndexKind, dim: int, n: int, nlist: int | None, pq_m: int | None, hnsw_m: int
-) -> tuple[faiss.Index, int | None]:
-    ip = faiss.METRIC_INNER_PRODUCT
-    if kind is IndexKind.FLAT:
-        return faiss.IndexFlatIP(dim), None
-    if kind is IndexKind.HNSW:
-        return faiss.IndexHNSWFlat(dim, hnsw_m, ip), None
-    nl = default_nlist(n) if nlist is None else int(nlist)
-    if nl < 1 or nl > n:
-        raise ConfigError(f"nlist must be in [1, n_total={n}], got {nl}")
-    # L2 coarse quantiser over the augmented vectors; IP inside the lists
-    if kind is IndexKind.IVF:
-        idx = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim + 1), dim + 1, nl, ip)
-    else:
-        m = int(pq_m or max(1, dim // 16))
-        if m < 1:
-            raise ConfigError(f"pq_m must be >= 1, got {pq_m}")
-        d_aug = -(-(dim + 1) // m) * m  # dim + 1, zero-padded to a multiple of m
-        idx = faiss.IndexIVFPQ(faiss.IndexFlatL2(d_aug), d_aug, nl, m, 8, ip)
-    # faiss' python wrapper keeps the quantizer alive as long as `idx` (referenced_objects)
-    return idx, nl
-
-
-def _sample_rows(
-    chunks: Callable[[], Iterator[np.ndarray]],
-    n_total: int,
-    n_sample: int,
-    rng: np.random.Generator,
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """A seeded row sample, its row ids and the largest vector norm, in one pass."""
-    rows = np.sort(rng.choice(n_total, size=n_sample, replace=False))
-    out = np.empty((n_sample, 0), dtype=np.float32)
-    parts, offset, max_norm = [], 0, 0.0
-    for chunk in chunks():
-        max_norm = max(max_norm, float(np.sqrt(np.max(np.einsum("ij,ij->i", chunk, chunk)))))
-        lo, hi = np.searchsorted(rows, [offset, offset + chunk.shape[0]])
-        if hi > lo:
-            parts.append(chunk[rows[lo:hi] - offset].copy())
-        offset += chunk.shape[0]
-    if parts:
-        out = np.concatenate(parts)
-    if out.shape[0] != n_sample:
-        raise StoreError(
-            f"the vector source yielded {offset} vectors, {n_total} were announced; "
-            "rebuild the index from a consistent store"
-        )
-    return out, rows, max_norm
-
-
-def _augment(x: np.ndarray, max_norm: float, extra: int) -> np.ndarray:
-    """MIPS-to-L2: append ``sqrt(M² - ‖x‖²)`` so every row has norm ``M`` (+ zero padding)."""
-    out = np.zeros((x.shape[0], x.shape[1] + extra), dtype=np.float32)
-    out[:, : x.shape[1]] = x
-    out[:, x.shape[1]] = np.sqrt(np.maximum(max_norm**2 - np.einsum("ij,ij->i", x, x), 0.0))
-    return out

@@ -43,13 +43,12 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
 
 from traceprop_engine.errors import ConfigError, StoreError
-from traceprop_engine.settings import parse_choice
+from traceprop_engine.settings import PreconditionerKind, parse_choice
 
 __all__ = [
     "DEFAULT_DAMPING",
@@ -57,12 +56,9 @@ __all__ = [
     "LayerPreconditioner",
     "LayerStats",
     "Preconditioner",
-    "PreconditionerKind",
-    "WoodburyPreconditioner",
-    "fit_layer",
-    "fit_woodbury",
-    "inverse_sqrt_psd",
-    "truncated_svd",
+    "check_damping",
+    "parse_kind",
+    "symmetrize",
 ]
 
 DEFAULT_DAMPING = 0.1
@@ -72,19 +68,11 @@ _FORMAT = "traceprop-preconditioner"
 _FORMAT_VERSION = 1
 
 
-class PreconditionerKind(str, Enum):
-    """Which approximation of the Fisher/Gauss-Newton ``H`` to invert."""
-
-    IDENTITY = "identity"
-    KFAC = "kfac"
-    EKFAC = "ekfac"
-
-
-def _parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
+def parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
     return parse_choice(PreconditionerKind, kind, "preconditioner")
 
 
-def _check_damping(damping: float | None) -> float:
+def check_damping(damping: float | None) -> float:
     d = DEFAULT_DAMPING if damping is None else float(damping)
     if not np.isfinite(d) or d < 0:
         raise ConfigError(
@@ -92,32 +80,6 @@ def _check_damping(damping: float | None) -> float:
             f"{damping!r}; the default is {DEFAULT_DAMPING}"
         )
     return d
-
-
-def inverse_sqrt_psd(m: np.ndarray, damping_abs: float) -> np.ndarray:
-    """``(M + λ I)^{-1/2}`` of a symmetric PSD matrix through ``eigh``.
-
-    Tiny negative eigenvalues from round-off are clipped to 0 before damping.
-
-    Args:
-        m: symmetric (k, k) matrix.
-        damping_abs: absolute damping ``λ`` added to every eigenvalue.
-
-    Returns:
-        The (k, k) float64 symmetric inverse square root.
-
-    Raises:
-        ConfigError: if ``M + λ I`` is singular (all-zero factor and no damping).
-    """
-    m = np.asarray(m, dtype=np.float64)
-    evals, evecs = np.linalg.eigh((m + m.T) / 2)  # symmetrise against round-off
-    evals = np.clip(evals, 0.0, None) + damping_abs
-    if np.any(evals <= 0):
-        raise ConfigError(
-            "a covariance factor is singular and damping is 0; set damping > 0 "
-            f"(default {DEFAULT_DAMPING}) or use the identity preconditioner"
-        )
-    return (evecs / np.sqrt(evals)) @ evecs.T
 
 
 class EkfacMoments:
@@ -140,8 +102,8 @@ class EkfacMoments:
     @classmethod
     def from_factors(cls, a: np.ndarray, s: np.ndarray) -> EkfacMoments:
         """Eigenbases of the K-FAC factors (scaling by ``n_tokens`` does not change them)."""
-        _, q_a = np.linalg.eigh(_sym(a))
-        _, q_s = np.linalg.eigh(_sym(s))
+        _, q_a = np.linalg.eigh(symmetrize(a))
+        _, q_s = np.linalg.eigh(symmetrize(s))
         return cls(q_s, q_a, (q_s.shape[0], q_a.shape[0]))
 
     @classmethod
@@ -176,7 +138,7 @@ class EkfacMoments:
         return float(self.mean.sum())
 
 
-def _sym(m: np.ndarray) -> np.ndarray:
+def symmetrize(m: np.ndarray) -> np.ndarray:
     m = np.asarray(m, dtype=np.float64)
     return (m + m.T) / 2
 
@@ -313,159 +275,6 @@ class LayerPreconditioner:
         )
 
 
-def fit_layer(
-    kind: PreconditionerKind | str,
-    A: np.ndarray | None,
-    S: np.ndarray | None,
-    n_tokens: int,
-    *,
-    mean_sq_norm: float | None = None,
-    sketch_moments: EkfacMoments | None = None,
-    damping: float | None = None,
-    shape: tuple[int, ...] | None = None,
-    name: str = "",
-) -> LayerPreconditioner:
-    """Fit one layer's preconditioner from its K-FAC sums (see the module docstring).
-
-    Args:
-        kind: identity, kfac or ekfac.
-        A: ``Σ_t ã ãᵀ`` (k_in, k_in), or None for a dense sketch layer.
-        S: ``Σ_t g̃ g̃ᵀ`` (k_out, k_out), or None for a dense sketch layer.
-        n_tokens: number of tokens summed into ``A`` and ``S``.
-        mean_sq_norm: ``mean_i ‖Ŝ_i‖²_F`` over the layer's records (K-FAC calibration, dense
-            K-FAC). Taken from ``sketch_moments`` when not given.
-        sketch_moments: accumulated :class:`EkfacMoments` (required for EK-FAC).
-        damping: fraction of the mean eigenvalue added as damping; default 0.1.
-        shape: per-record sketch shape; inferred from ``A``/``S`` or ``sketch_moments``.
-        name: layer name, kept for error messages and persistence.
-
-    Returns:
-        The fitted :class:`LayerPreconditioner`.
-
-    Raises:
-        ConfigError: bad kind/damping, missing inputs for the chosen kind.
-        StoreError: inconsistent statistics (zero tokens, non-square factors).
-    """
-    kind = _parse_kind(kind)
-    damping = _check_damping(damping)
-    dense = A is None and S is None
-    if not dense and (A is None or S is None):
-        raise StoreError(f"layer {name!r}: only one of the K-FAC factors A, S is present")
-    if shape is None:
-        if not dense:
-            shape = (np.shape(S)[0], np.shape(A)[0])
-        elif sketch_moments is not None:
-            shape = sketch_moments.shape
-        else:
-            raise ConfigError(f"layer {name!r}: pass shape=(k,) for a dense layer")
-    shape = tuple(int(s) for s in shape)
-
-    if kind is PreconditionerKind.IDENTITY:
-        return LayerPreconditioner(name, kind, shape)
-
-    if mean_sq_norm is None and sketch_moments is not None:
-        mean_sq_norm = sketch_moments.mean_sq_norm
-
-    if dense:
-        if kind is PreconditionerKind.KFAC:
-            if mean_sq_norm is None or mean_sq_norm <= 0:
-                raise ConfigError(
-                    f"dense layer {name!r}: K-FAC (isotropic) needs mean_sq_norm > 0, got "
-                    f"{mean_sq_norm!r}; pass the store's mean squared sketch norm"
-                )
-            var = (1.0 + damping) * mean_sq_norm / shape[0]
-            return LayerPreconditioner(
-                name,
-                kind,
-                shape,
-                scale=np.full(shape, 1.0 / np.sqrt(var)),
-                info={"mean_sq_norm": float(mean_sq_norm), "damping": damping},
-            )
-        lam_diag = _moments_for(kind, sketch_moments, shape, name)
-        lam = damping * float(lam_diag.mean())
-        return LayerPreconditioner(
-            name,
-            kind,
-            shape,
-            scale=1.0 / np.sqrt(_positive(lam_diag + lam, name)),
-            info={"lambda": lam, "damping": damping},
-        )
-
-    a_mat, s_mat = np.asarray(A, dtype=np.float64), np.asarray(S, dtype=np.float64)
-    if a_mat.shape != (shape[1], shape[1]) or s_mat.shape != (shape[0], shape[0]):
-        raise StoreError(
-            f"layer {name!r}: factor shapes A{a_mat.shape}, S{s_mat.shape} do not match the "
-            f"sketch shape {shape}; the store is inconsistent"
-        )
-    if n_tokens <= 0:
-        raise StoreError(
-            f"layer {name!r}: n_tokens = {n_tokens}; the covariance was never accumulated — "
-            "check that the run tracked covariance, or use the identity preconditioner"
-        )
-    a_bar, s_bar = _sym(a_mat) / n_tokens, _sym(s_mat) / n_tokens
-
-    if kind is PreconditionerKind.KFAC:
-        if mean_sq_norm is None:
-            raise ConfigError(
-                f"layer {name!r}: K-FAC needs mean_sq_norm (mean ‖Ŝ_i‖² over records) for its "
-                "trace calibration; pass it from the store or pass sketch_moments"
-            )
-        tr_a, tr_s = float(np.trace(a_bar)), float(np.trace(s_bar))
-        if tr_a <= 0 or tr_s <= 0 or mean_sq_norm <= 0:
-            raise ConfigError(
-                f"layer {name!r}: a covariance factor or the sketches are all zero "
-                f"(tr Ā={tr_a:.3g}, tr S̄={tr_s:.3g}, mean ‖Ŝ‖²={mean_sq_norm:.3g}); the layer "
-                "received no gradient — drop it from tracking or use the identity preconditioner"
-            )
-        c = mean_sq_norm / (tr_s * tr_a)
-        s_bar = c * s_bar
-        lam_a, lam_s = damping * tr_a / shape[1], damping * c * tr_s / shape[0]
-        return LayerPreconditioner(
-            name,
-            kind,
-            shape,
-            left=inverse_sqrt_psd(s_bar, lam_s),
-            right=inverse_sqrt_psd(a_bar, lam_a),
-            info={"c": c, "lambda_A": lam_a, "lambda_S": lam_s, "damping": damping},
-        )
-
-    # EK-FAC
-    lam_ab = _moments_for(kind, sketch_moments, shape, name)
-    lam = damping * float(lam_ab.mean())
-    return LayerPreconditioner(
-        name,
-        kind,
-        shape,
-        left=sketch_moments.q_s.T.copy(),
-        right=sketch_moments.q_a.copy(),
-        scale=1.0 / np.sqrt(_positive(lam_ab + lam, name)),
-        info={"lambda": lam, "damping": damping},
-    )
-
-
-def _moments_for(kind, moments: EkfacMoments | None, shape, name) -> np.ndarray:
-    if moments is None:
-        raise ConfigError(
-            f"layer {name!r}: {kind.value} needs sketch_moments (an EkfacMoments streamed over "
-            "the layer's stored sketches)"
-        )
-    if moments.shape != shape:
-        raise StoreError(
-            f"layer {name!r}: moments have shape {moments.shape}, sketches {shape}; "
-            "they were accumulated for another layer"
-        )
-    return moments.mean
-
-
-def _positive(x: np.ndarray, name: str) -> np.ndarray:
-    if np.any(x <= 0):
-        raise ConfigError(
-            f"layer {name!r}: some eigenvalues are 0 and damping is 0; set damping > 0 "
-            f"(default {DEFAULT_DAMPING})"
-        )
-    return x
-
-
 def _name_seed(name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"index|{name}".encode()).digest()[:8], "little")
 
@@ -506,8 +315,8 @@ class Preconditioner:
         names = [lp.name for lp in layers]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate layer names in the preconditioner: {names}")
-        self.kind = _parse_kind(kind)
-        self.damping = _check_damping(damping)
+        self.kind = parse_kind(kind)
+        self.damping = check_damping(damping)
         self.layers = list(layers)
         bounds = np.cumsum([0] + [lp.dim for lp in self.layers])
         self.layer_slices: dict[str, slice] = {
@@ -524,12 +333,14 @@ class Preconditioner:
         damping: float | None = None,
         index_side: int = 0,
     ) -> Preconditioner:
-        """Fit every layer with the same kind and damping (see :func:`fit_layer`).
+        """Fit every layer with the same kind and damping (see :func:`~traceprop_engine.attribution.kfac.fit_layer`).
 
         ``index_side = m > 0`` adds an ``m × m`` index projection to every factored layer whose
         sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the
         layer's name.
         """
+        from .kfac import fit_layer  # kfac builds LayerPreconditioners: imported here, not above
+
         fitted = [
             fit_layer(
                 kind,
@@ -629,169 +440,3 @@ class Preconditioner:
                 )
             )
         return cls(meta["kind"], layers, meta["damping"])
-
-
-# -- truncated SVD + Woodbury (LoRIF) ---------------------------------------------------------
-
-
-def truncated_svd(
-    g: np.ndarray, rank: int, *, oversample: int = 10, n_iter: int = 4, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``rank`` singular values and right singular vectors of ``g`` (n, D).
-
-    Exact (LAPACK) when ``rank + oversample`` reaches ``min(n, D)``; otherwise the randomized
-    range finder of Halko, Martinsson & Tropp (2011) with ``n_iter`` QR-stabilised power
-    iterations, which never forms a D×D matrix: memory O((n + D)(rank + oversample)).
-
-    Returns:
-        ``(s, V)``: (r,) descending singular values and (D, r) orthonormal columns,
-        ``r = min(rank, n, D)``, float64.
-    """
-    g = np.asarray(g, dtype=np.float64)
-    n, d = g.shape
-    r = min(int(rank), n, d)
-    ell = r + int(oversample)
-    if ell >= min(n, d):
-        _, s, vt = np.linalg.svd(g, full_matrices=False)
-        return s[:r], vt[:r].T.copy()
-    rng = np.random.default_rng(seed)
-    q, _ = np.linalg.qr(g @ rng.standard_normal((d, ell)))  # (n, ell) range of g
-    for _ in range(int(n_iter)):  # power iterations sharpen a slowly decaying spectrum
-        w, _ = np.linalg.qr(g.T @ q)  # (D, ell)
-        q, _ = np.linalg.qr(g @ w)  # (n, ell)
-    _, s, vt = np.linalg.svd(q.T @ g, full_matrices=False)  # (ell, D) small SVD
-    return s[:r], vt[:r].T.copy()
-
-
-@dataclass(frozen=True, eq=False)
-class WoodburyPreconditioner:
-    """``H^{-1/2}`` of one layer from a rank-``r`` truncated SVD, applied with Woodbury.
-
-    ``H = V diag(e) Vᵀ + λ I`` with ``e = s²/n`` the top-``r`` eigenvalues of the sample's
-    second moment ``(1/n) GᵀG`` (directions outside span V are treated as having eigenvalue 0,
-    so they get only the damping). Because ``V`` has orthonormal columns,
-
-    - ``H^{-1/2} x = λ^{-1/2} x + V [((e+λ)^{-1/2} − λ^{-1/2}) ⊙ Vᵀx]``
-    - ``H^{-1} x = λ^{-1} x + V [((e+λ)^{-1} − λ^{-1}) ⊙ Vᵀx]``
-
-    in O(D r) memory and time per vector — no D×D matrix (the LoRIF preconditioner). Same
-    ``apply``/``pullback`` interface as :class:`LayerPreconditioner`; vectors are the row-major
-    flattening of the sketch (``vec(Ŝ)[o*k_in + j] = Ŝ[o, j]``).
-
-    Attributes:
-        name: layer name.
-        shape: per-record sketch shape, ``(k_out, k_in)`` or ``(k,)``.
-        basis: (D, r) orthonormal ``V``.
-        eigenvalues: (r,) ``e = s²/n``.
-        lam: absolute damping ``λ > 0``.
-        info: fitted constants (rank, λ, captured fraction of the trace) for reports.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    basis: np.ndarray
-    eigenvalues: np.ndarray
-    lam: float
-    info: dict = field(default_factory=dict)
-
-    @property
-    def dim(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def rank(self) -> int:
-        return int(self.eigenvalues.shape[0])
-
-    def _flat(self, x: np.ndarray, dtype) -> np.ndarray:
-        x = np.asarray(x, dtype=dtype)
-        if x.shape[1:] != self.shape:
-            raise StoreError(
-                f"layer {self.name!r}: sketches have per-record shape {x.shape[1:]}, the Woodbury "
-                f"preconditioner was fitted for {self.shape}; refit it from this layer"
-            )
-        return x.reshape(x.shape[0], -1)
-
-    def _power(self, x: np.ndarray, p: float, dtype) -> np.ndarray:
-        v = self.basis.astype(dtype)
-        coef = ((self.eigenvalues + self.lam) ** p - self.lam**p).astype(dtype)
-        return dtype(self.lam**p) * x + ((x @ v) * coef) @ v.T  # (n, D)
-
-    def apply(self, sketches: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-        """(n, *shape) sketches → (n, D) vectors ``H^{-1/2} vec(Ŝ)``."""
-        return np.ascontiguousarray(self._power(self._flat(sketches, dtype), -0.5, dtype))
-
-    def pullback(self, test_sketches: np.ndarray) -> np.ndarray:
-        """``H⁻¹ vec(T)`` reshaped to (q, *shape), float64 (see :meth:`LayerPreconditioner.pullback`)."""
-        t = self._flat(test_sketches, np.float64)
-        return self._power(t, -1.0, np.float64).reshape(t.shape[0], *self.shape)
-
-    def dense_inverse_sqrt(self) -> np.ndarray:
-        """The explicit (D, D) ``H^{-1/2}`` — for tests and small D only."""
-        return self._power(np.eye(self.dim), -0.5, np.float64)
-
-
-def fit_woodbury(
-    vectors_sample: np.ndarray,
-    rank: int,
-    damping: float | None = None,
-    *,
-    shape: tuple[int, ...] | None = None,
-    name: str = "",
-    oversample: int = 10,
-    n_iter: int = 4,
-    seed: int = 0,
-) -> WoodburyPreconditioner:
-    """Fit ``H = (1/n) GᵀG + λ I`` from a sample of a layer's sketches, truncated to rank ``r``.
-
-    Args:
-        vectors_sample: (n, D) flattened sketches ``G`` (or (n, *shape), flattened row-major).
-        rank: ``r``, the number of eigen-directions kept (clamped to ``min(n, D)``).
-        damping: as elsewhere in this module, a fraction of the mean eigenvalue of
-            ``(1/n) GᵀG`` (its trace / D, from the *full* sample, not the truncation):
-            ``λ = damping × ‖G‖²_F / (n D)``; default 0.1.
-        shape: per-record sketch shape (default ``(D,)`` or the trailing shape of the sample).
-        name: layer name.
-        oversample, n_iter, seed: randomized SVD parameters (:func:`truncated_svd`).
-
-    Returns:
-        A :class:`WoodburyPreconditioner` holding O(D r) numbers.
-
-    Raises:
-        ConfigError: bad rank/damping, an all-zero sample.
-    """
-    damping = _check_damping(damping)
-    g = np.asarray(vectors_sample, dtype=np.float64)
-    if g.ndim < 2 or g.shape[0] == 0:
-        raise ConfigError(
-            f"layer {name!r}: fit_woodbury needs a non-empty (n, D) sample, got shape {g.shape}"
-        )
-    if shape is None:
-        shape = g.shape[1:]
-    g = g.reshape(g.shape[0], -1)
-    shape = tuple(int(x) for x in shape)
-    if int(np.prod(shape)) != g.shape[1]:
-        raise ConfigError(
-            f"layer {name!r}: shape {shape} does not match the sample's dimension {g.shape[1]}"
-        )
-    if not isinstance(rank, (int, np.integer)) or rank < 1:
-        raise ConfigError(
-            f"layer {name!r}: the Woodbury rank must be a positive integer, got {rank!r}"
-        )
-    n, d = g.shape
-    total = float(np.einsum("ij,ij->", g, g)) / n  # tr((1/n) GᵀG)
-    lam = damping * total / d
-    if not lam > 0:
-        raise ConfigError(
-            f"layer {name!r}: the Woodbury damping is {lam!r}; it must be > 0 (set damping > 0, "
-            f"default {DEFAULT_DAMPING}, and check that the sample is not all zeros)"
-        )
-    s, v = truncated_svd(g, int(rank), oversample=oversample, n_iter=n_iter, seed=seed)
-    e = s**2 / n
-    info = {
-        "rank": int(e.shape[0]),
-        "lambda": lam,
-        "damping": damping,
-        "n_sample": n,
-        "trace_captured": float(e.sum() / total) if total > 0 else 0.0,
-    }
-    return WoodburyPreconditioner(name, shape, v, e, float(lam), info)

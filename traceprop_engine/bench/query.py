@@ -1,7 +1,7 @@
 """Query-latency benchmark of the FAISS index on vectors that look like preconditioned sketches.
 
 :func:`run_query_bench` builds each index kind at each size through the product path
-(:func:`traceprop_engine.attribution.index.build_index`, including nprobe tuning), then times single
+(:func:`traceprop_engine.attribution.index_build.build_index`, including nprobe tuning), then times single
 queries (batch of 1, like an interactive query) one by one, and measures recall@10 against the
 exact answer (streamed numpy brute force) on a subset of the queries.
 
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from traceprop_engine.attribution.index import IndexKind, build_index
+from traceprop_engine.attribution.index_build import build_index
 from traceprop_engine.errors import ConfigError
+from traceprop_engine.settings import IndexKind
 
 __all__ = ["SketchGenerator", "run_query_bench"]
 

@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -92,6 +93,40 @@ class TrackedLayer:
     a_rows: int = 0  # tokens of unmasked batches (a host count: no device op per step)
     _stack: list = field(default_factory=list, repr=False)
     _fired: bool = False
+
+    @classmethod
+    def from_stored(
+        cls,
+        info,
+        module: nn.Module,
+        P_in: np.ndarray | None,
+        P_out: np.ndarray | None,
+        dense_projection: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrackedLayer:
+        """A layer a store describes (its ``LayerInfo``), on ``module`` of the rebuilt model.
+
+        For test-side sketches: the training run's projections (``P_in``, ``P_out``, and for a
+        dense layer its sparse JL ``(index, sign)``), so the query lives in the space of the
+        stored records; full ``(k_out, k_in)`` records (no rank-r factors), since the query is
+        scored against every stored form.
+        """
+        layer = cls(
+            name=info.name,
+            module=module,
+            kind=info.kind,
+            d_in=info.d_in,
+            d_out=info.d_out,
+            k_in=info.k_in,
+            k_out=info.k_out,
+            sketch=SketchKind(info.sketch),
+            P_in=None if P_in is None else torch.from_numpy(P_in),
+            P_out=None if P_out is None else torch.from_numpy(P_out),
+            dense_k=info.dense_k,
+        )
+        if dense_projection is not None:
+            idx, sign = dense_projection
+            layer.dense_index, layer.dense_sign = torch.from_numpy(idx), torch.from_numpy(sign)
+        return layer
 
     @property
     def record_shape(self) -> tuple[int, ...]:

@@ -249,7 +249,7 @@ def _add_index_flags(p) -> None:
 
 
 def _index_settings(a):
-    from ..attribution.query import IndexSettings
+    from ..settings import IndexSettings
 
     return IndexSettings(
         preconditioner=a.preconditioner,
@@ -563,9 +563,9 @@ def _cmd_bench_query(a) -> int:
 
         run = open_run(run_dir)
         _, _, pre = run.index()
-        from ..attribution.query import VECTORS_FILE, IndexSettings
+        from ..attribution.index_store import VECTORS_FILE
 
-        base = np.load(run._index_dir(IndexSettings()) / VECTORS_FILE)
+        base = np.load(run.index_dir() / VECTORS_FILE)
     sizes = tuple(int(x) for x in a.sizes.split(","))
     rows = run_query_bench(sizes=sizes, dim=a.dim, n_queries=a.queries, base_vectors=base)
     for r in rows:

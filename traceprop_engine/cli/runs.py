@@ -94,7 +94,8 @@ def register(sub) -> None:
 
 def _cmd_audit(a) -> int:
     from ..attribution.export import audit_rows, audit_trail, write_csv
-    from ..attribution.query import IndexSettings, open_run
+    from ..attribution.query import open_run
+    from ..settings import IndexSettings
 
     run = open_run(a.run)
     res = run.query(
@@ -148,7 +149,8 @@ def _cmd_rank(a) -> int:
     import numpy as np
     import polars as pl
 
-    from ..attribution.query import IndexSettings, open_run
+    from ..attribution.query import open_run
+    from ..settings import IndexSettings
 
     run = open_run(a.run)
     if a.by == "loss":

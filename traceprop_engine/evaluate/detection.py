@@ -241,7 +241,7 @@ def _train_losses(run, n_train: int) -> np.ndarray:
     from ..training.losses import example_losses
     from ..training.models import collate, model_inputs
 
-    loaded = run._model()
+    loaded = run.model()
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     encs = [run.encode(eval_example=i)[0] for i in range(n_train)]
     out = []
@@ -262,7 +262,7 @@ def _normed(h: np.ndarray) -> np.ndarray:
 
 def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[str, np.ndarray]:
     """Summed influence of every training example on the queries, per preconditioner."""
-    from ..attribution.query import IndexSettings
+    from ..settings import IndexSettings
 
     sketches = [run.query_sketches(run.encode(p, c)[0])[0] for p, c in queries]
     out = {}
@@ -278,7 +278,7 @@ def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[
 
 def score_methods(run, task: str, data_dir: Path) -> dict[str, np.ndarray]:
     """Suspicion score per training example (higher = more suspicious) for every method."""
-    from ..attribution.query import IndexSettings
+    from ..settings import IndexSettings
 
     ex = run.examples()
     n_train = int((ex["split"] == C.SPLIT_TRAIN).sum())
@@ -411,7 +411,7 @@ def _sanity(run, task: str, data_dir: Path) -> dict:
     from ..training.losses import example_losses
     from ..training.models import collate, model_inputs
 
-    loaded = run._model()
+    loaded = run.model()
     pad = loaded.tokenizer.pad_token_id
 
     def mean_loss(pairs):

@@ -818,8 +818,7 @@ def run_lds(
 def _fix_dense_sign_dtype(run) -> None:
     # Store.dense_projection returns float64 signs under NumPy 2 (float32 / np.float64 scalar),
     # and index_add_ refuses to mix them with the float32 gradient; cast until the store does.
-    run._model()
-    for layer in run._capture_layers or []:
+    for layer in run.tracked_layers():
         if layer.dense_sign is not None:
             layer.dense_sign = layer.dense_sign.float()
 
@@ -857,7 +856,8 @@ def _compact_methods(
     the scores equal the full-sketch scores up to float32 storage round-off.
     """
     from ..attribution.factor_scores import factor_scores
-    from ..attribution.query import IndexSettings, open_run
+    from ..attribution.query import open_run
+    from ..settings import IndexSettings
     from ..store.compact import FactorStore
 
     run = open_run(run_dir)
@@ -900,7 +900,8 @@ def _score_methods(
     s: LdsSettings, run_dirs: dict[str, Path], eval_ids: list[int], n_train: int, progress
 ):
     """Yield ``{method, family, k, preconditioner, scores (n_eval, n_train)}`` for every method."""
-    from ..attribution.query import IndexSettings, open_run
+    from ..attribution.query import open_run
+    from ..settings import IndexSettings
 
     def attribution(run_dir: Path, family: str, k, precs: Sequence[str]):
         run = open_run(run_dir)

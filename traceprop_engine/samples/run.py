@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from .. import constants as C
-from ..attribution.query import IndexSettings, open_run
+from ..attribution.query import open_run
 from ..run import read_manifest, relative_paths, write_manifest
-from ..settings import TrackSettings, TrainSettings
+from ..settings import IndexSettings, TrackSettings, TrainSettings
 from ..training.loop import train
 from .data import generate_sample_data
 

@@ -1,0 +1,371 @@
+"""Test side: the run's final model rebuilt with its tracked layers, and a query's sketches.
+
+A query (text, an example of the run, or token ids) is tokenized as training saw it, its loss
+on the final model is backpropagated once with the capture hooks attached to the layers the
+store describes, with the store's projections: its sketches live in the space of the stored
+training records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from .. import constants as C
+from ..capture.hooks import Capture, TrackedLayer
+from ..errors import ModelMismatchError, QueryError, RunError
+from ..settings import SketchKind
+from ..training.data import Example
+from ..training.losses import example_losses
+from ..training.models import (
+    Encoded,
+    collate,
+    encode_example,
+    load_saved_model,
+    model_inputs,
+    quiet_hf,
+)
+
+
+class QueryEncoder:
+    """The saved model of one run (loaded on first use) and the test-side sketches taken on it.
+
+    Args:
+        run_dir: the run directory (its ``model/`` folder holds the final model).
+        manifest: the run's manifest (``config.max_length``).
+        store: the run's store (layers, projections, example tokens).
+        task: ``causal-lm`` or ``classification``.
+        examples: the run's example table (see :meth:`AttributionRun.examples`).
+        device: where the model runs.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        manifest: dict,
+        store,
+        task: str,
+        examples: Callable[[], pl.DataFrame],
+        device: str = "cpu",
+    ) -> None:
+        self.run_dir = run_dir
+        self.manifest = manifest
+        self.store = store
+        self.task = task
+        self.examples = examples
+        self.device = device
+        self._loaded = None
+        self._layers: list[TrackedLayer] | None = None
+
+    # -- the model ------------------------------------------------------------------------------
+    def model(self):
+        """The final model, tokenizer and labels (``LoadedModel``), with the store's layers found
+        in it and checked against the store (:meth:`tracked_layers`)."""
+        if self._loaded is None:
+            model_dir = self.run_dir / C.MODEL_DIR
+            if not model_dir.exists():
+                raise RunError(
+                    f"{self.run_dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it"
+                )
+            with quiet_hf():
+                self._loaded = load_saved_model(model_dir, self.device)
+            self._layers = self._attach_layers(dict(self._loaded.model.named_modules()))
+        return self._loaded
+
+    def tracked_layers(self) -> list[TrackedLayer]:
+        """The store's layers on the loaded model, as the query-side capture hooks use them."""
+        self.model()
+        return self._layers
+
+    def _attach_layers(self, modules: dict) -> list[TrackedLayer]:
+        layers = []
+        for li, info in enumerate(self.store.layers):
+            m = modules.get(info.name)
+            if m is None:
+                raise self._mismatch(f"the saved model has no layer {info.name!r}")
+            m.weight.requires_grad_(True)
+            dense = SketchKind(info.sketch) is SketchKind.DENSE
+            layer = TrackedLayer.from_stored(
+                info,
+                m,
+                self.store.projection(li, "in"),
+                self.store.projection(li, "out"),
+                self.store.dense_projection(li) if dense else None,
+            )
+            w = m.weight
+            d_in, d_out = (
+                (w.shape[0], w.shape[1]) if info.kind == "conv1d" else (w.shape[1], w.shape[0])
+            )
+            if (d_in, d_out) != (info.d_in, info.d_out):
+                raise self._mismatch(
+                    f"layer {info.name} is {d_in}->{d_out} in the model, {info.d_in}->{info.d_out} in the store"
+                )
+            layers.append(layer)
+        return layers
+
+    def _mismatch(self, detail: str) -> ModelMismatchError:
+        return ModelMismatchError(
+            f"the model in {self.run_dir / C.MODEL_DIR} does not match the store ({detail})"
+        )
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def encode(
+        self,
+        prompt: str | None = None,
+        completion: str | None = None,
+        *,
+        eval_example: int | None = None,
+        label: str | None = None,
+        input_ids=None,
+        labels=None,
+        loss_mask=None,
+    ):
+        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``.
+
+        A query is text (``prompt``/``completion``, through the run's tokenizer), an example of
+        the run (``eval_example``), or token ids (``input_ids``, with ``labels`` -100 where no
+        loss is taken, or a 0/1 ``loss_mask``; neither: the loss on every token after the first).
+        """
+        loaded = self.model()
+        if input_ids is not None:
+            if prompt is not None or completion is not None or eval_example is not None:
+                raise QueryError(
+                    "give the query either as input_ids (+ labels or loss_mask), or as "
+                    "prompt/completion, or as eval_example, not several"
+                )
+            return self._encode_ids(loaded, input_ids, labels, loss_mask, label), {}, []
+        if labels is not None or loss_mask is not None:
+            raise QueryError("labels/loss_mask go with input_ids: pass input_ids=... as well")
+        if loaded.tokenizer is None and eval_example is None:
+            raise QueryError(
+                "this run has no tokenizer (it was finished without one): query it by token ids, "
+                "run.query(input_ids=..., labels=...)"
+            )
+        if eval_example is not None:
+            enc, desc = self._encode_example(loaded, eval_example)
+            return enc, desc, []
+        return self._encode_text(loaded, prompt, completion, label)
+
+    def _encode_example(self, loaded, eval_example: int) -> tuple[Encoded, dict]:
+        """An example of the run, from the tokens the store kept for it."""
+        ex = self.examples()
+        if not 0 <= eval_example < ex.height:
+            raise QueryError(
+                f"example {eval_example} does not exist (the run has examples 0..{ex.height - 1})"
+            )
+        r = ex.row(eval_example, named=True)
+        ids, mask = self.store.tokens(eval_example)
+        lab = -1
+        if self.task == "classification":
+            lab = (
+                (loaded.labels or []).index(r["label"])
+                if r["label"] in (loaded.labels or [])
+                else -1
+            )
+        enc = Encoded(ids.astype(np.int32), mask.astype(np.uint8), lab)
+        desc = {
+            "eval_example": eval_example,
+            "source": r["source"],
+            "row": r["row"],
+            "prompt": r["prompt"] or r["text"],
+            "completion": r["completion"],
+            "label": r["label"],
+            "split": r["split"],
+        }
+        return enc, desc
+
+    def _encode_text(self, loaded, prompt, completion, label) -> tuple[Encoded, dict, list[str]]:
+        """A text query through the run's tokenizer (classification: a text and its label)."""
+        max_length = int(self.manifest.get("config", {}).get("max_length", 128))
+        notes: list[str] = []
+        if self.task == "classification":
+            if not (prompt or "").strip():
+                raise QueryError("the text to classify is empty: type a text")
+            labels = loaded.labels or []
+            if label is None or label not in labels:
+                raise QueryError(f"a classification query needs a label, one of {labels}")
+            ex = Example(source="<query>", row=1, sha256="", text=prompt, label=label)
+            enc = encode_example(
+                ex,
+                loaded.tokenizer,
+                "classification",
+                max_length,
+                {lab: i for i, lab in enumerate(labels)},
+            )
+            return enc, {"prompt": prompt, "label": label}, notes
+        if not (prompt or "").strip() and not (completion or "").strip():
+            raise QueryError(
+                "the prompt is empty: type a prompt (and the completion whose origin you want explained)"
+            )
+        if completion:
+            ex = Example(
+                source="<query>", row=1, sha256="", prompt=prompt or "", completion=completion
+            )
+        else:
+            ex = Example(source="<query>", row=1, sha256="", text=prompt)
+        enc = encode_example(ex, loaded.tokenizer, "causal-lm", max_length)
+        if enc.truncated:
+            notes.append(
+                f"the query was longer than the model's training length ({max_length} tokens) and was truncated"
+            )
+        if enc.loss_mask.sum() == 0:
+            raise QueryError(
+                "the query has no target token to explain: give a completion (or a longer text)"
+            )
+        return enc, {"prompt": prompt, "completion": completion}, notes
+
+    def _encode_ids(self, loaded, input_ids, labels, loss_mask, label) -> Encoded:
+        """An :class:`Encoded` from token ids and ``labels`` (-100: no loss) or a 0/1 loss mask."""
+        ids = _as_1d_ints(input_ids, "input_ids")
+        if ids.size == 0:
+            raise QueryError("input_ids is empty: give the query's token ids")
+        vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+        if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
+            raise QueryError(
+                f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+        mask = _loss_mask(ids, labels, loss_mask)
+        lab_id = -1
+        if self.task == "classification":
+            names = loaded.labels or []
+            if label not in names:
+                raise QueryError(f"a classification query needs a label, one of {names}")
+            lab_id = names.index(label)
+            mask = np.ones(ids.size, bool)
+        elif not mask[1:].any():
+            raise QueryError(
+                "the query has no target token (labels all -100, or only the first token): mark "
+                "the tokens whose loss you want explained"
+            )
+        return Encoded(ids.astype(np.int32), mask.astype(np.uint8), lab_id)
+
+    # -- sketches -------------------------------------------------------------------------------
+    def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
+        """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
+        loaded = self.model()
+        layers = self._layers
+        batch = collate([enc], pad_id(loaded), self.task, self.device)
+        slots = [
+            torch.zeros(1, *(info.record_shape), device=self.device) for info in self.store.layers
+        ]
+        with (
+            torch.enable_grad(),
+            Capture(loaded.model, layers, covariance=False) as cap,
+            cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=1.0),
+        ):
+            loss = example_losses(loaded.model(**model_inputs(batch)), batch, self.task)
+            loss.sum().backward()
+        loaded.model.zero_grad(set_to_none=True)
+        return [s.cpu().numpy() for s in slots], float(loss.detach()[0])
+
+    @torch.no_grad()
+    def representations(self, encs) -> np.ndarray:
+        """Mean-pooled final hidden state of each encoded example (representation-similarity baseline)."""
+        loaded = self.model()
+        pad = pad_id(loaded)
+        out = []
+        for i in range(0, len(encs), 16):
+            batch = collate(encs[i : i + 16], pad, self.task, self.device)
+            h = loaded.model(**model_inputs(batch), output_hidden_states=True).hidden_states[-1]
+            m = batch["attention_mask"].unsqueeze(-1).float()
+            out.append(((h * m).sum(1) / m.sum(1)).float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+def pad_id(loaded) -> int:
+    """The pad id: the tokenizer's, else the model config's, else 0 (right padding is masked)."""
+    tok = loaded.tokenizer
+    if tok is not None and tok.pad_token_id is not None:
+        return int(tok.pad_token_id)
+    pad = getattr(getattr(loaded.model, "config", None), "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _loss_mask(ids: np.ndarray, labels, loss_mask) -> np.ndarray:
+    """Which tokens take a loss: ``labels != -100`` (equal to the ids there), a 0/1 mask, or all."""
+    if labels is not None and loss_mask is not None:
+        raise QueryError("give labels or loss_mask, not both")
+    if labels is not None:
+        lab = _as_1d_ints(labels, "labels")
+        if lab.shape != ids.shape:
+            raise QueryError(
+                f"labels has {lab.size} entries, input_ids {ids.size}: give one per token"
+            )
+        mask = lab != -100
+        if np.any(lab[mask] != ids[mask]):
+            raise QueryError(
+                "labels must equal input_ids where a loss is taken (-100 elsewhere), as for a "
+                "Hugging Face causal LM (the model shifts them)"
+            )
+        return mask
+    if loss_mask is not None:
+        mask = _as_1d_ints(loss_mask, "loss_mask")
+        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+            raise QueryError("loss_mask must hold one 0/1 value per token of input_ids")
+        return mask.astype(bool)
+    return np.ones(ids.size, bool)
+
+
+def _as_1d_ints(x, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim == 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise QueryError(
+            f"{what} must be a 1-D sequence of integers, got {a.dtype} of shape {a.shape}"
+        )
+    return a.astype(np.int64)
+
+
+def _is_batch(x) -> bool:
+    if x is None or isinstance(x, str):
+        return False
+    if isinstance(x, torch.Tensor | np.ndarray):
+        return x.ndim == 2
+    return isinstance(x, list | tuple) and len(x) > 0 and not np.isscalar(x[0])
+
+
+def query_batch(prompt, completion, input_ids, labels, loss_mask, eval_example, label):
+    """The keyword sets of :meth:`QueryEncoder.encode` for each query, and whether it was a batch."""
+    if input_ids is not None:
+        batched = _is_batch(input_ids)
+        if not batched:
+            return [
+                dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, label=label)
+            ], False
+        n = len(input_ids)
+        for name, v in (("labels", labels), ("loss_mask", loss_mask)):
+            if v is not None and len(v) != n:
+                raise QueryError(f"{name} holds {len(v)} rows for {n} queries in input_ids")
+        lab = label if isinstance(label, list | tuple) else [label] * n
+        return [
+            dict(
+                input_ids=input_ids[i],
+                labels=None if labels is None else labels[i],
+                loss_mask=None if loss_mask is None else loss_mask[i],
+                label=lab[i],
+            )
+            for i in range(n)
+        ], True
+    if isinstance(eval_example, list | tuple):
+        return [dict(eval_example=int(e), label=label) for e in eval_example], True
+    if isinstance(prompt, list | tuple):
+        n = len(prompt)
+        comp = completion if isinstance(completion, list | tuple) else [completion] * n
+        lab = label if isinstance(label, list | tuple) else [label] * n
+        if len(comp) != n or len(lab) != n:
+            raise QueryError(f"completion/label must give one entry per prompt ({n})")
+        return [
+            dict(prompt=p, completion=c, label=la)
+            for p, c, la in zip(prompt, comp, lab, strict=True)
+        ], True
+    return [
+        dict(prompt=prompt, completion=completion, eval_example=eval_example, label=label)
+    ], False

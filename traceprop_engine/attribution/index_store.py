@@ -1,0 +1,251 @@
+"""The persisted indexes of one run: build, load, staleness, and what each query reuses.
+
+An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
+(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, the
+FAISS index and ``index.json``, which records the digest of every file. Its fingerprint (the
+store's fingerprint + the settings) makes an index built from other records stale; a stale,
+half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .. import constants as C
+from ..errors import IndexBuildError, IndexStaleError, StoreError, TracepropError
+from ..settings import IndexSettings
+from .index import INDEX_META_FILE, VectorIndex
+from .index_build import build_index
+from .index_files import index_lock, publish_dir
+from .precondition import Preconditioner
+from .scoring import ExactScorer
+from .vectors import fit_preconditioner, write_vectors
+
+log = logging.getLogger(__name__)
+
+VECTORS_FILE = "vectors.npy"
+IDS_FILE = "ids.npy"
+PRECOND_FILE = "preconditioner.npz"
+NORMS_FILE = "norms.npy"  # exact ‖H^{-1/2} x_i‖² per row (cosine, self-influence)
+BUILD_FILE = "build.json"
+_READ_ROWS = 65536  # vectors read from the memory map at a time
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``, stage one of "preconditioner", "vectors", "index"."""
+
+
+class RunIndexes:
+    """The indexes of one run's store, one per :class:`IndexSettings`, kept once loaded.
+
+    Every lookup is by ``settings.name``; an entry holds the index, its row -> example ids, the
+    preconditioner, the memory-mapped vectors and the exact scorer the queries reuse.
+    """
+
+    def __init__(self, run_dir: Path, store) -> None:
+        self.run_dir = run_dir
+        self.store = store
+        self._indexes: dict[str, tuple[VectorIndex, np.ndarray, Preconditioner]] = {}
+        self._scorers: dict[str, ExactScorer] = {}
+        self._vector_maps: dict[str, np.ndarray] = {}  # the memory-mapped vectors.npy of each
+
+    def dir(self, s: IndexSettings) -> Path:
+        """The folder of the index ``s`` (it may not exist yet)."""
+        return self.run_dir / C.INDEX_DIR / s.name
+
+    def _lock_path(self, s: IndexSettings) -> Path:
+        return self.run_dir / C.INDEX_DIR / f".{s.name}.lock"
+
+    def _fingerprint(self, s: IndexSettings) -> str:
+        blob = json.dumps({"store": self.store.fingerprint, **s.to_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def get(
+        self, s: IndexSettings, *, rebuild: bool = False, progress: Progress | None = None
+    ) -> tuple[VectorIndex, np.ndarray, Preconditioner]:
+        """The persisted index for ``s``; built when missing, rebuilt when stale or damaged (never
+        used stale, half-written or changed after its build)."""
+        if not rebuild and s.name in self._indexes:
+            return self._indexes[s.name]
+        if not rebuild:
+            with index_lock(self._lock_path(s), exclusive=False):
+                hit = self._load(s)
+            if hit is not None:
+                return hit
+        self.build(s, progress, reuse=not rebuild)
+        return self._indexes[s.name]
+
+    def build(
+        self, s: IndexSettings, progress: Progress | None = None, *, reuse: bool = False
+    ) -> VectorIndex:
+        """Fit the preconditioner, write the vectors, build and persist the FAISS index.
+
+        Every file is written into a temporary folder beside ``index/<name>/`` and the folder is
+        renamed into place once complete, all under an exclusive lock on ``index/.<name>.lock``:
+        concurrent builds of one index run one after the other, and an interrupted or failed
+        build leaves the previous index as it was.
+
+        Args:
+            reuse: once the lock is held, use a fresh index another process finished meanwhile
+                instead of building again.
+
+        Raises:
+            IndexBuildError: a write failed (disk full, permissions...); the previous index, if
+                any, is untouched.
+        """
+        if self.store.n_records == 0:
+            raise StoreError(f"{self.store.path} holds no records yet: nothing to index")
+        final = self.dir(s)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with index_lock(self._lock_path(s), exclusive=True):
+                if reuse and self._load(s) is not None:
+                    return self._indexes[s.name][0]
+                return self._build_locked(s, final, progress)
+        except TracepropError:
+            raise
+        except OSError as e:
+            raise IndexBuildError(
+                f"cannot write the index {s.name} of {self.run_dir}: {e.strerror or e}"
+                f"{f' ({e.filename})' if e.filename else ''}; free disk space (or fix the "
+                "folder's permissions) and run `traceprop index RUN` again. The previous index, "
+                "if there was one, was left as it was"
+            ) from e
+
+    def _build_locked(self, s: IndexSettings, final: Path, progress) -> VectorIndex:
+        root = final.parent
+        for leftover in (*root.glob(f".{s.name}.tmp-*"), *root.glob(f".{s.name}.old-*")):
+            # a build killed before it could clean up (we hold the lock: nobody else is building)
+            shutil.rmtree(leftover, ignore_errors=True)
+        out = Path(tempfile.mkdtemp(prefix=f".{s.name}.tmp-", dir=root))
+        try:
+            t0 = time.perf_counter()
+            pre = fit_preconditioner(
+                self.store, s, progress and (lambda d, n: progress("preconditioner", d, n))
+            )
+            pre.save(out / PRECOND_FILE)
+            ids = write_vectors(
+                self.store,
+                s,
+                pre,
+                out / VECTORS_FILE,
+                progress and (lambda d, n: progress("vectors", d, n)),
+            )
+            np.save(out / IDS_FILE, ids)
+            vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+            scorer = ExactScorer(self.store, pre, ids, s.per_record)
+            norms = scorer.example_sq_norms()
+            scorer.row_sq_norms = norms  # None: too large, read from the index vectors
+            files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE)
+            if norms is not None:  # exact self-influence and cosine denominators
+                np.save(out / NORMS_FILE, norms)
+                files += (NORMS_FILE,)
+
+            def chunks():
+                for i in range(0, len(ids), _READ_ROWS):
+                    yield np.ascontiguousarray(vectors[i : i + _READ_ROWS])
+
+            index = build_index(
+                chunks,
+                pre.dim,
+                len(ids),
+                kind=s.kind,
+                normalize=s.cosine,
+                fetch=lambda rows: np.asarray(vectors[np.sort(rows)]),
+                progress=progress and (lambda d, n: progress("index", d, n)),
+            )
+            fp = self._fingerprint(s)
+            meta = {
+                "settings": s.to_dict(),
+                "fingerprint": fp,
+                "n_vectors": int(len(ids)),
+                "dim": pre.dim,
+                "build_s": round(time.perf_counter() - t0, 3),
+                "store_fingerprint": self.store.fingerprint,
+            }
+            (out / BUILD_FILE).write_text(json.dumps(meta, indent=2))
+            # index.json last: it records the digests of everything written before it
+            index.save(out, fp, files=files)
+            publish_dir(out, final)  # the memory map stays valid: same file, new folder name
+        finally:
+            if out.exists():
+                shutil.rmtree(out, ignore_errors=True)
+        self._indexes[s.name] = (index, ids, pre)
+        self._vector_maps[s.name] = vectors
+        self._scorers[s.name] = scorer  # the queries reuse its record map and norms
+        return index
+
+    def _load(self, s: IndexSettings):
+        """The persisted index for ``s`` if it is fresh and complete, else None (logged why)."""
+        out = self.dir(s)
+        if not (out / INDEX_META_FILE).exists():
+            return None
+        try:
+            # checks the fingerprint and the size and digest of every file of the index
+            index = VectorIndex.load(out, self._fingerprint(s))
+            vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+            ids = np.load(out / IDS_FILE)
+            pre = Preconditioner.load(out / PRECOND_FILE)
+        except IndexStaleError as e:
+            log.warning("%s; rebuilding", e)
+            return None
+        except (StoreError, OSError, ValueError) as e:
+            log.warning("index at %s unusable (%s); rebuilding", out, e)
+            return None
+        if vectors.shape != (index.n, index.dim) or len(ids) != index.n:
+            log.warning(
+                "index at %s unusable (vectors %s, %d ids, index of %d x %d); rebuilding",
+                out,
+                vectors.shape,
+                len(ids),
+                index.n,
+                index.dim,
+            )
+            return None
+        index.fetch = lambda rows: np.asarray(vectors[np.sort(rows)])
+        hit = (index, ids, pre)
+        self._indexes[s.name] = hit
+        self._vector_maps[s.name] = vectors
+        return hit
+
+    def vectors(self, s: IndexSettings) -> np.ndarray:
+        """The memory-mapped vectors of the index ``s`` (the same build as :meth:`get`'s)."""
+        if s.name not in self._vector_maps or s.name not in self._indexes:
+            self.get(s)
+        return self._vector_maps[s.name]
+
+    def scorer(self, s: IndexSettings) -> ExactScorer:
+        """The exact scorer of the index ``s`` (kept per build: its record map and norms)."""
+        _, ids, pre = self.get(s)
+        hit = self._scorers.get(s.name)
+        if hit is None or hit.pre is not pre:
+            hit = self._scorers[s.name] = ExactScorer(self.store, pre, ids, s.per_record)
+        return hit
+
+    def row_sq_norms(self, s: IndexSettings) -> np.ndarray:
+        """Exact ``‖H^{-1/2} x_i‖²`` per index row (index vectors' norms when too large to keep);
+        read once per index build and kept with its scorer (every cosine query needs them)."""
+        scorer = self.scorer(s)
+        if scorer.row_sq_norms is None:
+            scorer.row_sq_norms = self._read_row_sq_norms(s)
+        return scorer.row_sq_norms
+
+    def _read_row_sq_norms(self, s: IndexSettings) -> np.ndarray:
+        path = self.dir(s) / NORMS_FILE
+        if path.exists():
+            return np.load(path)
+        vectors = self.vectors(s)
+        return np.concatenate(
+            [
+                np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + _READ_ROWS]), x)
+                for i in range(0, len(vectors), _READ_ROWS)
+            ]
+        )

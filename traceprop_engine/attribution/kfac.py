@@ -1,0 +1,236 @@
+"""Fitting one layer's ``H^{-1/2}`` from its K-FAC statistics: identity, K-FAC, EK-FAC, dense.
+
+The kinds and their formulas are described in :mod:`traceprop_engine.attribution.precondition`;
+:func:`fit_layer` checks the statistics, then dispatches to one named step per kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from traceprop_engine.attribution.precondition import (
+    DEFAULT_DAMPING,
+    EkfacMoments,
+    LayerPreconditioner,
+    check_damping,
+    parse_kind,
+    symmetrize,
+)
+from traceprop_engine.errors import ConfigError, StoreError
+from traceprop_engine.settings import PreconditionerKind
+
+__all__ = ["fit_layer", "inverse_sqrt_psd"]
+
+
+def inverse_sqrt_psd(m: np.ndarray, damping_abs: float) -> np.ndarray:
+    """``(M + λ I)^{-1/2}`` of a symmetric PSD matrix through ``eigh``.
+
+    Tiny negative eigenvalues from round-off are clipped to 0 before damping.
+
+    Args:
+        m: symmetric (k, k) matrix.
+        damping_abs: absolute damping ``λ`` added to every eigenvalue.
+
+    Returns:
+        The (k, k) float64 symmetric inverse square root.
+
+    Raises:
+        ConfigError: if ``M + λ I`` is singular (all-zero factor and no damping).
+    """
+    m = np.asarray(m, dtype=np.float64)
+    evals, evecs = np.linalg.eigh((m + m.T) / 2)  # symmetrise against round-off
+    evals = np.clip(evals, 0.0, None) + damping_abs
+    if np.any(evals <= 0):
+        raise ConfigError(
+            "a covariance factor is singular and damping is 0; set damping > 0 "
+            f"(default {DEFAULT_DAMPING}) or use the identity preconditioner"
+        )
+    return (evecs / np.sqrt(evals)) @ evecs.T
+
+
+def fit_layer(
+    kind: PreconditionerKind | str,
+    A: np.ndarray | None,
+    S: np.ndarray | None,
+    n_tokens: int,
+    *,
+    mean_sq_norm: float | None = None,
+    sketch_moments: EkfacMoments | None = None,
+    damping: float | None = None,
+    shape: tuple[int, ...] | None = None,
+    name: str = "",
+) -> LayerPreconditioner:
+    """Fit one layer's preconditioner from its K-FAC sums (see the module docstring).
+
+    Args:
+        kind: identity, kfac or ekfac.
+        A: ``Σ_t ã ãᵀ`` (k_in, k_in), or None for a dense sketch layer.
+        S: ``Σ_t g̃ g̃ᵀ`` (k_out, k_out), or None for a dense sketch layer.
+        n_tokens: number of tokens summed into ``A`` and ``S``.
+        mean_sq_norm: ``mean_i ‖Ŝ_i‖²_F`` over the layer's records (K-FAC calibration, dense
+            K-FAC). Taken from ``sketch_moments`` when not given.
+        sketch_moments: accumulated :class:`EkfacMoments` (required for EK-FAC).
+        damping: fraction of the mean eigenvalue added as damping; default 0.1.
+        shape: per-record sketch shape; inferred from ``A``/``S`` or ``sketch_moments``.
+        name: layer name, kept for error messages and persistence.
+
+    Returns:
+        The fitted :class:`LayerPreconditioner`.
+
+    Raises:
+        ConfigError: bad kind/damping, missing inputs for the chosen kind.
+        StoreError: inconsistent statistics (zero tokens, non-square factors).
+    """
+    kind = parse_kind(kind)
+    damping = check_damping(damping)
+    dense = A is None and S is None
+    if not dense and (A is None or S is None):
+        raise StoreError(f"layer {name!r}: only one of the K-FAC factors A, S is present")
+    shape = _layer_shape(A, S, sketch_moments, shape, name)
+    if kind is PreconditionerKind.IDENTITY:
+        return LayerPreconditioner(name, kind, shape)
+    if mean_sq_norm is None and sketch_moments is not None:
+        mean_sq_norm = sketch_moments.mean_sq_norm
+    if dense:
+        return _fit_dense(kind, shape, mean_sq_norm, sketch_moments, damping, name)
+    a_bar, s_bar = _factor_means(A, S, n_tokens, shape, name)
+    if kind is PreconditionerKind.KFAC:
+        return _fit_kfac(a_bar, s_bar, shape, mean_sq_norm, damping, name)
+    return _fit_ekfac(sketch_moments, shape, damping, name)
+
+
+def _layer_shape(A, S, moments: EkfacMoments | None, shape, name: str) -> tuple[int, ...]:
+    """The per-record sketch shape: given, else from the factors, else from the moments."""
+    if shape is None:
+        if A is not None:
+            shape = (np.shape(S)[0], np.shape(A)[0])
+        elif moments is not None:
+            shape = moments.shape
+        else:
+            raise ConfigError(f"layer {name!r}: pass shape=(k,) for a dense layer")
+    return tuple(int(s) for s in shape)
+
+
+def _fit_dense(
+    kind: PreconditionerKind,
+    shape: tuple[int, ...],
+    mean_sq_norm: float | None,
+    moments: EkfacMoments | None,
+    damping: float,
+    name: str,
+) -> LayerPreconditioner:
+    """A dense layer: isotropic (K-FAC) or diagonal (EK-FAC) Fisher (see the module docstring)."""
+    if kind is PreconditionerKind.KFAC:
+        if mean_sq_norm is None or mean_sq_norm <= 0:
+            raise ConfigError(
+                f"dense layer {name!r}: K-FAC (isotropic) needs mean_sq_norm > 0, got "
+                f"{mean_sq_norm!r}; pass the store's mean squared sketch norm"
+            )
+        var = (1.0 + damping) * mean_sq_norm / shape[0]
+        return LayerPreconditioner(
+            name,
+            kind,
+            shape,
+            scale=np.full(shape, 1.0 / np.sqrt(var)),
+            info={"mean_sq_norm": float(mean_sq_norm), "damping": damping},
+        )
+    lam_diag = _moments_for(kind, moments, shape, name)
+    lam = damping * float(lam_diag.mean())
+    return LayerPreconditioner(
+        name,
+        kind,
+        shape,
+        scale=1.0 / np.sqrt(_positive(lam_diag + lam, name)),
+        info={"lambda": lam, "damping": damping},
+    )
+
+
+def _factor_means(A, S, n_tokens: int, shape, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``Ā = A / n_tokens`` and ``S̄ = S / n_tokens``, symmetrised, after checking their shapes."""
+    a_mat, s_mat = np.asarray(A, dtype=np.float64), np.asarray(S, dtype=np.float64)
+    if a_mat.shape != (shape[1], shape[1]) or s_mat.shape != (shape[0], shape[0]):
+        raise StoreError(
+            f"layer {name!r}: factor shapes A{a_mat.shape}, S{s_mat.shape} do not match the "
+            f"sketch shape {shape}; the store is inconsistent"
+        )
+    if n_tokens <= 0:
+        raise StoreError(
+            f"layer {name!r}: n_tokens = {n_tokens}; the covariance was never accumulated — "
+            "check that the run tracked covariance, or use the identity preconditioner"
+        )
+    return symmetrize(a_mat) / n_tokens, symmetrize(s_mat) / n_tokens
+
+
+def _fit_kfac(
+    a_bar: np.ndarray,
+    s_bar: np.ndarray,
+    shape: tuple[int, ...],
+    mean_sq_norm: float | None,
+    damping: float,
+    name: str,
+) -> LayerPreconditioner:
+    """K-FAC with the trace calibration ``c`` and per-factor damping (see the module docstring)."""
+    if mean_sq_norm is None:
+        raise ConfigError(
+            f"layer {name!r}: K-FAC needs mean_sq_norm (mean ‖Ŝ_i‖² over records) for its "
+            "trace calibration; pass it from the store or pass sketch_moments"
+        )
+    tr_a, tr_s = float(np.trace(a_bar)), float(np.trace(s_bar))
+    if tr_a <= 0 or tr_s <= 0 or mean_sq_norm <= 0:
+        raise ConfigError(
+            f"layer {name!r}: a covariance factor or the sketches are all zero "
+            f"(tr Ā={tr_a:.3g}, tr S̄={tr_s:.3g}, mean ‖Ŝ‖²={mean_sq_norm:.3g}); the layer "
+            "received no gradient — drop it from tracking or use the identity preconditioner"
+        )
+    c = mean_sq_norm / (tr_s * tr_a)
+    s_bar = c * s_bar
+    lam_a, lam_s = damping * tr_a / shape[1], damping * c * tr_s / shape[0]
+    return LayerPreconditioner(
+        name,
+        PreconditionerKind.KFAC,
+        shape,
+        left=inverse_sqrt_psd(s_bar, lam_s),
+        right=inverse_sqrt_psd(a_bar, lam_a),
+        info={"c": c, "lambda_A": lam_a, "lambda_S": lam_s, "damping": damping},
+    )
+
+
+def _fit_ekfac(
+    moments: EkfacMoments | None, shape: tuple[int, ...], damping: float, name: str
+) -> LayerPreconditioner:
+    """EK-FAC: the K-FAC eigenbases with the streamed eigenvalue correction ``Λ``."""
+    kind = PreconditionerKind.EKFAC
+    lam_ab = _moments_for(kind, moments, shape, name)
+    lam = damping * float(lam_ab.mean())
+    return LayerPreconditioner(
+        name,
+        kind,
+        shape,
+        left=moments.q_s.T.copy(),
+        right=moments.q_a.copy(),
+        scale=1.0 / np.sqrt(_positive(lam_ab + lam, name)),
+        info={"lambda": lam, "damping": damping},
+    )
+
+
+def _moments_for(kind, moments: EkfacMoments | None, shape, name) -> np.ndarray:
+    if moments is None:
+        raise ConfigError(
+            f"layer {name!r}: {kind.value} needs sketch_moments (an EkfacMoments streamed over "
+            "the layer's stored sketches)"
+        )
+    if moments.shape != shape:
+        raise StoreError(
+            f"layer {name!r}: moments have shape {moments.shape}, sketches {shape}; "
+            "they were accumulated for another layer"
+        )
+    return moments.mean
+
+
+def _positive(x: np.ndarray, name: str) -> np.ndarray:
+    if np.any(x <= 0):
+        raise ConfigError(
+            f"layer {name!r}: some eigenvalues are 0 and damping is 0; set damping > 0 "
+            f"(default {DEFAULT_DAMPING})"
+        )
+    return x

@@ -1,0 +1,162 @@
+"""Ranking: FAISS candidates re-scored exactly, split by sign, and shown as example rows.
+
+Positive score = proponent (the example pushed the model toward the test output; up-weighting
+it lowers the test loss), negative = opponent. FAISS only proposes candidates from both ends
+of the ranking; every returned score is the exact one from the store.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+
+from .. import constants as C
+from .precondition import Preconditioner
+
+SIGN_NOTE = (
+    "score > 0: proponent (the example pushed the model toward this output; up-weighting it "
+    "lowers the test loss); score < 0: opponent (it pushed the model away)"
+)
+CANDIDATES = 4
+"""FAISS returns ``max(CANDIDATES · top_k, MIN_CANDIDATES)`` rows per side for the exact re-rank."""
+MIN_CANDIDATES = 200
+
+_EMPTY_ROWS = {
+    "rank": pl.Int64,
+    "kind": pl.Utf8,
+    "score": pl.Float64,
+    "example_id": pl.Int64,
+    "source": pl.Utf8,
+    "row": pl.Int64,
+    "sha256": pl.Utf8,
+    "text": pl.Utf8,
+    "label": pl.Utf8,
+    "layer_scores": pl.Utf8,
+}
+
+
+def n_candidates(top_k: int, n: int) -> int:
+    """How many rows per side FAISS proposes for the exact re-rank of ``top_k`` (of ``n``)."""
+    return min(max(CANDIDATES * top_k, MIN_CANDIDATES), n)
+
+
+def signed_hits(
+    cand: np.ndarray, per_layer: np.ndarray, top_k: int, opponents: bool
+) -> tuple[list[tuple], list[str]]:
+    """``(kind, rank, vector row, score, per-layer scores)`` of the re-ranked candidates, by sign.
+
+    ``cand`` are the index rows FAISS proposed (both ends of the ranking) and ``per_layer`` their
+    exact (L, n) scores. A proponent has score > 0 and an opponent score < 0, so an example is
+    in at most one list and a zero score in none; a note says when a list is shorter than
+    ``top_k``.
+    """
+    exact = per_layer.sum(0)
+    kinds = [("proponent", np.argsort(-exact, kind="stable"), 1.0, "positive")]
+    if opponents:
+        kinds.append(("opponent", np.argsort(exact, kind="stable"), -1.0, "negative"))
+    hits, notes = [], []
+    for kind, order, sign, word in kinds:
+        keep = [int(j) for j in order if sign * exact[j] > 0][:top_k]
+        hits += [
+            (kind, rank, int(cand[j]), float(exact[j]), per_layer[:, j])
+            for rank, j in enumerate(keep, start=1)
+        ]
+        if len(keep) < top_k:
+            notes.append(
+                f"{len(keep)} {kind}{'s' if len(keep) != 1 else ''} of the {top_k} asked: no "
+                f"other indexed training example has a {word} score"
+            )
+    return hits, notes
+
+
+def hit_rows(
+    hits: list[tuple],
+    ids: np.ndarray,
+    pre: Preconditioner,
+    examples: pl.DataFrame,
+    records: dict | None = None,
+) -> pl.DataFrame:
+    """The result table of :func:`signed_hits`: one row per hit with its example's lineage and
+    per-layer score shares; with ``records`` (a per-record index) the record, step and epoch."""
+    out = []
+    for kind, rank, v, score, layer_scores in hits:
+        e = int(ids[v])
+        r = examples.row(e, named=True)
+        shares = {name: float(x) for name, x in zip(pre.layer_names, layer_scores, strict=True)}
+        row = {
+            "rank": rank,
+            "kind": kind,
+            "score": score,
+            "example_id": e,
+            "source": r["source"],
+            "row": r["row"],
+            "sha256": r["sha256"],
+            "text": r["text"],
+            "label": r["label"],
+            "layer_scores": json.dumps(shares),
+        }
+        if records is not None:
+            row["record"] = v
+            row["step"] = int(records[C.REC_STEP][v])
+            row["epoch"] = int(records[C.REC_EPOCH][v])
+        out.append(row)
+    if not out:
+        return pl.DataFrame(schema=_EMPTY_ROWS)
+    return pl.DataFrame(out)
+
+
+def source_influence(scores: np.ndarray, sources: np.ndarray) -> pl.DataFrame:
+    """Total, positive and negative influence and example count per source file, by total."""
+    df = pl.DataFrame({"source": sources, "score": scores})
+    return (
+        df.group_by("source")
+        .agg(
+            pl.col("score").sum().alias("total"),
+            pl.col("score").clip(lower_bound=0).sum().alias("positive"),
+            pl.col("score").clip(upper_bound=0).sum().alias("negative"),
+            pl.len().alias("examples"),
+        )
+        .sort("total", descending=True)
+    )
+
+
+def example_table(store) -> tuple[pl.DataFrame, list[str]]:
+    """The run's example table (example_id, source, row, sha256, split, text, prompt,
+    completion, label) and a note when the store has none (rows then show ids only)."""
+    notes: list[str] = []
+    ex = store.examples()
+    if not ex:  # a store written without an example table (Tracker used without lineage)
+        n = int(store.records()[C.REC_EXAMPLE].max()) + 1 if store.n_records else 0
+        empty = np.array([""] * n, dtype=object)
+        ex = {
+            C.EX_SOURCE: empty,
+            C.EX_ROW: np.zeros(n, np.int64),
+            C.EX_SHA256: empty,
+            C.EX_SPLIT: np.array([C.SPLIT_TRAIN] * n, dtype=object),
+            C.EX_TEXT: empty,
+            C.EX_PROMPT: empty,
+            C.EX_COMPLETION: empty,
+            C.EX_LABEL: empty,
+        }
+        notes = ["this store has no example table (no lineage): rows show example ids only"]
+    n = len(ex[C.EX_SOURCE])
+    text = [
+        (p + c) if p or c else t
+        for p, c, t in zip(ex[C.EX_PROMPT], ex[C.EX_COMPLETION], ex[C.EX_TEXT], strict=True)
+    ]
+    table = pl.DataFrame(
+        {
+            "example_id": np.arange(n, dtype=np.int64),
+            "source": ex[C.EX_SOURCE],
+            "row": ex[C.EX_ROW],
+            "sha256": ex[C.EX_SHA256],
+            "split": ex[C.EX_SPLIT],
+            "text": text,
+            "prompt": ex[C.EX_PROMPT],
+            "completion": ex[C.EX_COMPLETION],
+            "label": ex[C.EX_LABEL],
+        }
+    )
+    return table, notes

@@ -1,0 +1,144 @@
+"""Training side: from a run's stored records to preconditioned vectors, one per example.
+
+The vector of example ``i`` is ``Σ_records lr · H^{-1/2} Ŝ_record``: the learning-rate-weighted
+sum of its preconditioned records (TracIn along the real trajectory), or one vector per record
+with ``per_record``. The preconditioner is fitted here from the store's statistics.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from .. import constants as C
+from ..errors import StoreError
+from ..settings import IndexSettings, SketchKind
+from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
+
+CHUNK = 4096
+"""Records read from the store at a time (fitting, vectors, gradient norms)."""
+
+
+def fit_preconditioner(
+    store, s: IndexSettings, progress: Callable[[int, int], None] | None = None
+) -> Preconditioner:
+    """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
+    kind = s.preconditioner
+    if (
+        kind is not PreconditionerKind.IDENTITY
+        and not store.has_covariance
+        and store.sketch != SketchKind.DENSE  # a str enum: equal to the store's string
+    ):
+        raise StoreError(
+            f"{store.path} has no covariance (trained with --no-covariance, or the run stopped "
+            "before it was written): use --preconditioner identity"
+        )
+    n = max(store.n_records, 1)
+    stats = []
+    for li, layer in enumerate(store.layers):
+        # dense layers have no K-FAC factors: a diagonal (EK-FAC) or isotropic (K-FAC) fit
+        dense = SketchKind(layer.sketch) is SketchKind.DENSE
+        cov = store.covariance(li) if not dense else None
+        moments = None
+        if kind is PreconditionerKind.EKFAC:
+            moments = (
+                EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
+                if cov
+                else EkfacMoments.dense(layer.dim)
+            )
+            for start in range(0, store.n_records, CHUNK):
+                moments.update(store.sketches(li, start, start + CHUNK))
+                if progress:
+                    progress(li * store.n_records + start, len(store.layers) * store.n_records)
+        stats.append(
+            LayerStats(
+                name=layer.name,
+                shape=layer.record_shape,
+                A=cov.A if cov else None,
+                S=cov.S if cov else None,
+                n_tokens=int(cov.n_tokens) if cov else 0,
+                mean_sq_norm=None if moments is not None else store.sq_norm_sum(li) / n,
+                moments=moments,
+            )
+        )
+    return Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+
+
+def vector_ids(store, per_record: bool) -> np.ndarray:
+    """Row -> example index (per-example vectors: the training examples with records)."""
+    rec = store.records()
+    if per_record:
+        return rec[C.REC_EXAMPLE]
+    return np.unique(rec[C.REC_EXAMPLE])
+
+
+def write_vectors(
+    store,
+    s: IndexSettings,
+    pre: Preconditioner,
+    path: Path,
+    progress: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
+    """Preconditioned vectors of every example (or record) into the ``.npy`` file ``path``
+    (memory-mapped, so a store larger than memory streams through); returns the row ids."""
+    rec = store.records()
+    ids = vector_ids(store, s.per_record)
+    n_rec = store.n_records
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(len(ids), pre.dim))
+    _reserve(path)
+    mm[:] = 0
+    row_of = {int(e): i for i, e in enumerate(ids)} if not s.per_record else None
+    for start in range(0, n_rec, CHUNK):
+        stop = min(start + CHUNK, n_rec)
+        vec = pre.apply([store.sketches(li, start, stop) for li in range(len(store.layers))])
+        if s.per_record:
+            mm[start:stop] = vec
+        else:
+            rows = np.fromiter(
+                (row_of[int(e)] for e in rec[C.REC_EXAMPLE][start:stop]), np.int64, stop - start
+            )
+            w = rec[C.REC_LR][start:stop].astype(np.float32)[:, None]
+            np.add.at(mm, rows, vec * w)  # lr-weighted sum over an example's records
+        if progress:
+            progress(stop, n_rec)
+    mm.flush()
+    return ids
+
+
+def gradient_norms(store) -> pl.DataFrame:
+    """Mean over an example's records of the raw (unpreconditioned) sketch norm."""
+    rec = store.records()
+    sq = np.zeros(store.n_records)
+    for li, info in enumerate(store.layers):
+        for start in range(0, store.n_records, CHUNK):
+            if info.rank:  # ‖U Vᵀ‖² = Σ (UᵀU ⊙ VᵀV): no k_out × k_in rebuild
+                u, v = store.factors(li, start, start + CHUNK)
+                n = np.einsum("nor,nos,nir,nis->n", u, u, v, v, optimize=True)
+            else:
+                x = store.sketches(li, start, start + CHUNK)
+                x = x.reshape(len(x), -1)
+                n = np.einsum("ij,ij->i", x, x)
+            sq[start : start + len(n)] += n
+    df = pl.DataFrame({"example_id": rec[C.REC_EXAMPLE], "gn": np.sqrt(sq)})
+    return df.group_by("example_id").agg(pl.col("gn").mean().alias("gradient_norm"))
+
+
+def _reserve(path: Path) -> None:
+    """Allocate a freshly created file's blocks now: on a full disk the write then fails here with
+    ENOSPC (an OSError) instead of killing the process with SIGBUS (a Bus error) when a page
+    of its memory map is first written."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # unsupported: write as before
+            raise
+    finally:
+        os.close(fd)
