@@ -45,7 +45,7 @@ from ..errors import (
 from ..run import read_manifest
 from ..settings import SketchKind, parse_choice
 from ..store.hdf5 import open_run_store
-from ..training.data import Example
+from ..training.examples import Example
 from ..training.losses import example_losses
 from ..training.models import collate, encode_example, load_saved_model, model_inputs, quiet_hf
 from .index import INDEX_META_FILE, IndexKind, VectorIndex, build_index, index_lock, publish_dir

@@ -7,8 +7,9 @@ saved and the status says ``cancelled``. Any error marks the run ``failed`` (the
 readable) and is re-raised.
 
 :func:`train` runs the named steps in order: open the run directory (:mod:`.run_dir`), write
-``run.json``, load the data and build the model, start the tracker, run the epoch/step loop, save
-the model and metrics, and close the run (store, final ``run.json``, lock).
+``run.json``, load the data, build the model and start the tracker (:mod:`.prepare`), run the
+epoch/step loop (:mod:`.steps`), save the model and metrics, and close the run (store, final
+``run.json``, lock).
 """
 
 from __future__ import annotations

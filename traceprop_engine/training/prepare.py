@@ -22,7 +22,8 @@ from ..errors import ConfigError
 from ..run import library_versions, new_run_id, now, write_manifest
 from ..settings import TrainSettings
 from . import distributed
-from .data import Example, hash_files, load_examples, split_eval
+from .data import hash_files, load_examples, split_eval
+from .examples import Example
 from .models import apply_lora, build_model, count_parameters, encode_example
 
 log = logging.getLogger(__name__)
