@@ -111,11 +111,11 @@ def test_mislabel_generator_flips_exactly_the_listed_rows(tmp_path):
     for row in gt["mislabelled"]:
         assert rows[row - 1]["completion"].strip() != gt["true_labels"][str(row)]
     # the review texts carry their true sentiment: a flipped row's text reads like its true label
-    from traceprop_engine.samples.data import _CLOSINGS
+    from traceprop_engine.samples.templates import CLOSINGS
 
     for row in gt["mislabelled"]:
         text = rows[row - 1]["prompt"]
-        assert any(c in text for c in _CLOSINGS[gt["true_labels"][str(row)]])
+        assert any(c in text for c in CLOSINGS[gt["true_labels"][str(row)]])
 
 
 def test_settings_validated():
