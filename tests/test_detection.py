@@ -11,13 +11,15 @@ from scipy import stats
 
 from traceprop_engine.errors import ConfigError
 from traceprop_engine.evaluate.detection import (
-    SENTIMENT_PROMPT,
     DetectSettings,
     auroc,
-    generate_backdoor_data,
-    generate_mislabel_data,
     precision_at_k,
     run_detection,
+)
+from traceprop_engine.evaluate.detection_data import (
+    SENTIMENT_PROMPT,
+    generate_backdoor_data,
+    generate_mislabel_data,
     with_trigger,
 )
 
