@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Job:
-    """What the steps of one :func:`train` call share: settings, directory, ranks, run.json."""
+    """What the steps of one :func:`~.loop.train` call share: settings, directory, ranks, run.json."""
 
     settings: TrainSettings
     run_dir: Path
