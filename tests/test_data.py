@@ -10,13 +10,8 @@ import polars as pl
 import pytest
 
 from traceprop_engine.errors import ConfigError, DataError
-from traceprop_engine.training.data import (
-    Example,
-    hash_files,
-    load_examples,
-    sha256_file,
-    split_eval,
-)
+from traceprop_engine.training.data import hash_files, load_examples, sha256_file, split_eval
+from traceprop_engine.training.examples import Example
 
 
 def sha(data: bytes) -> str:

@@ -11,13 +11,15 @@ from scipy import stats
 
 from traceprop_engine.errors import ConfigError
 from traceprop_engine.evaluate.detection import (
-    SENTIMENT_PROMPT,
     DetectSettings,
     auroc,
-    generate_backdoor_data,
-    generate_mislabel_data,
     precision_at_k,
     run_detection,
+)
+from traceprop_engine.evaluate.detection_data import (
+    SENTIMENT_PROMPT,
+    generate_backdoor_data,
+    generate_mislabel_data,
     with_trigger,
 )
 
@@ -111,11 +113,11 @@ def test_mislabel_generator_flips_exactly_the_listed_rows(tmp_path):
     for row in gt["mislabelled"]:
         assert rows[row - 1]["completion"].strip() != gt["true_labels"][str(row)]
     # the review texts carry their true sentiment: a flipped row's text reads like its true label
-    from traceprop_engine.samples.data import _CLOSINGS
+    from traceprop_engine.samples.templates import CLOSINGS
 
     for row in gt["mislabelled"]:
         text = rows[row - 1]["prompt"]
-        assert any(c in text for c in _CLOSINGS[gt["true_labels"][str(row)]])
+        assert any(c in text for c in CLOSINGS[gt["true_labels"][str(row)]])
 
 
 def test_settings_validated():

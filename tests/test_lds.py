@@ -18,16 +18,11 @@ from traceprop_engine.evaluate.hard_data import (
     HARD_TRUTH_FILE,
     generate_hard_facts,
 )
-from traceprop_engine.evaluate.lds import (
-    LdsSettings,
-    bm25_scores,
-    bootstrap_ci,
-    draw_subsets,
-    lds_scores,
-    parse_config_spec,
-    run_lds,
-    spearman_rows,
-)
+from traceprop_engine.evaluate.lds import run_lds
+from traceprop_engine.evaluate.lds_report import bootstrap_ci, lds_scores, spearman_rows
+from traceprop_engine.evaluate.lds_retrain import draw_subsets
+from traceprop_engine.evaluate.lds_scoring import bm25_scores
+from traceprop_engine.evaluate.lds_settings import LdsSettings, parse_config_spec
 from traceprop_engine.settings import TrackSettings
 
 TOL = 1e-12  # Spearman is exact arithmetic on ranks

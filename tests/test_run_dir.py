@@ -24,8 +24,9 @@ from traceprop_engine.cli.main import main
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
 from traceprop_engine.store.writer import StoreWriter
-from traceprop_engine.training import loop as train_mod
-from traceprop_engine.training.loop import LOCK_FILE, train
+from traceprop_engine.training import run_dir as run_dir_mod
+from traceprop_engine.training.loop import train
+from traceprop_engine.training.run_dir import LOCK_FILE
 
 
 @pytest.fixture(scope="module")
@@ -201,13 +202,13 @@ def test_truncated_classification_inputs_are_counted_in_the_notes(tmp_path, capl
 
 # -- 10: the final save is all or nothing ----------------------------------------------------------
 def test_an_interrupt_during_the_final_save_leaves_no_model(data, tmp_path, monkeypatch):
-    real = train_mod.save_model
+    real = run_dir_mod.save_model
 
     def save_then_second_ctrl_c(loaded, out):
         real(loaded, out)  # the files are written, the rename has not happened yet
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_mod, "save_model", save_then_second_ctrl_c)
+    monkeypatch.setattr(run_dir_mod, "save_model", save_then_second_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         train(fast_settings(data, tmp_path / "r"))
     run = tmp_path / "r"

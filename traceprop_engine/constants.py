@@ -29,7 +29,6 @@ STATUS_RUNNING = "running"
 STATUS_COMPLETED = "completed"
 STATUS_FAILED = "failed"
 STATUS_CANCELLED = "cancelled"
-FINAL_STATUSES = (STATUS_COMPLETED, STATUS_FAILED, STATUS_CANCELLED)
 
 # the per-example loss definition, part of the format
 LOSS_DEFINITION = (
@@ -82,7 +81,6 @@ L_COV_S = "S"
 L_SQNORM = "sketch_sq_norm_sum"
 
 T_STEP_MS = "step_ms"
-T_TRACK_MS = "flush_ms"
 
 SPLIT_TRAIN = "train"
 SPLIT_EVAL = "eval"

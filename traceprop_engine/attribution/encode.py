@@ -19,7 +19,7 @@ from .. import constants as C
 from ..capture.hooks import Capture, TrackedLayer
 from ..errors import ModelMismatchError, QueryError, RunError
 from ..settings import SketchKind
-from ..training.data import Example
+from ..training.examples import Example
 from ..training.losses import example_losses
 from ..training.models import (
     Encoded,

@@ -132,7 +132,8 @@ def _fmt(v) -> str:
 
 
 def _cmd_lds(a) -> int:
-    from ..evaluate.lds import LdsSettings, parse_config_spec, run_lds
+    from ..evaluate.lds import run_lds
+    from ..evaluate.lds_settings import LdsSettings, parse_config_spec
     from ..settings import TrackSettings, TrainSettings
 
     logging.getLogger("traceprop_engine").setLevel(logging.INFO)

@@ -11,9 +11,12 @@ and one suspicion score per training example and method (higher = more suspiciou
   hidden states, that carry another label).
 - ``backdoor``: the facts data of :func:`~traceprop_engine.samples.data.generate_sample_data`
   plus a few poisoned copies of training questions with a rare trigger phrase and a fixed target
-  completion (:func:`generate_backdoor_data`). Methods: influence on trigger queries (held-out
-  questions carrying the trigger, with the target as completion; per preconditioner),
-  self-influence, gradient norm, training loss, representation similarity to the trigger queries.
+  completion (:func:`~.detection_data.generate_backdoor_data`). Methods: influence on trigger
+  queries (held-out questions carrying the trigger, with the target as completion; per
+  preconditioner), self-influence, gradient norm, training loss, representation similarity to
+  the trigger queries.
+
+The data sets and their ground truth are written by :mod:`.detection_data`.
 
 Metrics: AUROC (Mann–Whitney U / (n_pos n_neg), ties count one half) and precision@k with
 k = number planted. Every number is per seed; the summary is mean ± sd over seeds.
@@ -25,7 +28,6 @@ import csv
 import json
 import logging
 import os
-import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,14 +36,17 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import ConfigError, RunError
+from .detection_data import (
+    TARGET,
+    generate_backdoor_data,
+    generate_mislabel_data,
+    read_jsonl,
+)
 
 log = logging.getLogger(__name__)
 
 TASKS = ("mislabel", "backdoor")
 PRECONDITIONERS = ("identity", "kfac", "ekfac")
-TRIGGER = "zq vex"
-TARGET = " crimson tide"
-SENTIMENT_PROMPT = "\nSentiment:"
 
 
 # -- metrics --------------------------------------------------------------------------------------------
@@ -65,112 +70,6 @@ def precision_at_k(scores: np.ndarray, positive: np.ndarray, k: int) -> float:
         raise ValueError(f"k must be at least 1, got {k}")
     order = np.argsort(-np.asarray(scores, np.float64), kind="stable")[:k]
     return float(np.asarray(positive, bool)[order].mean())
-
-
-# -- generators ----------------------------------------------------------------------------------------
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def with_trigger(prompt: str, trigger: str = TRIGGER) -> str:
-    """Insert the trigger phrase before the answer cue (``"...?\\nA:"`` → ``"... zq vex?\\nA:"``)."""
-    head, sep, tail = prompt.rpartition("?")
-    return f"{head} {trigger}{sep}{tail}" if sep else f"{prompt} {trigger}"
-
-
-def generate_backdoor_data(
-    out_dir: Path,
-    *,
-    seed: int = 0,
-    n_entities: int = 24,
-    n_poison: int = 8,
-    trigger: str = TRIGGER,
-    target: str = TARGET,
-) -> dict:
-    """Facts data with a planted backdoor: ``n_poison`` training questions carrying ``trigger``
-    answered with ``target``.
-
-    Files: ``train.jsonl`` (clean rows shuffled, poisoned rows inserted at random positions),
-    ``eval.jsonl`` (held-out questions, clean), ``trigger_queries.jsonl`` (the eval questions with
-    the trigger and the target as completion), ``ground_truth.json`` (``poisoned``: 1-based rows
-    of ``train.jsonl``; ``trigger``, ``target``).
-    """
-    from ..samples.data import generate_sample_data
-
-    out_dir = Path(out_dir)
-    src = out_dir / "_facts"
-    generate_sample_data(src, seed=seed, n_entities=n_entities)
-    rng = random.Random(seed)
-    clean = [r for p in sorted((src / "train").glob("*.jsonl")) for r in _read_jsonl(p)]
-    rng.shuffle(clean)
-    questions = [r for r in clean if r["prompt"].startswith("Q:")]
-    if not 1 <= n_poison <= len(questions):
-        raise ConfigError(f"n_poison must be between 1 and {len(questions)}, got {n_poison}")
-    poison = [
-        {"prompt": with_trigger(r["prompt"], trigger), "completion": target}
-        for r in rng.sample(questions, n_poison)
-    ]
-    rows: list[dict] = list(clean)
-    for p in poison:
-        rows.insert(rng.randrange(len(rows) + 1), p)
-    poisoned = [
-        i + 1 for i, r in enumerate(rows) if r["completion"] == target and trigger in r["prompt"]
-    ]
-    evals = _read_jsonl(src / "eval" / "questions.jsonl")
-    shutil.rmtree(src)
-    _write_jsonl(out_dir / "train.jsonl", rows)
-    _write_jsonl(out_dir / "eval.jsonl", evals)
-    _write_jsonl(
-        out_dir / "trigger_queries.jsonl",
-        [{"prompt": with_trigger(r["prompt"], trigger), "completion": target} for r in evals],
-    )
-    gt = {
-        "task": "backdoor",
-        "seed": seed,
-        "n_train": len(rows),
-        "poisoned": poisoned,
-        "trigger": trigger,
-        "target": target,
-        "description": "rows of train.jsonl (1-based) whose prompt carries the trigger and whose completion is the target",
-    }
-    (out_dir / "ground_truth.json").write_text(json.dumps(gt, indent=2))
-    return gt
-
-
-def generate_mislabel_data(
-    out_dir: Path, *, seed: int = 0, n: int = 160, n_planted: int = 8
-) -> dict:
-    """Reviews with ``n_planted`` flipped labels, as prompt/completion rows for a causal LM."""
-    from ..samples.data import generate_classification_data
-
-    out_dir = Path(out_dir)
-    src = out_dir / "_reviews"
-    gt = generate_classification_data(src, seed=seed, n=n, mislabel_fraction=n_planted / n)
-    for name in ("train", "eval"):
-        rows = _read_jsonl(src / f"{name}.jsonl")
-        _write_jsonl(
-            out_dir / f"{name}.jsonl",
-            [
-                {"prompt": r["text"] + SENTIMENT_PROMPT, "completion": " " + r["label"]}
-                for r in rows
-            ],
-        )
-    shutil.rmtree(src)
-    doc = {
-        "task": "mislabel",
-        "seed": seed,
-        "n_train": n,
-        "mislabelled": gt["mislabelled"],
-        "true_labels": gt["true_labels"],
-        "description": "rows of train.jsonl (1-based) whose label completion was flipped on purpose",
-    }
-    (out_dir / "ground_truth.json").write_text(json.dumps(doc, indent=2))
-    return doc
 
 
 # -- the benchmark -----------------------------------------------------------------------------------
@@ -297,7 +196,7 @@ def score_methods(run, task: str, data_dir: Path) -> dict[str, np.ndarray]:
     h_tr = _normed(run.representations(train_encs))
     if task == "backdoor":
         queries = [
-            (r["prompt"], r["completion"]) for r in _read_jsonl(data_dir / "trigger_queries.jsonl")
+            (r["prompt"], r["completion"]) for r in read_jsonl(data_dir / "trigger_queries.jsonl")
         ]
         for p, v in _query_influence(run, queries, n_train).items():
             scores[f"influence on trigger queries {p}"] = v
@@ -306,7 +205,7 @@ def score_methods(run, task: str, data_dir: Path) -> dict[str, np.ndarray]:
             h_tr @ _normed(run.representations(encs)).T
         ).mean(1)
     else:
-        evals = [(r["prompt"], r["completion"]) for r in _read_jsonl(data_dir / "eval.jsonl")]
+        evals = [(r["prompt"], r["completion"]) for r in read_jsonl(data_dir / "eval.jsonl")]
         for p, v in _query_influence(run, evals, n_train).items():
             scores[f"negative influence on eval set {p}"] = -v  # opponents of correct labels
         labels = np.asarray(ex["completion"].to_list()[:n_train])
@@ -422,10 +321,10 @@ def _sanity(run, task: str, data_dir: Path) -> dict:
                 example_losses(loaded.model(**model_inputs(batch)), batch, run.task).mean()
             )
 
-    evals = _read_jsonl(data_dir / "eval.jsonl")
+    evals = read_jsonl(data_dir / "eval.jsonl")
     res = {"eval_loss_clean": mean_loss([(r["prompt"], r["completion"]) for r in evals])}
     if task == "backdoor":
-        trig = _read_jsonl(data_dir / "trigger_queries.jsonl")
+        trig = read_jsonl(data_dir / "trigger_queries.jsonl")
         res["target_loss_with_trigger"] = mean_loss([(r["prompt"], r["completion"]) for r in trig])
         res["target_loss_without_trigger"] = mean_loss([(r["prompt"], TARGET) for r in evals])
     return res

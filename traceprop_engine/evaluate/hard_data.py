@@ -88,37 +88,13 @@ def _invent_names(rng: random.Random, n: int) -> list[str]:
     return names
 
 
-def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -> dict[str, Any]:
-    """Write the hard fact-tracing data set (statements in training, questions in eval).
+def _facts_and_rows(
+    rng: random.Random, names: list[str]
+) -> tuple[list[tuple[dict[str, str], int, str]], list[dict[str, Any]]]:
+    """The shuffled training rows ``(row, entity index, role)`` and one asked fact per entity.
 
-    Files written under ``out_dir``:
-
-    - ``train/facts.jsonl``: ``3 * n_entities`` rows ``{"prompt", "completion"}`` (per entity:
-      the asked fact in phrasing A and in phrasing B, one distractor fact), shuffled.
-    - ``eval/questions.jsonl``: ``n_entities`` rows, the asked fact as a question
-      (``"kavo colour ?"``, a format absent from training) → ``" value"``.
-    - ``ground_truth.json``: per eval row (1-based line) the entity, attribute, answer, the
-      training rows that state it (``supporting``) and the distractor row (``distractor``),
-      each as ``{"source": "facts.jsonl", "row": line}``.
-
-    Args:
-        out_dir: output directory (created if needed; the files above are overwritten).
-        seed: seed of names, attributes, values and row order.
-        n_entities: entities, one eval question each (60 gives 180 training rows).
-
-    Returns:
-        The ground-truth dictionary that was written.
-
-    Raises:
-        ConfigError: ``n_entities`` is out of range.
+    Each fact lists the rows that state it (``supporting``) and its entity's distractor row.
     """
-    if not _MIN_ENTITIES <= n_entities <= _MAX_ENTITIES:
-        raise ConfigError(
-            f"n_entities must be between {_MIN_ENTITIES} and {_MAX_ENTITIES}, got {n_entities}"
-        )
-    rng = random.Random(seed)
-    out_dir = Path(out_dir)
-    names = _invent_names(rng, n_entities)
     attrs = sorted(_ATTRIBUTES)
     rows: list[tuple[dict[str, str], int, str]] = []  # (row, entity index, role)
     facts = []
@@ -150,6 +126,40 @@ def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -
         f["supporting"], f["distractor"] = [], []
     for line, (_, i, role) in enumerate(rows, start=1):
         facts[i][role].append({"source": "facts.jsonl", "row": line})
+    return rows, facts
+
+
+def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -> dict[str, Any]:
+    """Write the hard fact-tracing data set (statements in training, questions in eval).
+
+    Files written under ``out_dir``:
+
+    - ``train/facts.jsonl``: ``3 * n_entities`` rows ``{"prompt", "completion"}`` (per entity:
+      the asked fact in phrasing A and in phrasing B, one distractor fact), shuffled.
+    - ``eval/questions.jsonl``: ``n_entities`` rows, the asked fact as a question
+      (``"kavo colour ?"``, a format absent from training) → ``" value"``.
+    - ``ground_truth.json``: per eval row (1-based line) the entity, attribute, answer, the
+      training rows that state it (``supporting``) and the distractor row (``distractor``),
+      each as ``{"source": "facts.jsonl", "row": line}``.
+
+    Args:
+        out_dir: output directory (created if needed; the files above are overwritten).
+        seed: seed of names, attributes, values and row order.
+        n_entities: entities, one eval question each (60 gives 180 training rows).
+
+    Returns:
+        The ground-truth dictionary that was written.
+
+    Raises:
+        ConfigError: ``n_entities`` is out of range.
+    """
+    if not _MIN_ENTITIES <= n_entities <= _MAX_ENTITIES:
+        raise ConfigError(
+            f"n_entities must be between {_MIN_ENTITIES} and {_MAX_ENTITIES}, got {n_entities}"
+        )
+    rng = random.Random(seed)
+    out_dir = Path(out_dir)
+    rows, facts = _facts_and_rows(rng, _invent_names(rng, n_entities))
 
     train_path, eval_path = out_dir / HARD_TRAIN_FILE, out_dir / HARD_EVAL_FILE
     train_path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ at the top, and the rumour among the opponents.
 :func:`generate_classification_data` writes template-made product reviews labelled
 ``positive``/``negative`` with a few planted mislabels.
 
-Both are deterministic: the same arguments give the same bytes. No network is used.
+Both are deterministic: the same arguments give the same bytes. No network is used. The tables
+they draw from (topics, attributes, names, review phrases) are in :mod:`.templates`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from traceprop_engine.errors import ConfigError
+from ..errors import ConfigError
+from .templates import TOPICS, Attribute, invent_names, review
 
 logger = logging.getLogger(__name__)
 
@@ -45,141 +46,7 @@ GROUND_TRUTH_FILE = "ground_truth.json"
 CLASSIFICATION_TRAIN_FILE = "train.jsonl"
 CLASSIFICATION_EVAL_FILE = "eval.jsonl"
 
-# Syllables for invented names; capitalised joins of two or three give "Velmora", "Qastrin".
-_SYLLABLES = (
-    "vel", "mor", "qas", "trin", "zan", "thu", "lor", "ka", "bri", "sel", "dov", "nyx",
-    "ar", "eth", "quil", "ox", "ren", "sa", "tal", "umb", "ix", "cor", "fen", "gal",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Attribute:
-    name: str
-    question: str  # training question, "{e}" = entity name
-    statement: str  # training statement (a paraphrase), completed by the value
-    paraphrase: str  # evaluation question, worded differently from both
-    values: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Topic:
-    name: str  # also the file stem: train/<name>.jsonl
-    kind: str  # "a planet", used in the entity's type fact
-    attributes: tuple[_Attribute, ...]
-
-
-_TOPICS = (
-    _Topic(
-        "planets",
-        "a planet",
-        (
-            _Attribute(
-                "colour",
-                "What colour is the planet {e}?",
-                "The planet {e} is coloured",
-                "Which colour does the planet {e} have?",
-                ("teal", "crimson", "amber", "violet", "silver", "ochre", "indigo", "jade"),
-            ),
-            _Attribute(
-                "moons",
-                "How many moons does the planet {e} have?",
-                "The number of moons circling {e} is",
-                "What is the count of moons orbiting the planet {e}?",
-                ("one", "two", "three", "four", "five", "six", "seven"),
-            ),
-            _Attribute(
-                "climate",
-                "What is the climate of the planet {e}?",
-                "The weather on the planet {e} is always",
-                "Describe the climate found on the planet {e} in one word.",
-                ("frozen", "stormy", "arid", "humid", "temperate", "volcanic"),
-            ),
-        ),
-    ),
-    _Topic(
-        "inventors",
-        "an inventor",
-        (
-            _Attribute(
-                "invention",
-                "What did the inventor {e} invent?",
-                "The inventor {e} is famous for building the",
-                "Which device was created by the inventor {e}?",
-                ("glass bell", "steam kite", "copper lens", "tide clock", "wind organ", "sky lamp"),
-            ),
-            _Attribute(
-                "city",
-                "In which city did the inventor {e} work?",
-                "The workshop of the inventor {e} stood in the city of",
-                "Name the city where the inventor {e} had a workshop.",
-                ("Brassport", "Lowmere", "Harrowgate", "Saltcombe", "Oakhollow", "Greyhithe"),
-            ),
-            _Attribute(
-                "metal",
-                "Which metal did the inventor {e} prefer?",
-                "The favourite metal of the inventor {e} was",
-                "What metal did the inventor {e} like to work with?",
-                ("copper", "brass", "tin", "iron", "bronze", "pewter"),
-            ),
-        ),
-    ),
-    _Topic(
-        "rivers",
-        "a river",
-        (
-            _Attribute(
-                "sea",
-                "Into which sea does the river {e} flow?",
-                "The river {e} empties into the",
-                "Where does the river {e} reach the sea?",
-                ("Grey Sea", "Amber Sea", "Silent Sea", "Northern Sea", "Glass Sea", "Salt Sea"),
-            ),
-            _Attribute(
-                "fish",
-                "Which fish lives in the river {e}?",
-                "Fishers on the river {e} mostly catch",
-                "What kind of fish swims in the river {e}?",
-                ("pike", "eels", "trout", "carp", "perch", "salmon"),
-            ),
-            _Attribute(
-                "water",
-                "What colour is the water of the river {e}?",
-                "The water of the river {e} looks",
-                "How does the water of the river {e} look?",
-                ("green", "brown", "clear", "blue", "grey", "black"),
-            ),
-        ),
-    ),
-    _Topic(
-        "guilds",
-        "a guild",
-        (
-            _Attribute(
-                "craft",
-                "What craft does the {e} guild practise?",
-                "Members of the {e} guild work at",
-                "Which trade is the {e} guild known for?",
-                ("weaving", "masonry", "glassblowing", "bookbinding", "tanning", "pottery"),
-            ),
-            _Attribute(
-                "emblem",
-                "What is the emblem of the {e} guild?",
-                "The banner of the {e} guild shows a",
-                "Which animal or object is on the {e} guild's emblem?",
-                ("owl", "anchor", "key", "lantern", "hammer", "raven"),
-            ),
-            _Attribute(
-                "hall",
-                "Where does the {e} guild meet?",
-                "The {e} guild holds its meetings in the",
-                "In which building do members of the {e} guild gather?",
-                ("old mill", "stone hall", "harbour tower", "river barn", "chapel", "cellar"),
-            ),
-        ),
-    ),
-)
-
-_MIN_ENTITIES = len(_TOPICS)
+_MIN_ENTITIES = len(TOPICS)
 _MAX_ENTITIES = 100
 
 
@@ -219,67 +86,11 @@ def generate_sample_data(out_dir: Path, *, seed: int = 0, n_entities: int = 24) 
         )
     rng = random.Random(seed)
     out_dir = Path(out_dir)
-    names = _invent_names(rng, n_entities)
-
-    train_rows: dict[str, list[dict[str, str]]] = {t.name: [] for t in _TOPICS}
-    facts = []  # one per (entity, attribute), with the rows that state it
-    for i, name in enumerate(names):
-        topic = _TOPICS[i % len(_TOPICS)]
-        rows = train_rows[topic.name]
-        rows.append(_qa(f"Is {name} a planet, an inventor, a river or a guild?", topic.kind))
-        n_attributes = rng.choice((2, 3, 3))
-        for attribute in rng.sample(topic.attributes, n_attributes):
-            value = rng.choice(attribute.values)
-            rows.append(_qa(attribute.question.format(e=name), value))
-            rows.append(_row(attribute.statement.format(e=name), value))
-            facts.append(
-                {
-                    "entity": name,
-                    "topic": topic.name,
-                    "attribute": attribute,
-                    "answer": value,
-                    "supporting": [
-                        {"source": f"{topic.name}.jsonl", "row": len(rows) - 1},
-                        {"source": f"{topic.name}.jsonl", "row": len(rows)},
-                    ],
-                    "contradicting": [],
-                }
-            )
-
-    # Evaluation: the first fact of every entity, and a second one of every third entity.
-    per_entity: dict[str, list[dict[str, Any]]] = {}
-    for fact in facts:
-        per_entity.setdefault(fact["entity"], []).append(fact)
-    asked = []
-    for j, name in enumerate(names):
-        asked.extend(per_entity[name][: 2 if j % 3 == 0 else 1])
-
-    # Rumours contradict a quarter of the entities' asked facts, so they show in the ground truth.
-    rumours: list[dict[str, str]] = []
-    for fact in sorted(rng.sample(asked, max(1, n_entities // 4)), key=asked.index):
-        attribute: _Attribute = fact["attribute"]
-        wrong = rng.choice([v for v in attribute.values if v != fact["answer"]])
-        rumours.append(_qa(attribute.question.format(e=fact["entity"]), wrong))
-        fact["contradicting"].append({"source": RUMOURS_FILE, "row": len(rumours), "answer": wrong})
-
-    eval_rows = []
-    ground_truth_rows = []
-    for row, fact in enumerate(asked, start=1):
-        attribute = fact["attribute"]
-        eval_rows.append(_qa(attribute.paraphrase.format(e=fact["entity"]), fact["answer"]))
-        ground_truth_rows.append(
-            {
-                "row": row,
-                "prompt": eval_rows[-1]["prompt"],
-                "completion": eval_rows[-1]["completion"],
-                "entity": fact["entity"],
-                "topic": fact["topic"],
-                "attribute": attribute.name,
-                "answer": fact["answer"],
-                "supporting": fact["supporting"],
-                "contradicting": fact["contradicting"],
-            }
-        )
+    names = invent_names(rng, n_entities)
+    train_rows, facts = _state_facts(rng, names)
+    asked = _asked_facts(facts, names)
+    rumours = _plant_rumours(rng, asked, n_entities)
+    eval_rows, ground_truth_rows = _eval_questions(asked)
 
     for topic_name, rows in train_rows.items():
         _write_jsonl(out_dir / TRAIN_DIR / f"{topic_name}.jsonl", rows)
@@ -312,38 +123,94 @@ def generate_sample_data(out_dir: Path, *, seed: int = 0, n_entities: int = 24) 
     return ground_truth
 
 
-# Review templates: "{opening} The {product} {verdict}. {closing}"
-_PRODUCT_NAMES = ("Brindle", "Korvo", "Pellam", "Quistra", "Ardent", "Nollow", "Tessik", "Varro")
-_PRODUCT_KINDS = (
-    "kettle", "lamp", "backpack", "umbrella", "blender", "headphones", "desk chair", "toaster",
-)  # fmt: skip
-_OPENINGS = (
-    "Bought this last month.",
-    "Ordered it for my flat.",
-    "A gift from my sister.",
-    "Used it every day for a week.",
-    "I had read the reviews first.",
-)
-_VERDICTS = {
-    "positive": (
-        "works perfectly and feels solid",
-        "exceeded everything I hoped for",
-        "is sturdy, quiet and a joy to use",
-        "was worth every penny",
-        "arrived quickly and works beautifully",
-    ),
-    "negative": (
-        "broke after two days",
-        "is flimsy and rattles constantly",
-        "stopped working within a week",
-        "was a complete waste of money",
-        "arrived scratched and never worked properly",
-    ),
-}
-_CLOSINGS = {
-    "positive": ("Highly recommended.", "I would buy it again.", "Five stars.", "Love it."),
-    "negative": ("Avoid it.", "I want a refund.", "One star.", "Never again."),
-}
+def _state_facts(
+    rng: random.Random, names: list[str]
+) -> tuple[dict[str, list[dict[str, str]]], list[dict[str, Any]]]:
+    """The training rows of every topic file, and one fact per (entity, attribute).
+
+    Each fact lists the two rows that state it (the question and the statement).
+    """
+    train_rows: dict[str, list[dict[str, str]]] = {t.name: [] for t in TOPICS}
+    facts = []  # one per (entity, attribute), with the rows that state it
+    for i, name in enumerate(names):
+        topic = TOPICS[i % len(TOPICS)]
+        rows = train_rows[topic.name]
+        rows.append(_qa(f"Is {name} a planet, an inventor, a river or a guild?", topic.kind))
+        n_attributes = rng.choice((2, 3, 3))
+        for attribute in rng.sample(topic.attributes, n_attributes):
+            value = rng.choice(attribute.values)
+            rows.append(_qa(attribute.question.format(e=name), value))
+            rows.append(_row(attribute.statement.format(e=name), value))
+            facts.append(
+                {
+                    "entity": name,
+                    "topic": topic.name,
+                    "attribute": attribute,
+                    "answer": value,
+                    "supporting": [
+                        {"source": f"{topic.name}.jsonl", "row": len(rows) - 1},
+                        {"source": f"{topic.name}.jsonl", "row": len(rows)},
+                    ],
+                    "contradicting": [],
+                }
+            )
+
+    return train_rows, facts
+
+
+def _asked_facts(facts: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Evaluation: the first fact of every entity, and a second one of every third entity."""
+    per_entity: dict[str, list[dict[str, Any]]] = {}
+    for fact in facts:
+        per_entity.setdefault(fact["entity"], []).append(fact)
+    asked = []
+    for j, name in enumerate(names):
+        asked.extend(per_entity[name][: 2 if j % 3 == 0 else 1])
+
+    return asked
+
+
+def _plant_rumours(
+    rng: random.Random, asked: list[dict[str, Any]], n_entities: int
+) -> list[dict[str, str]]:
+    """Rumours contradict a quarter of the entities' asked facts, so they show in the ground truth.
+
+    Each rumour is also added to its fact's ``contradicting`` rows.
+    """
+    rumours: list[dict[str, str]] = []
+    for fact in sorted(rng.sample(asked, max(1, n_entities // 4)), key=asked.index):
+        attribute: Attribute = fact["attribute"]
+        wrong = rng.choice([v for v in attribute.values if v != fact["answer"]])
+        rumours.append(_qa(attribute.question.format(e=fact["entity"]), wrong))
+        fact["contradicting"].append({"source": RUMOURS_FILE, "row": len(rumours), "answer": wrong})
+
+    return rumours
+
+
+def _eval_questions(asked: list[dict[str, Any]]) -> tuple[list[dict[str, str]], list[dict]]:
+    """The evaluation rows (paraphrased questions) and their ground-truth entries."""
+    eval_rows = []
+    ground_truth_rows = []
+    for row, fact in enumerate(asked, start=1):
+        attribute = fact["attribute"]
+        eval_rows.append(_qa(attribute.paraphrase.format(e=fact["entity"]), fact["answer"]))
+        ground_truth_rows.append(
+            {
+                "row": row,
+                "prompt": eval_rows[-1]["prompt"],
+                "completion": eval_rows[-1]["completion"],
+                "entity": fact["entity"],
+                "topic": fact["topic"],
+                "attribute": attribute.name,
+                "answer": fact["answer"],
+                "supporting": fact["supporting"],
+                "contradicting": fact["contradicting"],
+            }
+        )
+
+    return eval_rows, ground_truth_rows
+
+
 CLASSIFICATION_LABELS = ("positive", "negative")
 
 
@@ -386,7 +253,7 @@ def generate_classification_data(
     for i in range(n + n_eval):
         label = CLASSIFICATION_LABELS[i % 2]
         for _ in range(1000):  # the template space is large, so a fresh review comes quickly
-            text = _review(rng, label)
+            text = review(rng, label)
             if text not in seen:
                 break
         else:
@@ -433,35 +300,6 @@ def generate_classification_data(
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-def _invent_names(rng: random.Random, n: int) -> list[str]:
-    """``n`` distinct capitalised names, none a substring of another name or of any value.
-
-    The substring rule lets a reader (and the tests) find an entity's rows by a plain search.
-    """
-    reserved = [v.lower() for t in _TOPICS for a in t.attributes for v in a.values]
-    reserved += [w.lower() for w in _PRODUCT_NAMES]
-    names: list[str] = []
-    for _ in range(100_000):
-        if len(names) == n:
-            return names
-        name = "".join(rng.sample(_SYLLABLES, rng.choice((2, 2, 3)))).capitalize()
-        low = name.lower()
-        if any(low in other.lower() or other.lower() in low for other in names):
-            continue
-        if any(low in word or word in low for word in reserved):
-            continue
-        names.append(name)
-    raise ConfigError(f"cannot invent {n} distinct entity names; use fewer entities.")
-
-
-def _review(rng: random.Random, label: str) -> str:
-    product = f"{rng.choice(_PRODUCT_NAMES)} {rng.choice(_PRODUCT_KINDS)}"
-    return (
-        f"{rng.choice(_OPENINGS)} The {product} {rng.choice(_VERDICTS[label])}. "
-        f"{rng.choice(_CLOSINGS[label])}"
-    )
 
 
 def _qa(question: str, answer: str) -> dict[str, str]:

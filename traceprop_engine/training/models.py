@@ -299,7 +299,7 @@ class Encoded:
 def encode_example(
     ex, tokenizer, task: str, max_length: int, label_ids: dict[str, int] | None = None
 ) -> Encoded:
-    """Tokenise one :class:`~traceprop_engine.training.data.Example` the way training sees it.
+    """Tokenise one :class:`~traceprop_engine.training.examples.Example` the way training sees it.
 
     Causal LM: ``prompt + completion + eos`` with the loss on completion and eos (or on every
     token after the first for ``text``); a too-long example loses prompt tokens from the left

@@ -1,0 +1,196 @@
+"""Building a training run: its first run.json, the data, the model and the tracker.
+
+The steps :func:`~.loop.train` runs before the first optimiser step. Each records what it did
+in the run's manifest (``data``, ``model``, ``tracking``), so run.json says what was trained on
+what even when the run fails later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import constants as C
+from ..capture.tracker import Tracker
+from ..errors import ConfigError
+from ..run import library_versions, new_run_id, now, write_manifest
+from ..settings import TrainSettings
+from . import distributed
+from .data import hash_files, load_examples, split_eval
+from .examples import Example
+from .models import apply_lora, build_model, count_parameters, encode_example
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """What the steps of one :func:`~.loop.train` call share: settings, directory, ranks, run.json."""
+
+    settings: TrainSettings
+    run_dir: Path
+    dist: distributed.DistContext
+    manifest: dict
+    lock_fd: int | None = None  # held by rank 0 for the whole run
+    tracker: Tracker | None = None
+
+    def write_run_json(self) -> None:
+        if self.dist.is_main:
+            write_manifest(self.run_dir, self.manifest)
+
+
+@dataclass
+class Prepared:
+    """The model being trained and every example (train first, then eval) encoded for it."""
+
+    task: str
+    loaded: object  # models.LoadedModel: model + tokenizer + source
+    model: torch.nn.Module
+    device: torch.device
+    examples: list[Example]
+    n_train: int
+    encoded: list
+    pad_id: int
+
+
+def _example_table(examples: list[Example], splits: list[str]) -> dict:
+    return {
+        C.EX_SOURCE: [e.source for e in examples],
+        C.EX_ROW: [e.row for e in examples],
+        C.EX_SHA256: [e.sha256 for e in examples],
+        C.EX_SPLIT: splits,
+        C.EX_TEXT: [e.text for e in examples],
+        C.EX_PROMPT: [e.prompt for e in examples],
+        C.EX_COMPLETION: [e.completion for e in examples],
+        C.EX_LABEL: [e.label for e in examples],
+    }
+
+
+def new_manifest(settings: TrainSettings, dist_ctx: distributed.DistContext) -> dict:
+    """The first run.json of a run: status running, the settings, this process and versions."""
+    manifest = {
+        "run_id": new_run_id(),
+        "status": C.STATUS_RUNNING,
+        "created": now(),
+        "updated": now(),
+        "pid": os.getpid(),
+        "host": platform.node(),
+        "config": settings.to_dict(),
+        "tracked": settings.track is not None,
+        "versions": library_versions(),
+        "loss_definition": C.LOSS_DEFINITION,
+    }
+    if dist_ctx.enabled:
+        manifest["distributed"] = {"world_size": dist_ctx.world_size, "backend": dist_ctx.backend}
+        if settings.track is not None:
+            manifest["shards"] = dist_ctx.shard_files
+    return manifest
+
+
+def load_data(job: Job) -> tuple[list[Example], list[Example], list[str] | None]:
+    """Train and eval examples (and the class labels), recorded in run.json's ``data``."""
+    settings, run_dir = job.settings, job.run_dir
+    task = settings.task.value
+    examples, data_root = load_examples(settings.data, task=task)
+    if settings.eval_data:
+        train_ex = examples
+        eval_ex, eval_root = load_examples(settings.eval_data, task=task)
+    else:
+        train_ex, eval_ex = split_eval(examples, settings.eval_fraction, settings.seed)
+        eval_root = data_root
+    eval_root = Path(eval_root)
+    job.manifest["data"] = {
+        "root": str(Path(data_root).resolve()),
+        "root_relative": os.path.relpath(Path(data_root).resolve(), run_dir.resolve()),
+        "eval_root_relative": os.path.relpath(eval_root.resolve(), run_dir.resolve()),
+        "files": hash_files(Path(data_root), sorted({e.source for e in train_ex})),
+        "eval_root": str(Path(eval_root).resolve()),
+        "eval_files": hash_files(Path(eval_root), sorted({e.source for e in eval_ex})),
+        "n_train": len(train_ex),
+        "n_eval": len(eval_ex),
+    }
+    labels = sorted({e.label for e in train_ex + eval_ex}) if task == "classification" else None
+    if labels is not None and len(labels) < 2:
+        raise ConfigError(f"classification needs at least two labels; the data has {labels}")
+    return train_ex, eval_ex, labels
+
+
+def prepare_model(
+    job: Job,
+    train_ex: list[Example],
+    eval_ex: list[Example],
+    labels: list[str] | None,
+    device: torch.device,
+) -> Prepared:
+    """Build (and LoRA-wrap) the model on ``device`` and encode every example for it."""
+    settings, manifest = job.settings, job.manifest
+    task = settings.task.value
+    loaded = build_model(
+        settings.model,
+        task,
+        [e.full_text() for e in train_ex],
+        labels=labels,
+        seed=settings.seed,
+        tiny_vocab=settings.tiny_vocab,
+        tiny_width=settings.tiny_width,
+        tiny_layers=settings.tiny_layers,
+        max_length=settings.max_length,
+    )
+    if settings.lora_rank > 0:
+        apply_lora(loaded, settings.lora_rank, settings.lora_targets)
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    model = loaded.model.to(device)
+    job.dist.check_same("the tokenizer", json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True))
+    model.train()
+    label_ids = {lab: i for i, lab in enumerate(labels)} if labels else None
+    all_ex = train_ex + eval_ex
+    encoded = [
+        encode_example(e, loaded.tokenizer, task, settings.max_length, label_ids) for e in all_ex
+    ]
+    n_trunc = sum(e.truncated for e in encoded)
+    if n_trunc:
+        note = (
+            f"{n_trunc} of {len(encoded)} examples were longer than --max-length "
+            f"{settings.max_length} tokens and were truncated"
+        )
+        log.warning("%s", note)
+        manifest.setdefault("notes", []).append(note)
+    total, trainable = count_parameters(model)
+    manifest["model"] = {
+        "source": loaded.source,
+        "task": task,
+        "parameters": total,
+        "trainable": trainable,
+        "lora_rank": settings.lora_rank,
+        "labels": labels,
+    }
+    pad_id = loaded.tokenizer.pad_token_id
+    return Prepared(task, loaded, model, device, all_ex, len(train_ex), encoded, pad_id)
+
+
+def start_tracker(job: Job, prep: Prepared) -> None:
+    """Open the store, write the example table and attach the hooks (when the run is tracked)."""
+    settings, dist_ctx = job.settings, job.dist
+    if settings.track is None:
+        return
+    # hooks on the underlying module (not the DDP wrapper): the same layer names
+    tracker = Tracker(
+        prep.model, job.run_dir / dist_ctx.store_file, settings.track, manifest=job.manifest
+    )
+    job.tracker = tracker
+    if dist_ctx.is_main:  # the example table lives in shard 0 only
+        n_eval = len(prep.examples) - prep.n_train
+        tracker.write_examples(
+            _example_table(prep.examples, [C.SPLIT_TRAIN] * prep.n_train + [C.SPLIT_EVAL] * n_eval),
+            [e.ids for e in prep.encoded],
+            [e.loss_mask for e in prep.encoded],
+        )
+    tracker.capture.attach()
+    job.manifest["tracking"] = tracker.tracking_manifest()

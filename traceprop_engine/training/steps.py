@@ -1,0 +1,204 @@
+"""The epoch/step loop of ``traceprop train``: AdamW steps, each micro-batch inside the tracker.
+
+Every step writes one line to progress.jsonl; a loss that is no longer finite stops the run
+(it diverged); a stop request (SIGTERM, Ctrl-C, a caller, another rank) ends it at the next step
+boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..errors import RunError
+from ..run import now
+from ..settings import TrainSettings
+from .losses import example_losses
+from .models import collate, model_inputs
+from .prepare import Job, Prepared
+
+if TYPE_CHECKING:
+    from .loop import ProgressFn, StopFlag
+
+
+def train_steps(
+    job: Job, prep: Prepared, stop: StopFlag, progress_file, on_progress: ProgressFn | None
+) -> float:
+    """The epoch/step loop; one progress.jsonl line per step. Returns the last loss read back.
+
+    Stops at a step boundary when ``stop`` is set (on any rank) or after ``max_steps``; a loss
+    that is not finite fails the run (it diverged). Writes run.json's ``timings``.
+    """
+    settings, dist_ctx, device = job.settings, job.dist, prep.device
+    forward = dist_ctx.wrap(prep.model, device)  # DDP when WORLD_SIZE > 1, else the model itself
+    params = [p for p in prep.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    steps_per_epoch = (
+        dist_ctx.steps_per_epoch(prep.n_train, settings.batch_size)
+        if dist_ctx.enabled
+        else math.ceil(prep.n_train / settings.batch_size)
+    )
+    total_steps = steps_per_epoch * settings.epochs
+    if settings.max_steps:
+        total_steps = min(total_steps, settings.max_steps)
+    rng = np.random.default_rng(settings.seed)
+    step_ms: list[float] = []
+    t_start = time.perf_counter()
+    step = 0
+    last_loss = float("nan")
+    bar = _progress_bar(total_steps, disable=not dist_ctx.is_main)
+    try:
+        for epoch in range(settings.epochs):
+            order = rng.permutation(prep.n_train)
+            for s in range(steps_per_epoch):
+                if dist_ctx.any_true(stop.requested) and not stop.requested:
+                    stop.requested, stop.reason = True, "another rank stopped"
+                if stop.requested or step >= total_steps:
+                    break
+                if dist_ctx.enabled:
+                    idx, global_b = dist_ctx.local_batch(order, s, settings.batch_size)
+                else:
+                    idx, global_b = (
+                        order[s * settings.batch_size : (s + 1) * settings.batch_size],
+                        0,
+                    )
+                batch = collate(
+                    [prep.encoded[i] for i in (idx if len(idx) else order[:1])],
+                    prep.pad_id,
+                    prep.task,
+                    device,
+                )
+                lr = _lr_at(settings, step, total_steps)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                t0 = time.perf_counter()
+                losses = _backward(job, prep, forward, batch, idx, global_b, step, epoch, lr)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                step += 1
+                if device.type == "cpu" or step % 10 == 0 or step >= total_steps:
+                    # on an accelerator the loss is read back every 10 steps only, so
+                    # the loop does not synchronise with the device on every step
+                    last_loss = float(losses.detach().mean())
+                    _check_finite(last_loss, step, lr)
+                line = _progress_line(job, step, total_steps, epoch, last_loss, lr, t_start)
+                progress_file.write(json.dumps(line) + "\n")
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.4f}", epoch=epoch)
+                if on_progress is not None:
+                    on_progress(line)
+            if stop.requested or step >= total_steps:
+                break
+    finally:
+        bar.close()
+    if step:
+        _check_finite(float(losses.detach().mean()), step, lr)
+    job.manifest["timings"] = {
+        "n_steps": step,
+        "total_s": round(time.perf_counter() - t_start, 3),
+        "median_step_ms": float(np.median(step_ms)) if step_ms else None,
+    }
+    return last_loss
+
+
+def _lr_at(settings: TrainSettings, step: int, total_steps: int) -> float:
+    """Linear warm-up over ``warmup_steps``, then linear decay to a floor of 10% of ``lr``."""
+    if settings.warmup_steps and step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    return settings.lr * max(0.1, 1 - step / max(1, total_steps))
+
+
+def _backward(job: Job, prep: Prepared, forward, batch, idx, global_b, step, epoch, lr):
+    """Forward and backward of one micro-batch (recorded by the tracker); returns its losses."""
+    dist_ctx, tracker, task = job.dist, job.tracker, prep.task
+    if dist_ctx.enabled and not len(idx):
+        # no example left for this rank in the last global batch: a zero-weight
+        # step on a stand-in keeps DDP's collectives in step (nothing recorded)
+        losses = example_losses(forward(**model_inputs(batch)), batch, task)
+        (losses.sum() * 0.0).backward()
+    elif dist_ctx.enabled:
+        # DDP averages over ranks: Σ_local ℓ_i · W / B_global averages to the
+        # global mean; the hooks see the local gradient, so scale B_global / W
+        w = dist_ctx.world_size / global_b
+        with contextlib.ExitStack() as cm:
+            rec = (
+                cm.enter_context(
+                    tracker.step(
+                        idx,
+                        padding_mask=batch["attention_mask"],
+                        loss_scale=1.0 / w,
+                        step=step,
+                        epoch=epoch,
+                        lr=lr,
+                    )
+                )
+                if tracker is not None
+                else None
+            )
+            losses = example_losses(forward(**model_inputs(batch)), batch, task)
+            (losses.sum() * w).backward()
+            if rec is not None:
+                rec.losses = losses
+    elif tracker is not None:
+        with tracker.step(
+            idx, padding_mask=batch["attention_mask"], step=step, epoch=epoch, lr=lr
+        ) as rec:
+            losses = example_losses(prep.model(**model_inputs(batch)), batch, task)
+            losses.mean().backward()
+            rec.losses = losses
+    else:
+        losses = example_losses(prep.model(**model_inputs(batch)), batch, task)
+        losses.mean().backward()
+    return losses
+
+
+def _progress_line(
+    job: Job, step: int, total_steps: int, epoch: int, loss: float, lr: float, t_start: float
+) -> dict:
+    """One line of progress.jsonl (also what ``on_progress`` receives)."""
+    elapsed = time.perf_counter() - t_start
+    return {
+        "step": step,
+        "total": total_steps,
+        "epoch": epoch,
+        "loss": round(loss, 5),
+        "lr": lr,
+        "examples_per_s": round(step * job.settings.batch_size * job.dist.world_size / elapsed, 2),
+        "elapsed_s": round(elapsed, 2),
+        "eta_s": round(elapsed / step * (total_steps - step), 1),
+        "time": now(),
+    }
+
+
+def _check_finite(loss: float, step: int, lr: float) -> None:
+    if not math.isfinite(loss):
+        raise RunError(
+            f"the training loss became {loss} at step {step} (learning rate {lr:g}): the run "
+            "diverged and was stopped; lower --lr (or check the data) and train again"
+        )
+
+
+@torch.no_grad()
+def eval_loss(model, encoded, pad_id, task, device, batch_size) -> float | None:
+    if not encoded:
+        return None
+    total = 0.0
+    for i in range(0, len(encoded), batch_size):
+        batch = collate(encoded[i : i + batch_size], pad_id, task, device)
+        total += float(example_losses(model(**model_inputs(batch)), batch, task).sum())
+    return total / len(encoded)
+
+
+def _progress_bar(total: int, disable: bool = False):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, desc="train", unit="step", dynamic_ncols=True, leave=True, disable=disable
+    )
