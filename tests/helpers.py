@@ -110,10 +110,15 @@ def tiny_bert_classifier() -> torch.nn.Module:
     return BertForSequenceClassification(cfg).eval()
 
 
-def engine_neox(vocab: int, *, width: int = 32, layers: int = 1, seed: int = 0) -> torch.nn.Module:
+def engine_neox(
+    vocab: int, *, width: int = 32, layers: int = 1, seed: int = 0, pad_token_id: int | None = None
+) -> torch.nn.Module:
     """The engine's own ``tiny`` architecture (``tiny_config``, what ``traceprop train`` builds)."""
+    cfg = tiny_config(vocab, width=width, layers=layers)
+    if pad_token_id is not None:
+        cfg.pad_token_id = pad_token_id
     torch.manual_seed(seed)
-    return GPTNeoXForCausalLM(tiny_config(vocab, width=width, layers=layers))
+    return GPTNeoXForCausalLM(cfg)
 
 
 def causal_batch(seed: int = 0):
