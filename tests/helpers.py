@@ -1,12 +1,36 @@
-"""Shared test helpers: a tiny, fast training configuration on generated data."""
+"""Plain helpers shared by the tests: tiny models, their batches, the per-example autograd
+reference, and a tiny fast training configuration on generated data.
+
+They live here, not in ``conftest.py``: test modules import them by name (``from helpers
+import ...``, ``tests`` is on the path), and a ``conftest`` module cannot be imported by name
+reliably (``tests/app/conftest.py`` is another module named ``conftest``, and pytest swaps
+them in ``sys.modules`` while collecting). ``conftest.py`` holds the fixtures built on these.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+)
+
+from traceprop_engine import Store, Tracker
+from traceprop_engine.capture.hooks import build_layers
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.settings import TrackSettings, TrainSettings
+from traceprop_engine.training.losses import causal_lm_losses
+from traceprop_engine.training.models import tiny_config
 
+# -- a tiny training run on generated data -------------------------------------------------------
 FAST = dict(
     epochs=1, batch_size=8, max_length=48, tiny_layers=1, tiny_width=32, tiny_vocab=300, threads=1
 )
@@ -26,3 +50,199 @@ def fast_settings(data: Path, out: Path, **kw) -> TrainSettings:
         track=track,
         **{**FAST, **kw},
     )
+
+
+# -- tiny models -----------------------------------------------------------------------------------
+VOCAB = 97
+"""Vocabulary of the tiny models and of :func:`causal_batch`'s random tokens."""
+
+
+def tiny_neox() -> torch.nn.Module:
+    """GPT-NeoX, 2 blocks × width 32 (Linear layers), no dropout, eval mode, seeded."""
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        rotary_pct=0.25,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return GPTNeoXForCausalLM(cfg).eval()
+
+
+def tiny_gpt2(
+    vocab: int = VOCAB, *, layers: int = 2, heads: int = 4, pad_token_id: int | None = None
+) -> torch.nn.Module:
+    """GPT-2 (Conv1D layers), width 32, no dropout, eval mode, seeded."""
+    torch.manual_seed(1)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_embd=32,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=pad_token_id,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_bert_classifier() -> torch.nn.Module:
+    """BERT with a 3-class head, 2 blocks × width 32, no dropout, eval mode, seeded."""
+    torch.manual_seed(2)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(cfg).eval()
+
+
+def engine_neox(
+    vocab: int, *, width: int = 32, layers: int = 1, seed: int = 0, pad_token_id: int | None = None
+) -> torch.nn.Module:
+    """The engine's own ``tiny`` architecture (``tiny_config``, what ``traceprop train`` builds)."""
+    cfg = tiny_config(vocab, width=width, layers=layers)
+    if pad_token_id is not None:
+        cfg.pad_token_id = pad_token_id
+    torch.manual_seed(seed)
+    return GPTNeoXForCausalLM(cfg)
+
+
+def causal_batch(seed: int = 0):
+    """Three examples of different lengths, right-padded, loss on the completion only.
+
+    Returns:
+        ``ids``, ``mask`` (padding mask), ``labels`` (-100 off the loss), ``lengths``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lengths, prompt_lens = [11, 7, 9], [4, 3, 0]
+    T = max(lengths)
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    labels = torch.full((3, T), -100)
+    for b, (n, p) in enumerate(zip(lengths, prompt_lens, strict=True)):
+        ids[b, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[b, :n] = 1
+        labels[b, p:n] = ids[b, p:n]
+    return ids, mask, labels, lengths
+
+
+# -- the per-example autograd reference ------------------------------------------------------------
+# fp32 round-off over a few hundred accumulated products, relative to the sketch's scale
+RTOL = 1e-4
+ATOL_REL = 1e-5
+
+
+def single_causal_losses(model, ids, labels, lengths) -> list[Callable[[], torch.Tensor]]:
+    """One closure per example: its causal-LM loss, run alone and unpadded."""
+
+    def single(b):
+        n = lengths[b]
+        return lambda: causal_lm_losses(
+            model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n]
+        )[0]
+
+    return [single(b) for b in range(len(lengths))]
+
+
+def per_example_grads(
+    model, layers, per_example_loss: Sequence[Callable[[], torch.Tensor]]
+) -> list[list[np.ndarray]]:
+    """Per example, per layer ``∇_W ℓ_i`` as ``(d_out, d_in)`` float64, from ``loss_i.backward()``.
+
+    The one autograd loop every capture check compares against (Conv1D weights are stored
+    ``(d_in, d_out)``: transposed here).
+    """
+    out = []
+    for loss_fn in per_example_loss:
+        model.zero_grad()
+        loss_fn().backward()
+        per_layer = []
+        for layer in layers:
+            w = layer.module.weight.grad
+            G = w.T if layer.kind == "conv1d" else w
+            per_layer.append(G.double().cpu().numpy().copy())
+        out.append(per_layer)
+    model.zero_grad()
+    return out
+
+
+def reference_sketches(model, layers, per_example_loss) -> list[list[np.ndarray]]:
+    """Per example: per layer ``P_out G P_inᵀ`` with ``G`` from :func:`per_example_grads`."""
+    out = []
+    for grads in per_example_grads(model, layers, per_example_loss):
+        per_layer = []
+        for layer, G in zip(layers, grads, strict=True):
+            Pin = np.eye(layer.d_in) if layer.P_in is None else layer.P_in.double().numpy()
+            Pout = np.eye(layer.d_out) if layer.P_out is None else layer.P_out.double().numpy()
+            per_layer.append(Pout @ G @ Pin.T)
+        out.append(per_layer)
+    return out
+
+
+def best_rank_r(m: np.ndarray, r: int) -> np.ndarray:
+    """The best rank-``r`` approximation of ``m`` (Eckart-Young), from LAPACK's SVD."""
+    u, s, vt = np.linalg.svd(m)
+    return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Equal to fp32 round-off, relative to the reference's largest entry."""
+    scale = max(np.abs(want).max(), 1e-12)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL_REL * scale, err_msg=what)
+
+
+def record_step(path: Path, model, settings: TrackSettings, ids, mask, losses_of) -> Store:
+    """One tracked step of the batch ``ids`` (examples ``0..B-1``) written to ``path``.
+
+    ``losses_of(logits)`` gives the ``(B,)`` per-example losses; returns the store (open).
+    """
+    with (
+        Tracker(model, path, settings, background=False) as tracker,
+        tracker.step(list(range(len(ids))), padding_mask=mask) as rec,
+    ):
+        losses = losses_of(model(input_ids=ids, attention_mask=mask).logits)
+        losses.mean().backward()
+        rec.losses = losses
+    return Store(path)
+
+
+def check_causal(tmp_path: Path, model, settings: TrackSettings):
+    """Record :func:`causal_batch` and assert every sketch equals the per-example autograd one.
+
+    Returns:
+        The store and the tracked layers.
+    """
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
+    layers = build_layers(model, settings)
+    ref = reference_sketches(model, layers, single_causal_losses(model, ids, labels, lengths))
+    assert len(store.layers) == len(layers)
+    for li, layer in enumerate(layers):
+        got = store.sketches(li)
+        for b in range(len(lengths)):
+            assert_close(got[b], ref[b][li], f"layer {layer.name}, example {b}")
+    return store, layers
+
+
+def record_causal_step(path: Path, model, settings: TrackSettings, seed: int = 0):
+    """One tracked step of :func:`causal_batch` (``seed``) written to ``path``.
+
+    Returns:
+        The store (open), and the batch ``ids, mask, labels, lengths``.
+    """
+    ids, mask, labels, lengths = causal_batch(seed)
+    store = record_step(path, model, settings, ids, mask, lambda lg: causal_lm_losses(lg, labels))
+    return store, (ids, mask, labels, lengths)

@@ -5,144 +5,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
+from helpers import (
+    VOCAB,
+    assert_close,
+    causal_batch,
+    check_causal,
+    per_example_grads,
+    record_step,
+    reference_sketches,
+    single_causal_losses,
+    tiny_bert_classifier,
+    tiny_gpt2,
+    tiny_neox,
 )
+from peft import LoraConfig, get_peft_model
 
 from traceprop_engine import RunError, Store, Tracker, TrackSettings
 from traceprop_engine.capture.hooks import Capture, build_layers
 from traceprop_engine.training.losses import causal_lm_losses, classification_losses
-
-# fp32 round-off over a few hundred accumulated products, relative to the sketch's scale
-RTOL = 1e-4
-ATOL_REL = 1e-5
-
-VOCAB = 97
-
-
-def tiny_neox() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        rotary_pct=0.25,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    return GPTNeoXForCausalLM(cfg).eval()
-
-
-def tiny_gpt2() -> torch.nn.Module:
-    torch.manual_seed(1)
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(cfg).eval()
-
-
-def tiny_bert_classifier() -> torch.nn.Module:
-    torch.manual_seed(2)
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForSequenceClassification(cfg).eval()
-
-
-def causal_batch(seed: int = 0):
-    """Three examples of different lengths, right-padded, loss on the completion only."""
-    g = torch.Generator().manual_seed(seed)
-    lengths, prompt_lens = [11, 7, 9], [4, 3, 0]
-    T = max(lengths)
-    ids = torch.zeros(3, T, dtype=torch.long)
-    mask = torch.zeros(3, T, dtype=torch.long)
-    labels = torch.full((3, T), -100)
-    for b, (n, p) in enumerate(zip(lengths, prompt_lens, strict=True)):
-        ids[b, :n] = torch.randint(1, VOCAB, (n,), generator=g)
-        mask[b, :n] = 1
-        labels[b, p:n] = ids[b, p:n]
-    return ids, mask, labels, lengths
-
-
-def reference_sketches(model, layers, per_example_loss) -> list[list[np.ndarray]]:
-    """Per example: per layer P_out G P_inᵀ with G from loss_i.backward()."""
-    out = []
-    for loss_fn in per_example_loss:
-        model.zero_grad()
-        loss_fn().backward()
-        per_layer = []
-        for layer in layers:
-            w = layer.module.weight.grad
-            G = w.T if layer.kind == "conv1d" else w  # (d_out, d_in)
-            Pin = torch.eye(layer.d_in) if layer.P_in is None else layer.P_in
-            Pout = torch.eye(layer.d_out) if layer.P_out is None else layer.P_out
-            per_layer.append((Pout.double() @ G.double() @ Pin.double().T).numpy())
-        out.append(per_layer)
-    model.zero_grad()
-    return out
-
-
-def recorded(tmp_path, model, settings, run_batch):
-    with Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker:
-        run_batch(tracker)
-    store = Store(tmp_path / "store.h5")
-    return store, [store.sketches(i) for i in range(len(store.layers))]
-
-
-def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    scale = max(np.abs(want).max(), 1e-12)
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL_REL * scale, err_msg=what)
-
-
-def check_causal(tmp_path, model, settings):
-    ids, mask, labels, lengths = causal_batch()
-
-    def run_batch(tracker):
-        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
-            out = model(input_ids=ids, attention_mask=mask)
-            losses = causal_lm_losses(out.logits, labels)
-            losses.mean().backward()
-            rec.losses = losses
-
-    store, got = recorded(tmp_path, model, settings, run_batch)
-    layers = build_layers(model, settings)
-
-    def single(b):
-        n = lengths[b]
-        return lambda: causal_lm_losses(
-            model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n]
-        )[0]
-
-    ref = reference_sketches(model, layers, [single(b) for b in range(3)])
-    assert len(store.layers) == len(layers)
-    for li, layer in enumerate(layers):
-        for b in range(3):
-            assert_close(got[li][b], ref[b][li], f"layer {layer.name}, example {b}")
-    return store, layers
 
 
 def test_gpt_neox_factored_matches_autograd(tmp_path):
@@ -190,27 +70,20 @@ def test_dense_sketch_matches_autograd(tmp_path):
     model = tiny_neox()
     settings = TrackSettings(rank=0, sketch="dense", dense_k=64, scope="last-block")
     ids, mask, labels, lengths = causal_batch(1)
-
-    def run_batch(tracker):
-        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
-            rec.losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
-            rec.losses.mean().backward()
-
-    store, got = recorded(tmp_path, model, settings, run_batch)
+    store = record_step(
+        tmp_path / "store.h5", model, settings, ids, mask, lambda lg: causal_lm_losses(lg, labels)
+    )
     layers = build_layers(model, settings)
+    grads = per_example_grads(model, layers, single_causal_losses(model, ids, labels, lengths))
     for li, layer in enumerate(layers):
+        got = store.sketches(li)
         idx, sign = store.dense_projection(li)
         for b in range(3):
-            model.zero_grad()
-            n = lengths[b]
-            causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[
-                0
-            ].backward()
-            flat = layer.module.weight.grad.double().flatten().numpy()
+            flat = grads[b][li].flatten()  # row-major vec(G), (d_out * d_in,)
             want = np.zeros(64)
             for j in range(idx.shape[0]):
                 np.add.at(want, idx[j], sign[j] * flat)
-            assert_close(got[li][b], want, f"dense {layer.name} example {b}")
+            assert_close(got[b], want, f"dense {layer.name} example {b}")
 
 
 def test_classifier_matches_autograd(tmp_path):
@@ -226,13 +99,9 @@ def test_classifier_matches_autograd(tmp_path):
         ids[b, :n] = torch.randint(1, VOCAB, (n,), generator=g)
         mask[b, :n] = 1
     y = torch.tensor([0, 2, 1, 2])
-
-    def run_batch(tracker):
-        with tracker.step([0, 1, 2, 3], padding_mask=mask) as rec:
-            rec.losses = classification_losses(model(input_ids=ids, attention_mask=mask).logits, y)
-            rec.losses.mean().backward()
-
-    _, got = recorded(tmp_path, model, settings, run_batch)
+    store = record_step(
+        tmp_path / "store.h5", model, settings, ids, mask, lambda lg: classification_losses(lg, y)
+    )
     layers = build_layers(model, settings)
     assert any(layer.name == "classifier" for layer in layers)
 
@@ -244,8 +113,9 @@ def test_classifier_matches_autograd(tmp_path):
 
     ref = reference_sketches(model, layers, [single(b) for b in range(4)])
     for li, layer in enumerate(layers):
+        got = store.sketches(li)
         for b in range(4):
-            assert_close(got[li][b], ref[b][li], f"layer {layer.name}, example {b}")
+            assert_close(got[b], ref[b][li], f"layer {layer.name}, example {b}")
 
 
 def test_covariance_equals_hand_computation():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 
@@ -22,6 +23,7 @@ from traceprop_engine.evaluate.detection_data import (
     generate_mislabel_data,
     with_trigger,
 )
+from traceprop_engine.store.reader import Store
 
 TOL = 1e-12
 
@@ -144,7 +146,34 @@ def test_detection_runs_end_to_end(tmp_path):
     assert ("backdoor", "influence on trigger queries kfac") in methods
     assert ("mislabel", "self-influence ekfac") in methods
     assert ("mislabel", "training loss") in methods and ("backdoor", "gradient norm") in methods
-    assert all(0 <= r["auroc_mean"] <= 1 and 0 <= r["p_at_k_mean"] <= 1 for r in summary)
     doc = json.loads((tmp_path / "detection.json").read_text())
     assert {r["k"] for r in doc["per_seed"] if r["task"] == "mislabel"} == {3}
-    assert (tmp_path / "detection.csv").read_text().startswith("task,method,auroc_mean")
+    # the reported numbers are the metrics of each method's scores against the planted rows:
+    # recompute one method (mean sketch norm per example) from the store and the generator
+    gt = generate_mislabel_data(tmp_path / "truth", seed=0, n=40, n_planted=3)
+    with Store(tmp_path / "runs" / "mislabel-s0" / "store.h5") as st:
+        example = st.records()["example_index"]
+        sq = sum(
+            (st.sketches(li).reshape(st.n_records, -1).astype(np.float64) ** 2).sum(1)
+            for li in range(len(st.layers))
+        )
+    norm = np.array([np.sqrt(sq[example == e]).mean() for e in range(40)])
+    planted = np.zeros(40, bool)
+    planted[np.asarray(gt["mislabelled"]) - 1] = True  # example id = row - 1
+    u = stats.mannwhitneyu(norm[planted], norm[~planted], alternative="two-sided").statistic
+    (row,) = [
+        r for r in doc["per_seed"] if r["task"] == "mislabel" and r["method"] == "gradient norm"
+    ]
+    assert row["auroc"] == pytest.approx(u / (3 * 37), abs=TOL)
+    assert row["p_at_k"] == pytest.approx(planted[np.argsort(-norm, kind="stable")[:3]].mean())
+    # one seed: each summary row is its per-seed row (sd 0), and the CSV holds the summary
+    per_seed = {(r["task"], r["method"]): r for r in doc["per_seed"]}
+    assert len(per_seed) == len(summary) == len(doc["summary"])
+    with open(tmp_path / "detection.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    for r, c in zip(summary, table, strict=True):
+        p = per_seed[(r["task"], r["method"])]
+        assert (r["auroc_mean"], r["p_at_k_mean"]) == (p["auroc"], p["p_at_k"])
+        assert r["auroc_sd"] == r["p_at_k_sd"] == 0.0 and r["n_seeds"] == 1
+        assert (c["task"], c["method"]) == (r["task"], r["method"])
+        assert float(c["auroc_mean"]) == pytest.approx(r["auroc_mean"], abs=TOL)

@@ -173,11 +173,39 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path):
         ["eval", "detect"],
     ],
 )
-def test_every_command_documents_itself(cmd, capsys):
+def test_every_command_documents_itself(cmd, capsys, monkeypatch):
+    """``traceprop CMD --help`` exits 0 and shows the command's usage, what it does (its
+    description, else its summary) and every option and argument its parser accepts."""
+    import argparse
+
     from traceprop_engine.cli.main import main
 
+    parsers = {}  # prog -> (parser, one-line summary), recorded as the CLI builds them
+    add_parser = argparse._SubParsersAction.add_parser
+
+    def recording(self, name, **kw):
+        p = add_parser(self, name, **kw)
+        parsers[p.prog] = (p, kw.get("help"))
+        return p
+
+    monkeypatch.setattr(argparse._SubParsersAction, "add_parser", recording)
     with pytest.raises(SystemExit) as e:
         main([*cmd, "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: traceprop" in out and len(out) > 200
+    prog = " ".join(["traceprop", *cmd])
+    parser, summary = parsers[prog]
+    assert out.startswith(f"usage: {prog}")
+    assert summary, f"{prog} has no summary line in its group's --help"
+    about = "".join((parser.description or summary).split())  # help wraps lines: no spaces
+    assert about[:80] in "".join(out.split()), f"{prog} --help does not say what it does"
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS:
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            missing = [name for name in action.choices if name not in out]
+        elif action.option_strings:
+            missing = [] if any(o in out for o in action.option_strings) else action.option_strings
+        else:
+            missing = [] if (action.metavar or action.dest) in out else [action.dest]
+        assert not missing, f"{prog} --help does not list {missing}"

@@ -6,12 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_capture import ATOL_REL, RTOL, causal_batch, check_causal, reference_sketches, tiny_neox
+from helpers import (
+    ATOL_REL,
+    best_rank_r,
+    causal_batch,
+    check_causal,
+    per_example_grads,
+    record_causal_step,
+    reference_sketches,
+    single_causal_losses,
+    tiny_neox,
+)
 
-from traceprop_engine import Store, Tracker, TrackSettings
+from traceprop_engine import TrackSettings
 from traceprop_engine.capture.hooks import build_layers
-from traceprop_engine.capture.sketch import bf16_bits, from_bf16_bits, top_factors
-from traceprop_engine.errors import ConfigError
 from traceprop_engine.training.losses import causal_lm_losses
 
 # subspace iteration against LAPACK's SVD, on records with a clear spectral gap
@@ -32,26 +40,15 @@ def test_full_rank_factors_are_exact(tmp_path):
     assert u.shape == (3, 6, 4) and v.shape == (3, 4, 4)
 
 
-def _top_svd(m: np.ndarray, r: int) -> np.ndarray:
-    u, s, vt = np.linalg.svd(m)
-    return (u[:, :r] * s[:r]) @ vt[:r]
-
-
 @pytest.mark.parametrize("dtype,rtol", [("float32", FACTOR_RTOL), ("bfloat16", 4 * BF16_RTOL)])
 def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
     """Sketch-space factors: the best rank-1 approximation of P_out G P_inᵀ."""
     model = tiny_neox()
     settings = TrackSettings(k_in=8, k_out=8, rank=1, factor_dtype=dtype, factor_space="sketch")
-    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
 
-    def single(b):
-        n = lengths[b]
-        return lambda: causal_lm_losses(
-            model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n]
-        )[0]
-
-    ref = reference_sketches(model, layers, [single(b) for b in range(3)])
+    ref = reference_sketches(model, layers, single_causal_losses(model, ids, labels, lengths))
     checked = 0
     for li in range(len(layers)):
         got = store.sketches(li)
@@ -59,7 +56,7 @@ def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
             s = np.linalg.svd(ref[b][li], compute_uv=False)
             if s[1] > 0.5 * s[0]:  # no clear top direction: the pair is not identifiable
                 continue
-            want = _top_svd(ref[b][li], 1)
+            want = best_rank_r(ref[b][li], 1)
             np.testing.assert_allclose(
                 got[b], want, rtol=0, atol=rtol * np.abs(want).max(), err_msg=f"{li}/{b}"
             )
@@ -71,71 +68,12 @@ def test_rank1_factors_match_truncated_svd_of_autograd(tmp_path, dtype, rtol):
         assert store.sq_norm_sum(li) == pytest.approx(want, rel=1e-5)
 
 
-def test_top_factors_against_svd():
-    g = torch.Generator().manual_seed(0)
-    # singular values 10, 5, 1, 0.01...: the top-1 and top-2 subspaces are well separated
-    qu = torch.linalg.qr(torch.randn(50, 16, 12, generator=g)).Q
-    qv = torch.linalg.qr(torch.randn(50, 12, 12, generator=g)).Q
-    sv = torch.tensor([10.0, 5.0, 1.0] + [0.01] * 9)
-    m = qu @ torch.diag(sv) @ qv.transpose(1, 2)
-    for r in (1, 2):
-        u, v = top_factors(m, r)
-        assert u.shape == (50, 16, r) and v.shape == (50, 12, r)
-        vtv = v.transpose(1, 2) @ v
-        torch.testing.assert_close(vtv, torch.eye(r).expand(50, r, r), atol=1e-5, rtol=0)
-        want = np.stack([_top_svd(x, r) for x in m.double().numpy()])
-        got = (u @ v.transpose(1, 2)).double().numpy()
-        np.testing.assert_allclose(got, want, rtol=0, atol=FACTOR_RTOL * np.abs(want).max())
-    # full rank is exact; zero records give zero factors (no NaN)
-    u, v = top_factors(m, 12)
-    torch.testing.assert_close(u @ v.transpose(1, 2), m, rtol=RTOL, atol=ATOL_REL)
-    u, v = top_factors(torch.zeros(4, 8, 8), 1)
-    assert torch.all(u == 0) and torch.isfinite(v).all()
-
-
-def test_bf16_bits_round_trip():
-    x = np.array([1.0, -2.5, 3.14159265, 1e-30, 1e30, 0.0], np.float32)
-    back = from_bf16_bits(bf16_bits(x))
-    np.testing.assert_allclose(back, x, rtol=BF16_RTOL, atol=0)
-    assert back[0] == 1.0 and back[1] == -2.5  # exactly representable values stay exact
-
-
-def test_bytes_per_record_and_bad_settings(tmp_path):
+def test_bf16_factors_take_two_bytes_a_number(tmp_path):
     model = tiny_neox()
     settings = TrackSettings(k_in=16, k_out=16, rank=1, factor_dtype="bfloat16")
-    store, *_ = _record(tmp_path, model, settings)
+    store, _ = record_causal_step(tmp_path / "store.h5", model, settings)
     assert [layer.bytes_per_record for layer in store.layers] == [2 * 32] * len(store.layers)
     assert store.sketches(0).shape == (3, 16, 16)
-    with pytest.raises(ConfigError, match="rank"):
-        TrackSettings(rank=-1)
-    with pytest.raises(ConfigError, match="factor_dtype"):
-        TrackSettings(rank=1, factor_dtype="int4")
-
-
-def _autograd_full(model, layers, ids, labels, lengths):
-    """Per example, per layer the unprojected ∇_W ℓ_b (d_out, d_in), float64."""
-    out = []
-    for b in range(len(lengths)):
-        n = lengths[b]
-        model.zero_grad()
-        causal_lm_losses(model(input_ids=ids[b : b + 1, :n]).logits, labels[b : b + 1, :n])[
-            0
-        ].backward()
-        out.append([layer.module.weight.grad.double().numpy().copy() for layer in layers])
-    model.zero_grad()
-    return out
-
-
-def _record(tmp_path, model, settings):
-    ids, mask, labels, lengths = causal_batch()
-    with (
-        Tracker(model, tmp_path / "store.h5", settings, background=False) as tracker,
-        tracker.step([0, 1, 2], padding_mask=mask) as rec,
-    ):
-        losses = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
-        losses.mean().backward()
-        rec.losses = losses
-    return Store(tmp_path / "store.h5"), ids, labels, lengths
 
 
 @pytest.mark.parametrize("iters", [0, 1])
@@ -145,16 +83,18 @@ def test_full_space_factors_exact_when_rank_covers_the_tokens(tmp_path, iters):
     gradient (padding included)."""
     model = tiny_neox()
     settings = TrackSettings(k_in=5, k_out=7, rank=11, factor_dtype="float32", power_iters=1)
-    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
     assert all(layer.full_factor and layer.rank == 5 for layer in layers)  # clamped to min(k)
     # rank 5 < T: check instead with k >= widths (no projection) and r >= T = 11
     settings = TrackSettings(
         k_in=10_000, k_out=10_000, rank=11, factor_dtype="float32", power_iters=iters
     )
-    store, ids, labels, lengths = _record(tmp_path / "exact", model, settings)
+    store, (ids, _, labels, lengths) = record_causal_step(
+        tmp_path / "exact" / "store.h5", model, settings
+    )
     layers = build_layers(model, settings)
-    ref = _autograd_full(model, layers, ids, labels, lengths)
+    ref = per_example_grads(model, layers, single_causal_losses(model, ids, labels, lengths))
     for li, layer in enumerate(layers):
         got = store.sketches(li)  # U Vᵀ, (3, d_out, d_in)
         for b in range(3):
@@ -171,9 +111,9 @@ def test_full_space_rank1_is_the_projected_top_singular_pair(tmp_path):
     autograd gradient, wherever its top singular value is well separated."""
     model = tiny_neox()
     settings = TrackSettings(k_in=6, k_out=6, rank=1, factor_dtype="float32", power_iters=30)
-    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
-    ref = _autograd_full(model, layers, ids, labels, lengths)
+    ref = per_example_grads(model, layers, single_causal_losses(model, ids, labels, lengths))
     checked = 0
     for li, layer in enumerate(layers):
         got = store.sketches(li)
@@ -182,7 +122,7 @@ def test_full_space_rank1_is_the_projected_top_singular_pair(tmp_path):
             s = np.linalg.svd(g, compute_uv=False)
             if s[1] > 0.5 * s[0]:
                 continue
-            want = layer.P_out.double().numpy() @ _top_svd(g, 1) @ layer.P_in.double().numpy().T
+            want = layer.P_out.double().numpy() @ best_rank_r(g, 1) @ layer.P_in.double().numpy().T
             np.testing.assert_allclose(
                 got[b], want, rtol=0, atol=FACTOR_RTOL * np.abs(want).max(), err_msg=layer.name
             )
@@ -195,9 +135,9 @@ def test_full_space_default_captures_the_top_direction(tmp_path):
     approximation keeps, on every record with a clear top singular value."""
     model = tiny_neox()
     settings = TrackSettings(k_in=10_000, k_out=10_000, rank=1, factor_dtype="float32")
-    store, ids, labels, lengths = _record(tmp_path, model, settings)
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
-    ref = _autograd_full(model, layers, ids, labels, lengths)
+    ref = per_example_grads(model, layers, single_causal_losses(model, ids, labels, lengths))
     for li in range(len(layers)):
         got = store.sketches(li)
         for b in range(3):
@@ -264,8 +204,8 @@ def test_int8_factors_round_trip_within_quantisation(tmp_path):
     model = tiny_neox()
     got = {}
     for dtype in ("float32", "int8"):
-        store, *_ = _record(
-            tmp_path / dtype, model, TrackSettings(k_in=8, k_out=8, factor_dtype=dtype)
+        store, _ = record_causal_step(
+            tmp_path / dtype / "store.h5", model, TrackSettings(k_in=8, k_out=8, factor_dtype=dtype)
         )
         got[dtype] = [store.factors(li) for li in range(len(store.layers))]
         assert all(layer.factor_dtype == dtype for layer in store.layers)

@@ -7,10 +7,10 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import facts_data
+from helpers import engine_neox, facts_data
 from peft import LoraConfig, get_peft_model
 from torch.utils.data import SequentialSampler
-from transformers import GPTNeoXForCausalLM, TrainingArguments
+from transformers import TrainingArguments
 
 from traceprop_engine import ConfigError, Store, Tracker, TrackSettings
 from traceprop_engine.training.data import load_examples
@@ -21,7 +21,7 @@ from traceprop_engine.training.hf_trainer import (
     rank_store_path,
 )
 from traceprop_engine.training.losses import causal_lm_losses
-from traceprop_engine.training.models import collate, encode_example, tiny_config, train_tokenizer
+from traceprop_engine.training.models import collate, encode_example, train_tokenizer
 
 # fp32 round-off between two runs of the same math in a different order of operations
 RTOL = 1e-4
@@ -38,10 +38,7 @@ def setup(tmp_path_factory):
     examples = examples[:N]
     tok = train_tokenizer([e.full_text() for e in examples], 300)
     enc = [encode_example(e, tok, "causal-lm", 48) for e in examples]
-    cfg = tiny_config(max(300, len(tok)), width=32, layers=1)
-    cfg.pad_token_id = tok.pad_token_id
-    torch.manual_seed(0)
-    model = GPTNeoXForCausalLM(cfg)
+    model = engine_neox(max(300, len(tok)), width=32, layers=1, pad_token_id=tok.pad_token_id)
     return model, tok, enc
 
 

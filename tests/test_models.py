@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import facts_data, fast_settings
-from transformers import GPT2Config, GPT2LMHeadModel
+from helpers import facts_data, fast_settings, tiny_gpt2
 
 from traceprop_engine import ConfigError, Store
 from traceprop_engine.attribution.query import open_run
@@ -27,19 +26,8 @@ def test_local_gpt2_directory_trains_tracks_conv1d_and_queries(data, tmp_path):
 
     examples, _ = load_examples(data / "train")
     tok = train_tokenizer([e.full_text() for e in examples], 300)
-    cfg = GPT2Config(
-        vocab_size=len(tok),
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        pad_token_id=tok.pad_token_id,
-    )
     model_dir = tmp_path / "gpt2-tiny"
-    GPT2LMHeadModel(cfg).save_pretrained(model_dir)
+    tiny_gpt2(len(tok), layers=1, heads=2, pad_token_id=tok.pad_token_id).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     run = train(
         fast_settings(

@@ -1,7 +1,7 @@
 """Your own training loop, first class: Tracker -> finish -> open_run -> query/scores by token ids.
 
 A tiny GPT-NeoX built from a config, word-level token ids made by hand, no Hugging Face
-tokenizer and no Trainer (issue 12); and the Tracker's misuse errors (issue 10, item 14).
+tokenizer and no Trainer (issue 12). The Tracker on its own (and its misuse errors): test_tracker.py.
 """
 
 from __future__ import annotations
@@ -10,21 +10,20 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import engine_neox
 from transformers import GPTNeoXForCausalLM
 
-from traceprop_engine import ConfigError, QueryError, RunError, Tracker, TrackSettings
+from traceprop_engine import QueryError, Tracker, TrackSettings
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
 from traceprop_engine.training.losses import causal_lm_losses
-from traceprop_engine.training.models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["the cat sat", "the dog ran", "a cat ran", "the bird sang", "a dog sat", "the cat ran"]
@@ -36,8 +35,7 @@ QUERY_LABELS = [-100, -100, VOCAB["sat"], 0]
 
 
 def tiny_model(seed: int = 0) -> GPTNeoXForCausalLM:
-    torch.manual_seed(seed)
-    return GPTNeoXForCausalLM(tiny_config(vocab_size=len(VOCAB) + 1, width=64, layers=2))
+    return engine_neox(len(VOCAB) + 1, width=64, layers=2, seed=seed)
 
 
 def train(run_dir: Path, *, epochs: int = 2, with_table: bool = True, tracker_kw=None) -> Tracker:
@@ -137,20 +135,6 @@ def test_finish_with_a_tokenizer_answers_text_queries(tmp_path):
     assert s[best["example_id"]] == pytest.approx(best["score"], rel=1e-4)
 
 
-def test_store_not_named_store_h5_and_empty_tracker_cannot_finish(tmp_path):
-    model = tiny_model()
-    with Tracker(model, tmp_path / "s.h5", TrackSettings(k_in=4, k_out=4)) as tracker:
-        pass
-    with pytest.raises(ConfigError, match="store.h5"):
-        tracker.finish(model)
-    (tmp_path / "r").mkdir()
-    with Tracker(model, tmp_path / "r" / "store.h5", TrackSettings(k_in=4, k_out=4)) as tracker:
-        pass
-    with pytest.raises(RunError, match="no records"):
-        tracker.finish(model)
-    assert not (tmp_path / "r" / C.MANIFEST_FILE).exists()
-
-
 def test_query_by_token_ids_without_a_tokenizer(run_dir):
     run = open_run(run_dir)
     res = run.query(input_ids=QUERY, labels=QUERY_LABELS, top_k=3)
@@ -248,129 +232,6 @@ def test_library_use_is_quiet_and_restores_hf_progress_settings(tmp_path, capfd)
     out, err = capfd.readouterr()
     assert "it/s" not in err and "Loading weights" not in err and "shards" not in err, err
     assert hf_logging.is_progress_bar_enabled()  # the caller's setting is back
-
-
-def test_padding_mask_name_and_deprecated_token_mask(tmp_path):
-    model = tiny_model()
-    ids = torch.tensor([EXAMPLES[0], EXAMPLES[1]])
-    mask = torch.ones_like(ids)
-    with Tracker(model, tmp_path / "store.h5", TrackSettings(k_in=4, k_out=4)) as tracker:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            with tracker.step([0, 1], padding_mask=mask) as rec:
-                rec.losses = causal_lm_losses(model(input_ids=ids).logits, ids)
-                rec.losses.mean().backward()
-        with (
-            pytest.warns(DeprecationWarning, match="padding_mask"),
-            tracker.step([0, 1], token_mask=mask) as rec,
-        ):
-            rec.losses = causal_lm_losses(model(input_ids=ids).logits, ids)
-            rec.losses.mean().backward()
-        with (
-            pytest.raises(ConfigError, match="both"),
-            tracker.step([0, 1], token_mask=mask, padding_mask=mask),
-        ):
-            pass
-    assert tracker.n_records == 4
-
-
-def test_epoch_is_inferred_by_counting_passes_when_omitted(tmp_path):
-    model = tiny_model()
-    order = [[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]]  # epochs 0, 0, 1, 1, 2
-    with Tracker(model, tmp_path / "store.h5", TrackSettings(k_in=4, k_out=4)) as tracker:
-        for step, idx in enumerate(order):
-            ids = torch.tensor([EXAMPLES[i] for i in idx])
-            with tracker.step(idx, step=step) as rec:
-                rec.losses = causal_lm_losses(model(input_ids=ids).logits, ids)
-                rec.losses.mean().backward()
-    st = Store(tmp_path / "store.h5")
-    assert st.records()[C.REC_EPOCH].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
-    st.close()
-
-
-# -- misuse (issue 10, item 14) -----------------------------------------------------------------
-@pytest.fixture()
-def tracker(tmp_path):
-    model = tiny_model()
-    with Tracker(
-        model, tmp_path / "store.h5", TrackSettings(k_in=4, k_out=4), background=False
-    ) as tr:
-        tr.trained_model = model
-        yield tr
-
-
-def _batch(model, idx=(0, 1)):
-    ids = torch.tensor([EXAMPLES[i] for i in idx])
-    return causal_lm_losses(model(input_ids=ids).logits, ids)
-
-
-def test_forgetting_rec_losses_raises_and_records_nothing(tracker):
-    model = tracker.trained_model
-    with pytest.raises(RunError, match="rec.losses was not set"), tracker.step([0, 1]):
-        _batch(model).mean().backward()
-    with pytest.raises(RunError, match="one loss per"), tracker.step([0, 1]) as rec:
-        losses = _batch(model)
-        losses.mean().backward()
-        rec.losses = losses.mean()
-    assert tracker.n_records == 0
-
-
-def test_a_step_without_backward_raises(tracker):
-    model = tracker.trained_model
-    with pytest.raises(RunError, match="no backward"), tracker.step([0, 1]) as rec:
-        rec.losses = _batch(model).detach()
-    with (
-        pytest.raises(RunError, match="no backward"),
-        tracker.step([0, 1]) as rec,
-        torch.no_grad(),
-    ):
-        rec.losses = _batch(model)
-    assert tracker.n_records == 0
-    with tracker.step([0, 1]) as rec:  # the tracker still works after the error
-        rec.losses = _batch(model)
-        rec.losses.mean().backward()
-    assert tracker.n_records == 2
-
-
-def test_nested_steps_raise(tracker):
-    model = tracker.trained_model
-    with (
-        pytest.raises(RunError, match="inside another"),
-        tracker.step([0, 1]),
-        tracker.step([2, 3]),
-    ):
-        pass
-    assert tracker.n_records == 0
-    with tracker.step([0, 1]) as rec:
-        rec.losses = _batch(model)
-        rec.losses.mean().backward()
-    assert tracker.n_records == 2
-
-
-@pytest.mark.parametrize(
-    "ids, match",
-    [
-        ([0.0, 1.0], "integers"),
-        (np.array([0.5, 1.0]), "integers"),
-        ([-1, 0], "-1"),
-        ([0, 2**40], str(2**40)),
-        (torch.tensor([0, 2**40]), str(2**40)),
-        ([], "non-empty"),
-        ([[0, 1]], "1-D"),
-    ],
-)
-def test_bad_example_ids_raise_at_the_call(tracker, ids, match):
-    with pytest.raises(ConfigError, match=match), tracker.step(ids):
-        pass
-    assert tracker.n_records == 0
-
-
-def test_a_directory_as_store_path_raises_and_leaves_no_file(tmp_path):
-    d = tmp_path / "runs"
-    d.mkdir()
-    with pytest.raises(ConfigError, match="is a directory"):
-        Tracker(tiny_model(), d, TrackSettings(k_in=4, k_out=4))
-    assert list(tmp_path.rglob("*")) == [d]
 
 
 def test_influence_by_source_of_an_id_query_rebuilt_from_its_description(run_dir):

@@ -206,12 +206,34 @@ def test_partial_run_is_queryable_and_says_so(data, tmp_path):
 
 
 def test_influence_by_source_sums_all_scores(run_dir):
+    """Per source file: the sum of the brute-force scores of all its training examples (not
+    just the top k), their positive and negative parts, and how many there are."""
     run = open_run(run_dir)
     s = IndexSettings(preconditioner="identity", cosine=False)
-    res = run.query(eval_example=int(run.eval_examples()["example_id"][0]), top_k=3, settings=s)
+    ev = int(run.eval_examples()["example_id"][0])
+    res = run.query(eval_example=ev, top_k=3, settings=s)
     agg = run.influence_by_source(res, s)
-    assert agg["examples"].sum() == run.store.manifest["data"]["n_train"]
-    assert set(agg["source"]) <= set(run.examples()["source"])
+    test, _ = run.query_sketches(run.encode(eval_example=ev)[0])
+    ids, ref = reference_scores(run.store, test, "identity")
+    source = dict(zip(run.examples()["example_id"], run.examples()["source"], strict=True))
+    want = {}
+    for e, score in zip(ids, ref, strict=True):
+        w = want.setdefault(
+            source[int(e)], {"total": 0.0, "positive": 0.0, "negative": 0.0, "n": 0}
+        )
+        w["total"] += score
+        w["positive"] += max(score, 0.0)
+        w["negative"] += min(score, 0.0)
+        w["n"] += 1
+    assert len(want) > 1 and sorted(agg["source"]) == sorted(want)
+    assert agg["examples"].sum() == run.store.manifest["data"]["n_train"] == len(ids)
+    scale = np.abs(ref).sum()
+    for row in agg.iter_rows(named=True):
+        w = want[row["source"]]
+        assert row["examples"] == w["n"]
+        for k in ("total", "positive", "negative"):
+            assert row[k] == pytest.approx(w[k], rel=RTOL, abs=RTOL * scale), (row["source"], k)
+    assert list(agg["total"]) == sorted(agg["total"], reverse=True)
 
 
 def test_a_model_that_does_not_match_the_store_is_refused(data, run_dir, tmp_path):

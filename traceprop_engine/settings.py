@@ -202,8 +202,8 @@ class TrainSettings:
             vals = ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
             raise ConfigError(
                 f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
-                "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_width a multiple of 4, "
-                "tiny_vocab >= 300)"
+                "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_layers >= 1, "
+                "tiny_width >= 8 and a multiple of 4, tiny_vocab >= 300, max_steps >= 0)"
             )
 
     def to_dict(self) -> dict:

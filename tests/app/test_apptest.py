@@ -100,18 +100,32 @@ def _decode(arr):
     return np.asarray(arr)
 
 
-def test_overhead_from_real_timings(at, tmp_path):
+def test_overhead_from_real_timings(at):
+    """The page plots the active run's own step timings (its store) and each run's median step
+    time (its manifest); with no bench results (an empty bench folder here) it says how to make
+    them and draws no bench chart."""
     from traceprop_engine.store.reader import Store
 
     _goto(at, "overhead")
-    charts = at.get("plotly_chart")
-    assert charts
-    fig = json.loads(charts[0].proto.spec)
-    y = _decode(fig["data"][0]["y"])
+    # chart ids end with the chart's key
+    charts = {
+        c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec) for c in at.get("plotly_chart")
+    }
+    assert set(charts) == {"overhead_steps", "overhead_runs"}
     with Store(REPO / "sample_runs" / "facts" / "store.h5") as s:
         want = np.asarray(s.timings()["step_ms"], dtype=float)
-    np.testing.assert_allclose(y, want, rtol=1e-6)
-    assert any("bench overhead" in i.value for i in at.info) or len(charts) >= 3
+    steps = charts["overhead_steps"]["data"][0]
+    np.testing.assert_allclose(_decode(steps["y"]), want, rtol=1e-6)
+    np.testing.assert_array_equal(_decode(steps["x"]), np.arange(1, len(want) + 1))
+    caption = f"{len(want)} steps from the store; median {np.median(want):.2f} ms"
+    assert caption in [c.value for c in at.caption]
+    manifest = json.loads((REPO / "sample_runs" / "facts" / "run.json").read_text())
+    runs = charts["overhead_runs"]["data"][0]
+    assert list(runs["x"]) == ["facts"]
+    assert float(_decode(runs["y"])[0]) == pytest.approx(
+        round(manifest["timings"]["median_step_ms"], 2)
+    )
+    assert any("traceprop bench overhead" in i.value for i in at.info)
 
 
 def test_audit_verify_ok_and_trail(at):

@@ -480,6 +480,8 @@ def _add_bench(sub) -> None:
     o = bs.add_parser(
         "overhead",
         help="plain vs tracked training steps, interleaved",
+        description="Time plain, logging and tracked training steps of one model in "
+        "interleaved rounds; report the median overhead, CPU time and store bytes per example.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     o.add_argument("--json", help="write the result JSON here")
@@ -504,6 +506,9 @@ def _add_bench(sub) -> None:
     q = bs.add_parser(
         "query",
         help="index build time, query latency and recall at several N",
+        description="Build each index kind over N vectors shaped like preconditioned sketches "
+        "for several N; report build time, single-query latency and recall@10 against exact "
+        "search.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     q.add_argument("--json", help="write the result rows here")

@@ -1,0 +1,178 @@
+"""settings.py on its own: every bound of TrackSettings and TrainSettings raises a ConfigError
+that names the setting, the value and what is allowed; both round-trip through to_dict and JSON
+(the run manifest keeps them that way)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.settings import (
+    FactorDtype,
+    FactorSpace,
+    SketchKind,
+    Task,
+    TrackSettings,
+    TrainSettings,
+)
+
+TRAIN = {"data": "d", "out": "o"}
+
+
+# -- TrackSettings -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field",
+    ["k_in", "k_out", "dense_k", "dense_nnz", "buffer_records", "covariance_stride"],
+)
+@pytest.mark.parametrize("value", [0, -3, 2.5, "8"])
+def test_positive_integers(field, value):
+    with pytest.raises(ConfigError) as e:
+        TrackSettings(**{field: value})
+    assert str(e.value) == f"{field} must be a positive integer, got {value!r}"
+    assert getattr(TrackSettings(**{field: 1}), field) == 1  # the bound itself is allowed
+
+
+@pytest.mark.parametrize(
+    "field, what", [("rank", "0 = store full sketches"), ("power_iters", "0 = half a step")]
+)
+@pytest.mark.parametrize("value", [-1, 1.0, True, "1"])
+def test_non_negative_integers(field, what, value):
+    with pytest.raises(ConfigError) as e:
+        TrackSettings(**{field: value})
+    assert str(e.value) == f"{field} must be a non-negative integer ({what}), got {value!r}"
+    assert getattr(TrackSettings(**{field: 0}), field) == 0
+
+
+@pytest.mark.parametrize(
+    "field, enum",
+    [("sketch", SketchKind), ("factor_dtype", FactorDtype), ("factor_space", FactorSpace)],
+)
+def test_choices_list_what_is_allowed(field, enum):
+    with pytest.raises(ConfigError) as e:
+        TrackSettings(**{field: "nope"})
+    allowed = ", ".join(repr(x.value) for x in enum)
+    assert str(e.value) == f"{field} must be one of {allowed}, got 'nope'"
+    for x in enum:  # the values and the members are both accepted, stored as the member
+        assert getattr(TrackSettings(**{field: x.value}), field) is x
+        assert getattr(TrackSettings(**{field: x}), field) is x
+
+
+def test_scope_is_all_last_block_or_a_regular_expression():
+    with pytest.raises(ConfigError, match=r"scope must be 'all', 'last-block' or a valid") as e:
+        TrackSettings(scope="layers.(0")
+    assert "'layers.(0' does not compile" in str(e.value)
+    for scope in ("all", "last-block", r"layers\.[01]\.mlp"):
+        assert TrackSettings(scope=scope).scope == scope
+
+
+def test_track_settings_round_trip_through_to_dict_and_json():
+    s = TrackSettings(
+        scope=r"^lin$",
+        k_in=7,
+        k_out=9,
+        sketch="dense",
+        dense_k=64,
+        dense_nnz=3,
+        covariance=False,
+        rank=2,
+        factor_dtype="bfloat16",
+        factor_space="sketch",
+        power_iters=3,
+        covariance_stride=4,
+        seed=11,
+        buffer_records=16,
+    )
+    d = s.to_dict()
+    assert (
+        d["sketch"] == "dense" and d["factor_dtype"] == "bfloat16" and d["factor_space"] == "sketch"
+    )
+    assert TrackSettings(**json.loads(json.dumps(d))) == s
+    assert TrackSettings(**TrackSettings().to_dict()) == TrackSettings()
+
+
+# -- TrainSettings -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field, bad, good, bound",
+    [
+        ("epochs", 0, 1, "epochs/batch_size >= 1"),
+        ("batch_size", 0, 1, "epochs/batch_size >= 1"),
+        ("max_length", 1, 2, "max_length >= 2"),
+        ("lora_rank", -1, 0, "lora_rank >= 0"),
+        ("lr", -1e-3, 0.0, "lr a finite number >= 0"),
+        ("lr", math.nan, 1e-3, "lr a finite number >= 0"),
+        ("lr", math.inf, 1e-3, "lr a finite number >= 0"),
+        ("eval_fraction", -0.1, 0.0, "0 <= eval_fraction < 1"),
+        ("eval_fraction", 1.0, 0.99, "0 <= eval_fraction < 1"),
+        ("tiny_layers", 0, 1, "tiny_layers >= 1"),
+        ("tiny_width", 4, 8, "tiny_width >= 8 and a multiple of 4"),
+        ("tiny_width", 30, 32, "tiny_width >= 8 and a multiple of 4"),
+        ("tiny_vocab", 299, 300, "tiny_vocab >= 300"),
+        ("max_steps", -1, 0, "max_steps >= 0"),
+    ],
+)
+def test_each_training_bound_names_the_setting_and_the_rule(field, bad, good, bound):
+    with pytest.raises(ConfigError) as e:
+        TrainSettings(**TRAIN, **{field: bad})
+    msg = str(e.value)
+    assert msg.startswith(f"invalid training settings: {field}={bad!r} (")
+    assert bound in msg
+    assert getattr(TrainSettings(**TRAIN, **{field: good}), field) == good
+
+
+def test_every_bad_training_setting_is_listed_at_once():
+    with pytest.raises(ConfigError) as e:
+        TrainSettings(**TRAIN, epochs=0, max_steps=-2, tiny_vocab=10)
+    assert str(e.value).startswith(
+        "invalid training settings: epochs=0, tiny_vocab=10, max_steps=-2 ("
+    )
+
+
+def test_task_choices():
+    with pytest.raises(ConfigError) as e:
+        TrainSettings(**TRAIN, task="regression")
+    assert str(e.value) == "task must be one of 'causal-lm', 'classification', got 'regression'"
+    assert TrainSettings(**TRAIN, task="classification").task is Task.CLASSIFICATION
+
+
+def _train_from_dict(d: dict) -> TrainSettings:
+    """A TrainSettings from its to_dict() (the tracking section is a nested dict or None)."""
+    track = None if d["track"] is None else TrackSettings(**d["track"])
+    return TrainSettings(**{**d, "track": track})
+
+
+@pytest.mark.parametrize("track", [TrackSettings(k_in=8, k_out=4, sketch="dense"), None])
+def test_train_settings_round_trip_through_to_dict_and_json(track):
+    s = TrainSettings(
+        data="data/train",
+        out="runs/r",
+        model="EleutherAI/pythia-14m",
+        task="classification",
+        eval_data="data/eval",
+        eval_fraction=0.2,
+        epochs=3,
+        lr=1e-4,
+        weight_decay=0.01,
+        warmup_steps=5,
+        batch_size=4,
+        max_length=64,
+        lora_rank=8,
+        lora_targets="query_key_value",
+        seed=3,
+        track=track,
+        tiny_layers=2,
+        tiny_width=64,
+        tiny_vocab=512,
+        threads=2,
+        device="cpu",
+        max_steps=10,
+    )
+    d = json.loads(json.dumps(s.to_dict()))
+    assert d["task"] == "classification"
+    assert d["track"] == (None if track is None else track.to_dict())
+    assert _train_from_dict(d) == s
+    default = TrainSettings(**TRAIN)
+    assert _train_from_dict(default.to_dict()) == default
+    assert default.track == TrackSettings()  # tracking is on by default

@@ -1,0 +1,322 @@
+"""The Tracker on its own: hooks attached for its lifetime, one record per example per whole
+step holding what the step was given, the run ``finish`` makes, and clear errors on misuse."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from helpers import causal_batch, record_causal_step, tiny_neox
+
+from traceprop_engine import ConfigError, RunError, Store, Tracker, TrackSettings
+from traceprop_engine import constants as C
+from traceprop_engine.capture.hooks import build_layers
+from traceprop_engine.training.losses import causal_lm_losses
+
+SETTINGS = TrackSettings(k_in=4, k_out=4, rank=0)
+# the same float32 sums in another order (a batch of 3 vs 1 + 2 examples, sum vs mean)
+RTOL = 1e-4
+ATOL_REL = 1e-5
+
+
+def _n_hooks(model) -> int:
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def _losses(model, ids, mask, labels):
+    return causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+
+
+# -- lifetime -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (None, C.STATUS_COMPLETED),
+        (ValueError, C.STATUS_FAILED),
+        (KeyboardInterrupt, C.STATUS_CANCELLED),
+    ],
+)
+def test_hooks_live_inside_the_with_block_and_the_exit_sets_the_status(tmp_path, exc, status):
+    model = tiny_neox()
+    tracker = Tracker(model, tmp_path / "store.h5", SETTINGS, background=False)
+    n_layers = len(build_layers(model, SETTINGS))
+    assert _n_hooks(model) == 0 and not tracker.capture.attached  # nothing before __enter__
+    ids, mask, labels, _ = causal_batch()
+    try:
+        with tracker:
+            assert _n_hooks(model) == n_layers  # one forward hook per tracked layer
+            with tracker.step([0, 1, 2], padding_mask=mask) as rec:
+                rec.losses = _losses(model, ids, mask, labels)
+                rec.losses.mean().backward()
+            if exc is not None:
+                raise exc
+    except (ValueError, KeyboardInterrupt):
+        pass
+    assert _n_hooks(model) == 0 and tracker.status == status
+    tracker.close(C.STATUS_FAILED)  # a second close changes nothing
+    with Store(tmp_path / "store.h5") as store:
+        assert store.status == status and store.n_records == 3  # the whole step was kept
+
+
+def test_records_hold_what_each_step_was_given(tmp_path):
+    """example ids, step, epoch, lr and the per-example losses, in commit order."""
+    model = tiny_neox()
+    ids, mask, labels, _ = causal_batch()
+    given = [([7, 3], 0, 0, 1e-3), ([5], 1, 0, 5e-4), ([3, 7], 2, 1, 2.5e-4)]
+    want_loss = []
+    with Tracker(model, tmp_path / "store.h5", SETTINGS, background=False) as tracker:
+        for i, (idx, step, epoch, lr) in enumerate(given):
+            rows = slice(i % 2, i % 2 + len(idx))
+            with tracker.step(idx, padding_mask=mask[rows], step=step, epoch=epoch, lr=lr) as rec:
+                rec.losses = _losses(model, ids[rows], mask[rows], labels[rows])
+                rec.losses.mean().backward()
+            want_loss += rec.losses.detach().tolist()
+            model.zero_grad()
+    with Store(tmp_path / "store.h5") as store:
+        r = store.records()
+        assert r[C.REC_EXAMPLE].tolist() == [7, 3, 5, 3, 7]
+        assert r[C.REC_STEP].tolist() == [0, 0, 1, 2, 2]
+        assert r[C.REC_EPOCH].tolist() == [0, 0, 0, 1, 1]
+        np.testing.assert_allclose(r[C.REC_LR], [1e-3, 1e-3, 5e-4, 2.5e-4, 2.5e-4], rtol=1e-7)
+        np.testing.assert_allclose(r[C.REC_LOSS], want_loss, rtol=1e-6)
+        assert len(store.timings()["step_ms"]) == 3  # one timing per step
+
+
+def test_loss_scale_turns_any_reduction_into_per_example_gradients(tmp_path):
+    """The default scale is B (the loss is the mean); a summed loss with loss_scale=1 records
+    the same per-example sketches."""
+    model = tiny_neox()
+    ids, mask, labels, _ = causal_batch()
+    got = {}
+    for how in ("mean", "sum"):
+        with Tracker(model, tmp_path / f"{how}.h5", SETTINGS, background=False) as tracker:
+            scale = None if how == "mean" else 1.0
+            with tracker.step([0, 1, 2], padding_mask=mask, loss_scale=scale) as rec:
+                rec.losses = _losses(model, ids, mask, labels)
+                getattr(rec.losses, how)().backward()
+            model.zero_grad()
+        with Store(tmp_path / f"{how}.h5") as store:
+            got[how] = [store.sketches(li) for li in range(len(store.layers))]
+    for a, b in zip(got["mean"], got["sum"], strict=True):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL_REL * np.abs(a).max())
+
+
+def test_a_step_that_raises_is_dropped_and_the_next_one_recorded(tmp_path):
+    model = tiny_neox()
+    ids, mask, labels, _ = causal_batch()
+    with Tracker(model, tmp_path / "store.h5", SETTINGS, background=False) as tracker:
+        with pytest.raises(ZeroDivisionError), tracker.step([0, 1, 2], padding_mask=mask) as rec:
+            rec.losses = _losses(model, ids, mask, labels)
+            rec.losses.mean().backward()
+            1 / 0  # noqa: B018  (the caller's code fails after the backward)
+        assert tracker.n_records == 0
+        model.zero_grad()
+        with tracker.step([0, 1, 2], padding_mask=mask) as rec:
+            rec.losses = _losses(model, ids, mask, labels)
+            rec.losses.mean().backward()
+    ref, _ = record_causal_step(tmp_path / "ref.h5", tiny_neox(), SETTINGS)
+    with Store(tmp_path / "store.h5") as store:
+        assert store.n_records == 3
+        for li in range(len(store.layers)):  # the failed step left nothing in the slots
+            want = ref.sketches(li)
+            np.testing.assert_allclose(
+                store.sketches(li), want, rtol=RTOL, atol=ATOL_REL * np.abs(want).max()
+            )
+    ref.close()
+
+
+# a transfer whenever the next step does not fit; a step larger than the buffer grows it once
+TRANSFERS = {2048: 1, 6: 2, 2: 3}
+
+
+@pytest.mark.parametrize("background, buffer_records", [(True, 2048), (False, 6), (True, 2)])
+def test_the_writer_thread_and_small_buffers_write_the_same_store(
+    tmp_path, background, buffer_records
+):
+    """Records pass through the device buffer (transfers of ``buffer_records``) and, by default,
+    a writer thread: neither changes what is stored."""
+    ids, mask, labels, _ = causal_batch()
+
+    def record(path, **kw):
+        model = tiny_neox()
+        s = TrackSettings(k_in=4, k_out=4, **kw)
+        with Tracker(model, path, s, background=background) as tracker:
+            for step in range(3):
+                with tracker.step([0, 1, 2], padding_mask=mask, step=step) as rec:
+                    rec.losses = _losses(model, ids, mask, labels)
+                    rec.losses.mean().backward()
+                model.zero_grad()
+        return Store(path)
+
+    with (
+        record(tmp_path / "ref.h5") as ref,
+        record(tmp_path / "got.h5", buffer_records=buffer_records) as got,
+    ):
+        assert got.n_records == ref.n_records == 9
+        for li in range(len(ref.layers)):
+            for a, b in zip(got.factors(li), ref.factors(li), strict=True):
+                np.testing.assert_array_equal(a, b)
+        for k, v in ref.records().items():
+            np.testing.assert_array_equal(got.records()[k], v)
+        assert got.timings()["n_transfers"] == TRANSFERS[buffer_records]
+
+
+# -- finish --------------------------------------------------------------------------------------
+def test_finish_writes_the_tracking_section_of_the_run(tmp_path):
+    model = tiny_neox()
+    settings = TrackSettings(k_in=4, k_out=6, scope="last-block")
+    ids, mask, labels, _ = causal_batch()
+    with (
+        Tracker(model, tmp_path / C.STORE_FILE, settings, background=False) as tracker,
+        tracker.step([0, 1, 2], padding_mask=mask) as rec,
+    ):
+        rec.losses = _losses(model, ids, mask, labels)
+        rec.losses.mean().backward()
+    assert tracker.finish() == tmp_path
+    m = json.loads((tmp_path / C.MANIFEST_FILE).read_text())
+    tracking = dict(m["tracking"])
+    layers = tracking.pop("layers")
+    assert TrackSettings(**tracking) == settings  # the settings read back as they were
+    want = build_layers(model, settings)
+    assert [(x["name"], x["d_in"], x["d_out"], x["k_in"], x["k_out"]) for x in layers] == [
+        (t.name, t.d_in, t.d_out, t.k_in, t.k_out) for t in want
+    ]
+    assert m["store"]["n_records"] == 3 and m["timings"]["n_steps"] == 1
+    assert m["status"] == C.STATUS_COMPLETED
+
+
+def test_store_not_named_store_h5_and_empty_tracker_cannot_finish(tmp_path):
+    model = tiny_neox()
+    with Tracker(model, tmp_path / "s.h5", SETTINGS) as tracker:
+        pass
+    with pytest.raises(ConfigError, match="store.h5"):
+        tracker.finish(model)
+    (tmp_path / "r").mkdir()
+    with Tracker(model, tmp_path / "r" / "store.h5", SETTINGS) as tracker:
+        pass
+    with pytest.raises(RunError, match="no records"):
+        tracker.finish(model)
+    assert not (tmp_path / "r" / C.MANIFEST_FILE).exists()
+
+
+# -- step arguments ----------------------------------------------------------------------------
+def test_padding_mask_name_and_deprecated_token_mask(tmp_path):
+    model = tiny_neox()
+    ids, mask, labels, _ = causal_batch()
+    with Tracker(model, tmp_path / "store.h5", SETTINGS) as tracker:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with tracker.step([0, 1, 2], padding_mask=mask) as rec:
+                rec.losses = _losses(model, ids, mask, labels)
+                rec.losses.mean().backward()
+        with (
+            pytest.warns(DeprecationWarning, match="padding_mask"),
+            tracker.step([0, 1, 2], token_mask=mask) as rec,
+        ):
+            rec.losses = _losses(model, ids, mask, labels)
+            rec.losses.mean().backward()
+        with (
+            pytest.raises(ConfigError, match="both"),
+            tracker.step([0, 1, 2], token_mask=mask, padding_mask=mask),
+        ):
+            pass
+    assert tracker.n_records == 6
+
+
+def test_epoch_is_inferred_by_counting_passes_when_omitted(tmp_path):
+    model = tiny_neox()
+    ids, mask, labels, _ = causal_batch()
+    order = [[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]]  # epochs 0, 0, 1, 1, 2
+    with Tracker(model, tmp_path / "store.h5", SETTINGS) as tracker:
+        for step, idx in enumerate(order):
+            with tracker.step(idx, step=step, padding_mask=mask[:2]) as rec:
+                rec.losses = _losses(model, ids[:2], mask[:2], labels[:2])
+                rec.losses.mean().backward()
+    with Store(tmp_path / "store.h5") as st:
+        assert st.records()[C.REC_EPOCH].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+
+
+# -- misuse (issue 10, item 14) ------------------------------------------------------------------
+@pytest.fixture()
+def tracker(tmp_path):
+    model = tiny_neox()
+    with Tracker(model, tmp_path / "store.h5", SETTINGS, background=False) as tr:
+        tr.trained_model = model
+        yield tr
+
+
+def _batch(model):
+    ids, mask, labels, _ = causal_batch()
+    return _losses(model, ids[:2], mask[:2], labels[:2])
+
+
+def test_forgetting_rec_losses_raises_and_records_nothing(tracker):
+    model = tracker.trained_model
+    with pytest.raises(RunError, match="rec.losses was not set"), tracker.step([0, 1]):
+        _batch(model).mean().backward()
+    with pytest.raises(RunError, match="one loss per"), tracker.step([0, 1]) as rec:
+        losses = _batch(model)
+        losses.mean().backward()
+        rec.losses = losses.mean()
+    assert tracker.n_records == 0
+
+
+def test_a_step_without_backward_raises(tracker):
+    model = tracker.trained_model
+    with pytest.raises(RunError, match="no backward"), tracker.step([0, 1]) as rec:
+        rec.losses = _batch(model).detach()
+    with (
+        pytest.raises(RunError, match="no backward"),
+        tracker.step([0, 1]) as rec,
+        torch.no_grad(),
+    ):
+        rec.losses = _batch(model)
+    assert tracker.n_records == 0
+    with tracker.step([0, 1]) as rec:  # the tracker still works after the error
+        rec.losses = _batch(model)
+        rec.losses.mean().backward()
+    assert tracker.n_records == 2
+
+
+def test_nested_steps_raise(tracker):
+    model = tracker.trained_model
+    with (
+        pytest.raises(RunError, match="inside another"),
+        tracker.step([0, 1]),
+        tracker.step([2, 3]),
+    ):
+        pass
+    assert tracker.n_records == 0
+    with tracker.step([0, 1]) as rec:
+        rec.losses = _batch(model)
+        rec.losses.mean().backward()
+    assert tracker.n_records == 2
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([0.0, 1.0], "integers"),
+        (np.array([0.5, 1.0]), "integers"),
+        ([-1, 0], "-1"),
+        ([0, 2**40], str(2**40)),
+        (torch.tensor([0, 2**40]), str(2**40)),
+        ([], "non-empty"),
+        ([[0, 1]], "1-D"),
+    ],
+)
+def test_bad_example_ids_raise_at_the_call(tracker, ids, match):
+    with pytest.raises(ConfigError, match=match), tracker.step(ids):
+        pass
+    assert tracker.n_records == 0
+
+
+def test_a_directory_as_store_path_raises_and_leaves_no_file(tmp_path):
+    d = tmp_path / "runs"
+    d.mkdir()
+    with pytest.raises(ConfigError, match="is a directory"):
+        Tracker(tiny_neox(), d, SETTINGS)
+    assert list(tmp_path.rglob("*")) == [d]
