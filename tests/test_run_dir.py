@@ -19,13 +19,13 @@ import torch
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, RunError, Store, StoreError
-from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.cli.main import main
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
 from traceprop_engine.store.hdf5 import StoreWriter
 from traceprop_engine.training import loop as train_mod
 from traceprop_engine.training.loop import LOCK_FILE, train
+from traceprop_engine.verify import verify_run
 
 
 @pytest.fixture(scope="module")

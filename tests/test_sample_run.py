@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.attribution.query import IndexSettings, open_run
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.samples.run import SAMPLE_PRECONDITIONERS, default_root
 from traceprop_engine.store.hdf5 import Store
+from traceprop_engine.verify import verify_run
 
 SAMPLE = default_root() / "facts"
 
