@@ -1,4 +1,4 @@
-"""Unit tests of app/services.py: path safety, uploads, exports, and real training jobs."""
+"""Unit tests of the app/services package: path safety, uploads, exports, and real training jobs."""
 
 from __future__ import annotations
 
