@@ -12,12 +12,12 @@ for p in (APP_DIR, APP_DIR.parent):  # `import services` and the engine, from an
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-import services  # noqa: E402
+from services import config, jobs, runs  # noqa: E402
 
 st.set_page_config(page_title="Traceprop", page_icon="🧭", layout="wide")
 
-cfg = services.AppConfig.from_env()
-active = services.ensure_active_run(cfg, st.session_state)
+cfg = config.AppConfig.from_env()
+active = runs.ensure_active_run(cfg, st.session_state)
 
 pages = [
     st.Page("views/runs.py", title="Runs", icon="🗂️", default=True),
@@ -36,8 +36,8 @@ with st.sidebar:
             "No runs yet: launch one, or set TRACEPROP_SAMPLE_RUNS to the bundled sample runs."
         )
     else:
-        st.text(active.name + ("  (sample)" if services.is_sample(cfg, active) else ""))
-    job = services.active_job(cfg)
+        st.text(active.name + ("  (sample)" if config.is_sample(cfg, active) else ""))
+    job = jobs.active_job(cfg)
     if job is not None:
         st.info(f"Training {job.run_dir.name}: step {job.step}/{job.total or '?'}")
 

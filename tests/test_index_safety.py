@@ -19,7 +19,8 @@ from helpers import facts_data, fast_settings
 
 from traceprop_engine import IndexBuildError
 from traceprop_engine.attribution import vectors as vectors_module
-from traceprop_engine.attribution.export import audit_trail, csv_bytes, rows_to_bytes
+from traceprop_engine.attribution.audit import audit_trail
+from traceprop_engine.attribution.export import csv_bytes, rows_to_bytes
 from traceprop_engine.attribution.index_store import IDS_FILE, VECTORS_FILE
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.cli.main import main

@@ -19,7 +19,6 @@ import torch
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, RunError, Store, StoreError
-from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.cli.main import main
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
@@ -27,6 +26,7 @@ from traceprop_engine.store.writer import StoreWriter
 from traceprop_engine.training import run_dir as run_dir_mod
 from traceprop_engine.training.loop import train
 from traceprop_engine.training.run_dir import LOCK_FILE
+from traceprop_engine.verify import verify_run
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.samples.run import SAMPLE_PRECONDITIONERS, default_root
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
+from traceprop_engine.verify import verify_run
 
 SAMPLE = default_root() / "facts"
 

@@ -14,10 +14,10 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import RunError, Store, StoreError
-from traceprop_engine.attribution.export import verify_run
 from traceprop_engine.cli.main import main
 from traceprop_engine.store.format import DIGEST_ATTR, content_digest
 from traceprop_engine.training.loop import train
+from traceprop_engine.verify import verify_run
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import os
 import platform
 import time
 import uuid
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from . import constants as C
@@ -100,15 +101,27 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
             f"{p} holds a JSON {type(m).__name__}, not a run manifest (an object); "
             "the file is damaged or not written by Traceprop"
         )
-    if (
-        m.get("status") == C.STATUS_RUNNING
-        and m.get("pid")
-        and m.get("host") == platform.node()
-        and not pid_alive(int(m["pid"]))
-    ):
+    if process_gone(m):
         m["status"] = C.STATUS_FAILED
         m.setdefault("error", "the training process ended without updating its status (killed?)")
     return m
+
+
+def process_gone(manifest: dict) -> bool:
+    """True when ``manifest`` still says 'running' but its training process on this machine has
+    ended: it was killed before it could write its final status, so the run failed.
+
+    The one owner of this rule (the CLI's ``runs``, the app's job list and every reader of
+    :func:`read_manifest` see the same answer). A run made on another host is taken at its word:
+    its pid means nothing here.
+    """
+    pid = manifest.get("pid")
+    return (
+        manifest.get("status") == C.STATUS_RUNNING
+        and bool(pid)
+        and manifest.get("host") == platform.node()
+        and not pid_alive(int(pid))
+    )
 
 
 def pid_alive(pid: int) -> bool:
@@ -156,3 +169,161 @@ def list_runs(root: str | os.PathLike) -> list[Path]:
         return []
     runs = [p for p in root.iterdir() if (p / C.MANIFEST_FILE).is_file()]
     return sorted(runs, key=lambda p: (p / C.MANIFEST_FILE).stat().st_mtime, reverse=True)
+
+
+# -- the typed manifest ---------------------------------------------------------------------------
+def _section(raw: dict, key: str) -> dict:
+    """``raw[key]`` when it is an object, else ``{}``: older or hand-edited manifests may lack a
+    section or hold something else there, and a reader must not fail on a section it skips."""
+    v = raw.get(key)
+    return v if isinstance(v, dict) else {}
+
+
+def _pick(cls, section: dict):
+    """An instance of the section dataclass ``cls`` from the keys of ``section`` it knows (the
+    others stay in :attr:`RunManifest.raw`)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in section.items() if k in names and v is not None})
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The manifest's ``model`` section: what was trained and, once saved, its fingerprint."""
+
+    source: str | None = None
+    task: str | None = None
+    fingerprint: str | None = None  # absent until the model was saved (the run finished)
+    saved: str | None = None  # the model folder, relative to the run
+    labels: list | None = None
+    tokenizer: bool | None = None  # False: saved without a tokenizer (show token ids)
+    parameters: int | None = None
+    trainable: int | None = None
+    lora_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """The manifest's ``data`` section: where the data was and the sha256 of every file.
+
+    ``root``/``eval_root`` are the paths recorded at training time; ``*_relative`` the same
+    folders relative to the run (a run that moved with its data is checked beside itself).
+    """
+
+    root: str | None = None
+    root_relative: str | None = None
+    eval_root: str | None = None
+    eval_root_relative: str | None = None
+    files: dict = field(default_factory=dict)  # file name (relative to root) -> sha256
+    eval_files: dict = field(default_factory=dict)
+    n_train: int | None = None
+    n_eval: int | None = None
+
+
+@dataclass(frozen=True)
+class TrackingInfo:
+    """The manifest's ``tracking`` section (``Tracker.tracking_manifest``): the capture
+    settings and every tracked layer. ``settings`` keeps the whole section as written."""
+
+    k_in: int | None = None
+    k_out: int | None = None
+    sketch: str = "factored"
+    dense_k: int | None = None
+    rank: int | None = None
+    layers: list = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The manifest's ``timings`` section, written when the training loop ends."""
+
+    n_steps: int | None = None
+    total_s: float | None = None
+    median_step_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """The manifest's ``store`` section: the store file (or DDP shards) and its record count."""
+
+    file: str | None = None
+    shards: list = field(default_factory=list)
+    n_records: int | None = None
+    n_records_per_shard: list | None = None
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """run.json, typed: what every reader of a run uses instead of ``.get()`` chains.
+
+    Built by :meth:`load` (through :func:`read_manifest`, so a run whose process died reads as
+    failed) or :meth:`from_dict`. Tolerant of older manifests: a missing or malformed section
+    reads as empty. :attr:`raw` keeps the whole dict (``traceprop info --json``, sections no
+    reader types). The writers (training loop, ``Tracker.finish``) still build a dict.
+    """
+
+    raw: dict = field(repr=False, compare=False)
+    run_id: str | None
+    status: str | None
+    created: str = ""
+    updated: str = ""
+    pid: int | None = None
+    host: str | None = None
+    error: str = ""  # why a failed run failed ("" when none is recorded)
+    cancel_reason: str | None = None
+    tracked: bool = True  # False: trained with --no-track (no store)
+    config: dict = field(default_factory=dict)  # TrainSettings.to_dict(), or the Tracker's config
+    model: ModelInfo = field(default_factory=ModelInfo)
+    data: DataInfo = field(default_factory=DataInfo)
+    tracking: TrackingInfo = field(default_factory=TrackingInfo)
+    timings: Timings = field(default_factory=Timings)
+    store: StoreInfo = field(default_factory=StoreInfo)
+    shards: list = field(default_factory=list)  # DDP runs: one store file per rank
+    notes: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> RunManifest:
+        """The manifest of ``run_dir``.
+
+        Raises:
+            RunError: no run.json, or not a readable JSON object.
+        """
+        return cls.from_dict(read_manifest(run_dir))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> RunManifest:
+        tracking = _section(raw, "tracking")
+        return cls(
+            raw=raw,
+            run_id=raw.get("run_id"),
+            status=raw.get("status"),
+            created=str(raw.get("created") or ""),
+            updated=str(raw.get("updated") or ""),
+            pid=raw.get("pid"),
+            host=raw.get("host"),
+            error=str(raw.get("error") or ""),
+            cancel_reason=raw.get("cancel_reason"),
+            tracked=bool(raw.get("tracked", True)),
+            config=_section(raw, "config"),
+            model=_pick(ModelInfo, _section(raw, "model")),
+            data=_pick(DataInfo, _section(raw, "data")),
+            tracking=_pick(TrackingInfo, {**tracking, "settings": tracking}),
+            timings=_pick(Timings, _section(raw, "timings")),
+            store=_pick(StoreInfo, _section(raw, "store")),
+            shards=list(raw.get("shards") or []),
+            notes=list(raw.get("notes") or []),
+            metrics=_section(raw, "metrics"),
+            versions=_section(raw, "versions"),
+        )
+
+    @property
+    def task(self) -> str:
+        """The trained task: from the configuration, else the model section, else causal-lm
+        (the only task before classification existed)."""
+        return str(self.config.get("task") or self.model.task or "causal-lm")
+
+    @property
+    def completed(self) -> bool:
+        return self.status == C.STATUS_COMPLETED

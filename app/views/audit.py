@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import services
 import streamlit as st
+from services import config, exports, queries, runs, text
 
-cfg = services.AppConfig.from_env()
+from traceprop_engine.errors import TracepropError
+
+cfg = config.AppConfig.from_env()
 st.title("Audit")
-active = services.ensure_active_run(cfg, st.session_state)
+active = runs.ensure_active_run(cfg, st.session_state)
 if active is None:
     st.warning("No run to audit.")
     st.stop()
-st.caption(services.md_escape(f"Run {active.name}"))
+st.caption(text.md_escape(f"Run {active.name}"))
 
 st.subheader("Verify the run's inputs")
 st.caption(
@@ -19,22 +21,20 @@ st.caption(
 )
 if st.button("Verify", key="audit_verify"):
     try:
-        v = services.export.verify_run(active)
-    except services.TracepropError as e:
-        st.error(services.md_escape(e))
+        v = exports.verify_inputs(active)
+    except TracepropError as e:
+        st.error(text.md_escape(e))
     else:
         if v["ok"]:
             st.success(f"All {len(v['files'])} data files and the model match the manifest.")
         else:
             for p in v.get("problems", []):
-                st.error(services.md_escape(p))
+                st.error(text.md_escape(p))
             bad = [f for f in v["files"] if f["status"] != "ok"]
             for f in bad:
-                st.error(services.md_escape(f"{f['status']}: {f['file']}"))
+                st.error(text.md_escape(f"{f['status']}: {f['file']}"))
             if v["model"]["status"] not in ("ok", "absent"):
-                st.error(
-                    services.md_escape(f"model {v['model']['status']}: {v['model'].get('dir')}")
-                )
+                st.error(text.md_escape(f"model {v['model']['status']}: {v['model'].get('dir')}"))
         st.dataframe(v["files"], hide_index=True, width="stretch")
         st.caption(f"model: {v['model']['status']}")
 
@@ -50,9 +50,9 @@ if saved and saved["run"] == str(active):
 res = saved["result"] if use_last else None
 if res is None:
     try:
-        evals = services.cached_examples(str(active), services.manifest_mtime(active), "eval")
-    except services.TracepropError as e:
-        st.error(services.md_escape(e))
+        evals = queries.cached_examples(str(active), queries.manifest_mtime(active), "eval")
+    except TracepropError as e:
+        st.error(text.md_escape(e))
         st.stop()
     if evals.is_empty():
         st.info("Run a query on the Influencers page first (this run has no eval examples).")
@@ -65,9 +65,9 @@ if res is None:
     if st.button("Run the query for the audit trail", key="audit_query"):
         try:
             with st.spinner("Querying…"):
-                res, _ = services.run_query(active, eval_example=eid, top_k=10)
-        except services.TracepropError as e:
-            st.error(services.md_escape(e))
+                res, _ = queries.run_query(active, eval_example=eid, top_k=10)
+        except TracepropError as e:
+            st.error(text.md_escape(e))
             st.stop()
         st.session_state["audit_result"] = {"run": str(active), "result": res}
     a = st.session_state.get("audit_result")
@@ -75,8 +75,11 @@ if res is None:
 if res is None:
     st.stop()
 
-run, _ = services.open_cached(active)
-js, csv, trail = services.audit_bytes(run, res)
+try:
+    js, csv, trail = exports.audit_bytes(active, res)
+except TracepropError as e:
+    st.error(text.md_escape(e))
+    st.stop()
 st.write(
     f"{len(trail['influencers'])} influencers · model {str(trail['model_fingerprint'])[:16]}… · "
     f"data manifest {trail['data_manifest_sha256'][:16]}…"

@@ -3,41 +3,42 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import plotly.graph_objects as go
-import services
 import streamlit as st
+from services import config, exports, jobs, queries, runs, text
 
-cfg = services.AppConfig.from_env()
+from traceprop_engine.errors import TracepropError
+
+cfg = config.AppConfig.from_env()
 st.title("Influencers")
-active = services.ensure_active_run(cfg, st.session_state)
+active = runs.ensure_active_run(cfg, st.session_state)
 if active is None:
     st.warning("No run to query: launch one on the Launch page.")
     st.stop()
 
-status = services.job_state(active).status
+status = jobs.job_state(active).status
 if status in ("starting", "running"):
     st.info(
-        services.md_escape(active.name)
+        text.md_escape(active.name)
         + " is still training: query it when it has finished (see the Launch page)."
     )
     st.stop()
 try:
-    run, _ = services.open_cached(active)
-    mtime = services.manifest_mtime(active)
-    evals = services.cached_examples(str(active), mtime, "eval")
-except services.TracepropError as e:
-    st.error(services.md_escape(f"{active.name} cannot be queried: {e}"))
+    run = queries.query_overview(active)
+    mtime = queries.manifest_mtime(active)
+    evals = queries.cached_examples(str(active), mtime, "eval")
+except TracepropError as e:
+    st.error(text.md_escape(f"{active.name} cannot be queried: {e}"))
     st.stop()
 
 st.caption(
-    f"Run **{run.run_id}** · task {run.task} · {run.store.n_records} records · {len(run.store.layers)} tracked layers"
+    f"Run **{run.run_id}** · task {run.task} · {run.n_records} records · {run.n_layers} tracked layers"
 )
 for note in run.notes:
-    st.warning(services.md_escape(note))
+    st.warning(text.md_escape(note))
 classification = run.task == "classification"
-labels = sorted({x for x in services.cached_examples(str(active), mtime)["label"].to_list() if x})
+labels = sorted({x for x in queries.cached_examples(str(active), mtime)["label"].to_list() if x})
 
 MODES = ["eval", "typed"]
 mode = st.radio(
@@ -61,7 +62,7 @@ if mode == "eval":
             "Eval example",
             ids,
             key="infl_eval",
-            format_func=lambda i: f"#{i}: {services.one_line(texts[i])}",
+            format_func=lambda i: f"#{i}: {text.one_line(texts[i])}",
         )
 else:
     prompt = st.text_area(
@@ -82,14 +83,9 @@ else:
         )
 c1, c2 = st.columns(2)
 top_k = c1.slider("Top k", 1, 50, 10, key="infl_topk")
-pre_opts = (
-    ["identity", "kfac", "ekfac"]
-    if run.store.has_covariance or run.store.sketch == "dense"
-    else ["identity"]
-)
 pre = c2.selectbox(
     "Preconditioner",
-    pre_opts,
+    list(run.preconditioners),
     key="infl_pre",
     help=(
         "identity (default): the training gradients as recorded, compared by cosine "
@@ -104,7 +100,7 @@ pre = c2.selectbox(
 if st.button("Find influencers", type="primary", key="infl_go"):
     try:
         with st.spinner("Scoring every training example…"):
-            res, by_source = services.run_query(
+            res, by_source = queries.run_query(
                 active,
                 prompt=prompt,
                 completion=completion,
@@ -113,9 +109,9 @@ if st.button("Find influencers", type="primary", key="infl_go"):
                 top_k=top_k,
                 preconditioner=pre,
             )
-    except services.TracepropError as e:
+    except TracepropError as e:
         st.session_state.pop("infl_result", None)
-        st.error(services.md_escape(e))
+        st.error(text.md_escape(e))
     else:
         st.session_state["infl_result"] = {
             "run": str(active),
@@ -127,11 +123,11 @@ saved = st.session_state.get("infl_result")
 if not saved or saved["run"] != str(active):
     st.stop()
 res, by_source = saved["result"], saved["by_source"]
-rows = services.shown_rows(res)
+rows = exports.shown_rows(res)
 
 st.info("Sign convention — " + res.sign_note)
 for note in res.notes:
-    st.warning(services.md_escape(note))
+    st.warning(text.md_escape(note))
 q = res.query
 st.caption(
     f"Query loss {q.get('query_loss', float('nan')):.4f} · preconditioner {q.get('preconditioner')} · "
@@ -165,12 +161,11 @@ for kind, title in (
 st.subheader("Examples")
 for r in rows.iter_rows(named=True):
     with st.expander(
-        f"{r['kind']} #{r['rank']} · {r['score']:+.4g} · {services.md_escape(r['location'])}"
+        f"{r['kind']} #{r['rank']} · {r['score']:+.4g} · {text.md_escape(r['location'])}"
     ):
         st.text(r["text"])
-        ids, mask = run.store.tokens(int(r["example_id"]))
         st.caption("Tokens (trained-on tokens in ⟦brackets⟧)")
-        st.code(services.decode_tokens(Path(active), ids, mask), language=None)
+        st.code(queries.example_tokens_text(active, int(r["example_id"])), language=None)
         st.caption("Lineage")
         st.code(
             json.dumps(
@@ -186,7 +181,7 @@ for r in rows.iter_rows(named=True):
         )
         st.caption("Per-layer partial scores")
         st.dataframe(
-            services.layer_scores_table(r["layer_scores"]), hide_index=True, width="stretch"
+            queries.layer_scores_table(r["layer_scores"]), hide_index=True, width="stretch"
         )
 
 st.subheader("Influence by source file (all training examples)")
@@ -216,7 +211,7 @@ st.plotly_chart(fig, key="infl_by_source")
 c1, c2 = st.columns(2)
 c1.download_button(
     "Export CSV",
-    services.export_bytes(res, "csv"),
+    exports.export_bytes(res, "csv"),
     file_name=f"influencers-{run.run_id}.csv",
     mime="text/csv",
     on_click="ignore",
@@ -224,7 +219,7 @@ c1.download_button(
 )
 c2.download_button(
     "Export JSON",
-    services.export_bytes(res, "json"),
+    exports.export_bytes(res, "json"),
     file_name=f"influencers-{run.run_id}.json",
     mime="application/json",
     on_click="ignore",

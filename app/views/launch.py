@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import services
 import streamlit as st
+from services import config, jobs, launch, text
 
-cfg = services.AppConfig.from_env()
+from traceprop_engine.errors import TracepropError
+
+cfg = config.AppConfig.from_env()
 st.title("Launch a tracked fine-tune")
 
 DATA_CHOICES = {
     "facts": "Bundled generated facts set (causal LM)",
     "classification": "Bundled generated classification set",
     "upload": "Upload files",
-    "path": services.md_escape(f"A path under {cfg.data_root}"),
+    "path": text.md_escape(f"A path under {cfg.data_root}"),
 }
 MODEL_CHOICES = {
     "tiny": "tiny (GPT-NeoX built from a config)",
@@ -25,14 +27,14 @@ MODEL_CHOICES = {
 
 @st.fragment(run_every=1.0)
 def _progress(run_dir: str) -> None:
-    s = services.job_state(Path(run_dir))
-    st.subheader(services.md_escape(f"Job {s.run_dir.name}"))
+    s = jobs.job_state(Path(run_dir))
+    st.subheader(text.md_escape(f"Job {s.run_dir.name}"))
     if s.running:
         eta = f", ETA {s.eta_s:.0f} s" if s.eta_s is not None else ""
         loss = f", loss {s.loss:.4f}" if s.loss is not None else ""
         st.progress(s.fraction, text=f"{s.status}: step {s.step}/{s.total or '?'}{loss}{eta}")
         if st.button("Cancel", key="launch_cancel"):
-            services.cancel_job(s.run_dir)
+            jobs.cancel_job(s.run_dir)
             st.info("Cancel requested: the job stops at the next step.")
     elif s.status == "completed":
         st.progress(
@@ -40,20 +42,20 @@ def _progress(run_dir: str) -> None:
             text=f"completed: {s.step} steps, final loss {s.loss if s.loss is not None else '?'}",
         )
         st.success(
-            services.md_escape(f"Training finished: {s.run_dir.name} is listed on the Runs page.")
+            text.md_escape(f"Training finished: {s.run_dir.name} is listed on the Runs page.")
         )
         if st.button("Make it the active run", key="launch_activate"):
             st.session_state["runs_active"] = str(s.run_dir.resolve())
             st.rerun()
     else:
         msg = f"Training {s.status}" + (f": {s.error}" if s.error else "")
-        (st.warning if s.status == "cancelled" else st.error)(services.md_escape(msg))
+        (st.warning if s.status == "cancelled" else st.error)(text.md_escape(msg))
         if s.log_tail:
             st.caption("Last lines of train.log")
             st.code(s.log_tail, language=None)
 
 
-running = services.active_job(cfg)
+running = jobs.active_job(cfg)
 if running is not None:
     st.session_state["launch_run"] = str(running.run_dir)
     st.info("A training job is running; a second launch waits until it ends (one job at a time).")
@@ -99,20 +101,20 @@ with st.form("launch_form"):
     st.markdown("**Tracking**")
     c1, c2, c3, c4, c5, c6 = st.columns(6)
     scope = c1.text_input("Scope (all, last-block or a regex)", "all", key="launch_scope")
-    k_in = c2.number_input("k in", 1, 1024, services.LaunchSpec.k_in, key="launch_k_in")
-    k_out = c3.number_input("k out", 1, 1024, services.LaunchSpec.k_out, key="launch_k_out")
+    k_in = c2.number_input("k in", 1, 1024, launch.LaunchSpec.k_in, key="launch_k_in")
+    k_out = c3.number_input("k out", 1, 1024, launch.LaunchSpec.k_out, key="launch_k_out")
     rank = c4.number_input(
         "Factor rank",
         0,
         64,
-        services.LaunchSpec.rank,
+        launch.LaunchSpec.rank,
         key="launch_rank",
         help="store each record as rank-r factors (0: the full k_out x k_in sketch)",
     )
     sketch = c5.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
     covariance = c6.checkbox("K-FAC covariance", True, key="launch_cov")
     with st.expander("Measured quality, overhead and bytes of tracking configurations"):
-        table = services.measured_configurations()
+        table = launch.measured_configurations()
         if table.is_empty():
             st.caption("No measured table (benchmarks/results/pareto.json) in this checkout.")
         else:
@@ -130,28 +132,28 @@ with st.form("launch_form"):
         data = eval_data = None
         try:
             if data_kind in ("facts", "classification"):
-                data, eval_data = services.sample_dataset(cfg, data_kind)
+                data, eval_data = config.sample_dataset(cfg, data_kind)
             elif data_kind == "upload":
-                data = services.save_uploads(cfg, [(f.name, f.getvalue()) for f in uploads or []])
+                data = config.save_uploads(cfg, [(f.name, f.getvalue()) for f in uploads or []])
             else:
-                data = services.safe_path(cfg.data_root, data_path)
-        except services.TracepropError as e:
+                data = config.safe_path(cfg.data_root, data_path)
+        except TracepropError as e:
             errors.append(str(e))
         if eval_path.strip():
             try:
-                eval_data = services.safe_path(cfg.data_root, eval_path)
-            except services.TracepropError as e:
+                eval_data = config.safe_path(cfg.data_root, eval_path)
+            except TracepropError as e:
                 errors.append(f"eval data: {e}")
         model = model_kind
         if model_kind == "dir":
             try:
-                model = str(services.safe_path(cfg.data_root, model_dir))
-            except services.TracepropError as e:
+                model = str(config.safe_path(cfg.data_root, model_dir))
+            except TracepropError as e:
                 errors.append(f"model directory: {e}")
         if data_kind == "classification" and task != "classification":
             errors.append("the classification set needs task 'classification' (and model minilm)")
         if data is not None and not errors:
-            spec = services.LaunchSpec(
+            spec = launch.LaunchSpec(
                 data=data,
                 eval_data=eval_data,
                 model=model,
@@ -174,16 +176,16 @@ with st.form("launch_form"):
             errors += spec.errors()
             if not errors:
                 try:
-                    job = services.start_job(cfg, spec, name)
-                except services.TracepropError as e:
+                    job = jobs.start_job(cfg, spec, name)
+                except TracepropError as e:
                     errors.append(str(e))
                 else:
                     st.session_state["launch_run"] = str(job.run_dir)
-                    st.success(services.md_escape(f"Started {job.run_dir.name}"))
-                    note = services.assess_configuration(spec)
-                    (st.warning if "Dominated by" in note else st.info)(services.md_escape(note))
+                    st.success(text.md_escape(f"Started {job.run_dir.name}"))
+                    note = launch.assess_configuration(spec)
+                    (st.warning if "Dominated by" in note else st.info)(text.md_escape(note))
         for e in errors:
-            st.error(services.md_escape(e))
+            st.error(text.md_escape(e))
 
 if st.session_state.get("launch_run"):
     _progress(st.session_state["launch_run"])

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
-import services
 import streamlit as st
+from services import config, queries, runs
 
-cfg = services.AppConfig.from_env()
+cfg = config.AppConfig.from_env()
 st.title("Overhead")
-active = services.ensure_active_run(cfg, st.session_state)
+active = runs.ensure_active_run(cfg, st.session_state)
 
 st.subheader("Step time of the active run")
 if active is None:
     st.info("No active run.")
 else:
-    steps = services.cached_step_times(str(active), services.manifest_mtime(active))
+    steps = queries.cached_step_times(str(active), queries.manifest_mtime(active))
     if steps.is_empty():
         st.info(f"{active.name} recorded no step timings yet.")
     else:
@@ -30,7 +30,7 @@ else:
             f"{steps.height} steps from the {steps['from'][0]}; median {steps['step_ms'].median():.2f} ms"
         )
 
-table = services.runs_table(cfg)
+table = runs.runs_table(cfg)
 if not table.is_empty() and "median step ms" in table.columns:
     t = table.filter(table["median step ms"].is_not_null())
     if not t.is_empty():
@@ -44,12 +44,12 @@ if not table.is_empty() and "median step ms" in table.columns:
         st.plotly_chart(fig, key="overhead_runs")
 
 st.subheader("Tracked vs plain (overhead benchmark)")
-bench = services.read_bench(cfg)
+bench = runs.read_bench(cfg)
 if not bench:
     st.info(
         "No overhead benchmark results yet. Produce one with\n\n"
         "`traceprop bench overhead --json runs/bench/overhead.json`\n\n"
-        f"(the app reads `{cfg.runs_root / services.BENCH_DIR}/*.json` and `benchmarks/results/*.json`)."
+        f"(the app reads `{cfg.runs_root / config.BENCH_DIR}/*.json` and `benchmarks/results/*.json`)."
     )
     st.stop()
 names = [n for n, _ in bench]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
-import services
 import streamlit as st
+from services import config, runs
 
 st.title("Attribution quality (LDS)")
 st.caption(
@@ -12,14 +12,14 @@ st.caption(
     "per eval example, how well the summed influence of each subset predicts the retrained model's "
     "loss (Spearman; 1 = perfect ranking, 0 = none). Higher is better; bars show 95 % bootstrap intervals."
 )
-cfg = services.AppConfig.from_env()
-results = services.read_lds(cfg)
+cfg = config.AppConfig.from_env()
+results = runs.read_lds(cfg)
 if not results:
     st.info(
         "No LDS results yet. Produce one with\n\n"
         "`traceprop eval lds --data DATA/train --eval-data DATA/eval --out runs/bench/lds`\n\n"
         "(the app reads folders with `figure.json` and `results.csv` under "
-        f"`{cfg.runs_root / services.BENCH_DIR}` and `benchmarks/results`)."
+        f"`{cfg.runs_root / config.BENCH_DIR}` and `benchmarks/results`)."
     )
     st.stop()
 names = [n for n, _, _ in results]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import services
 import streamlit as st
+from services import config, runs, text
 
-cfg = services.AppConfig.from_env()
+from traceprop_engine.errors import TracepropError
+
+cfg = config.AppConfig.from_env()
 st.title("Runs")
-st.caption(
-    services.md_escape(f"Sample runs from {cfg.sample_runs}, user runs from {cfg.runs_root}.")
-)
+st.caption(text.md_escape(f"Sample runs from {cfg.sample_runs}, user runs from {cfg.runs_root}."))
 
-table = services.runs_table(cfg)
+table = runs.runs_table(cfg)
 if table.is_empty():
     st.warning(
         "No runs found. Launch a tracked fine-tune on the Launch page, "
@@ -19,7 +19,7 @@ if table.is_empty():
     )
     st.stop()
 
-active = services.ensure_active_run(cfg, st.session_state)
+active = runs.ensure_active_run(cfg, st.session_state)
 paths = table["path"].to_list()
 labels = {
     p: f"{n} · {k} · {s}"
@@ -43,7 +43,7 @@ st.dataframe(table.drop("path"), hide_index=True, width="stretch")
 
 for row in table.filter(table["status"].is_in(["failed", "unreadable"])).iter_rows(named=True):
     if row.get("error"):
-        st.error(services.md_escape(f"{row['run']}: {row['error']}"))
+        st.error(text.md_escape(f"{row['run']}: {row['error']}"))
 
 user = table.filter(table["kind"] == "user")
 with st.expander("Delete a user run"):
@@ -61,11 +61,11 @@ with st.expander("Delete a user run"):
         )
         if st.button("Delete run", disabled=not sure, key="runs_delete_button"):
             try:
-                services.delete_run(cfg, victim)
-            except services.TracepropError as e:
-                st.error(services.md_escape(e))
+                runs.delete_run(cfg, victim)
+            except TracepropError as e:
+                st.error(text.md_escape(e))
             else:
                 if st.session_state.get("runs_active") == victim:
                     st.session_state.pop("runs_active", None)
-                st.success(services.md_escape(f"Deleted {victim}"))
+                st.success(text.md_escape(f"Deleted {victim}"))
                 st.rerun()

@@ -1,4 +1,4 @@
-"""Unit tests of app/services.py: path safety, uploads, exports, and real training jobs."""
+"""Unit tests of the app/services package: path safety, uploads, exports, and real training jobs."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def test_export_json_matches_csv(sample_result):
 
 def test_audit_bytes(sample_result):
     run, res = sample_result
-    js, csv_bytes, trail = services.audit_bytes(run, res)
+    js, csv_bytes, trail = services.audit_bytes(SAMPLE, res)
     assert json.loads(js)["run_id"] == run.run_id
     rows = list(csv.DictReader(io.StringIO(csv_bytes.decode())))
     assert len(rows) == len(trail["influencers"]) == res.rows.height
@@ -200,17 +200,33 @@ def _spec(
 
 def test_launch_spec_errors(tmp_path):
     spec = services.LaunchSpec(
-        data=tmp_path / "missing", epochs=0, lr=0.0, model="minilm", task="causal-lm", scope="("
+        data=tmp_path / "missing", epochs=0, lr=-1.0, model="minilm", task="causal-lm", scope="("
     )
     errs = " ".join(spec.errors())
     for part in (
         "does not exist",
-        "epochs must be at least 1",
-        "learning rate",
+        "epochs=0",  # the bounds are TrainSettings' (settings.py), reported in its words
+        "lr=-1.0",
         "minilm",
-        "valid regex",
+        "valid regular expression",  # TrackSettings' scope check
     ):
         assert part in errs
+
+
+def test_launch_spec_bounds_are_the_settings_bounds(tmp_path):
+    from traceprop_engine.errors import ConfigError
+    from traceprop_engine.settings import TrackSettings, TrainSettings
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    assert services.LaunchSpec(data=data).errors() == []
+    for bad in ({"tiny_width": 30}, {"max_length": 1}, {"k_in": 0}, {"rank": -1}):
+        (msg,) = services.LaunchSpec(data=data, **bad).errors()
+        settings = TrackSettings if set(bad) & {"k_in", "rank"} else TrainSettings
+        args = bad if settings is TrackSettings else {"data": "d", "out": "o", **bad}
+        with pytest.raises(ConfigError) as e:
+            settings(**args)
+        assert msg == str(e.value)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import polars as pl
 from .. import constants as C
 from ..errors import StoreError
 from ..settings import IndexSettings, SketchKind
+from .overview import usable_preconditioners
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 
 CHUNK = 4096
@@ -29,11 +30,7 @@ def fit_preconditioner(
 ) -> Preconditioner:
     """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
     kind = s.preconditioner
-    if (
-        kind is not PreconditionerKind.IDENTITY
-        and not store.has_covariance
-        and store.sketch != SketchKind.DENSE  # a str enum: equal to the store's string
-    ):
+    if kind not in usable_preconditioners(store):
         raise StoreError(
             f"{store.path} has no covariance (trained with --no-covariance, or the run stopped "
             "before it was written): use --preconditioner identity"

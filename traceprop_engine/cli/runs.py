@@ -93,7 +93,8 @@ def register(sub) -> None:
 
 
 def _cmd_audit(a) -> int:
-    from ..attribution.export import audit_rows, audit_trail, write_csv
+    from ..attribution.audit import audit_rows, audit_trail
+    from ..attribution.export import write_csv
     from ..attribution.query import open_run
     from ..settings import IndexSettings
 
@@ -118,7 +119,7 @@ def _cmd_audit(a) -> int:
 
 
 def _cmd_verify(a) -> int:
-    from ..attribution.export import verify_run
+    from ..verify import verify_run
 
     rep = verify_run(a.run)
     if a.json:

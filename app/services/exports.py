@@ -1,0 +1,49 @@
+"""The downloads of the Influencers and Audit pages, and verification of a run's inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+
+from traceprop_engine.attribution import audit, export
+from traceprop_engine.verify import verify_run
+
+from .queries import open_cached
+
+
+def shown_rows(result) -> pl.DataFrame:
+    """Exactly the rows shown and exported: the engine's export columns plus ``file:row``."""
+    rows = export.rows_for_export(result)
+    return rows.with_columns(
+        (pl.col("source") + ":" + pl.col("row").cast(pl.Utf8)).alias("location")
+    )
+
+
+def export_bytes(result, fmt: str) -> bytes:
+    """CSV or JSON bytes of the shown influencer rows."""
+    return export.rows_to_bytes(shown_rows(result), fmt)
+
+
+def audit_bytes(run_dir: str | os.PathLike, result) -> tuple[bytes, bytes, dict]:
+    """``(json bytes, csv bytes, trail)`` of the audit trail of one query on a run.
+
+    Raises:
+        TracepropError: the run cannot be opened.
+    """
+    run, _ = open_cached(run_dir)  # the trail reads the manifest only, not the store
+    trail = audit.audit_trail(run, result)
+    js = json.dumps(trail, indent=2, ensure_ascii=False, default=str).encode()
+    rows = audit.audit_rows(trail)
+    return js, export.csv_bytes(rows) if rows.height else b"", trail
+
+
+def verify_inputs(run_dir: str | os.PathLike) -> dict:
+    """Re-hash the run's data files, model and store against its manifest
+    (:func:`traceprop_engine.verify.verify_run`: ``ok``, ``problems``, ``files``, ``model``...).
+
+    Raises:
+        RunError: no readable run.json.
+    """
+    return verify_run(run_dir)

@@ -1,0 +1,192 @@
+"""Training jobs: start ``traceprop train`` in the background, read its state from disk, cancel it.
+
+State lives on disk (run.json, progress.jsonl, launch.json), never in module globals, so a
+closed browser tab neither kills nor orphans a training job and every user sees the same runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from traceprop_engine import constants as C
+from traceprop_engine.errors import TracepropError
+from traceprop_engine.run import RunManifest, pid_alive, read_progress
+
+from .config import REPO, AppConfig, sanitize_name
+from .launch import LaunchSpec
+
+LAUNCH_FILE = "launch.json"  # written by the app next to run.json: pid + command of a launched job
+
+
+class JobError(TracepropError, RuntimeError):
+    """A training job cannot be started or cancelled."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What a launched (or listed) run is doing, read from disk."""
+
+    run_dir: Path
+    status: str  # starting | running | completed | failed | cancelled | missing
+    pid: int | None = None
+    step: int = 0
+    total: int = 0
+    loss: float | None = None
+    eta_s: float | None = None
+    examples_per_s: float | None = None
+    error: str = ""
+    log_tail: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("starting", C.STATUS_RUNNING)
+
+    @property
+    def fraction(self) -> float:
+        return min(self.step / self.total, 1.0) if self.total else 0.0
+
+
+def process_alive(pid: int | None) -> bool:
+    """True while ``pid`` runs (see :func:`traceprop_engine.run.pid_alive`)."""
+    return bool(pid) and pid_alive(int(pid))
+
+
+def log_tail(run_dir: Path, n: int = 40) -> str:
+    p = Path(run_dir) / C.LOG_FILE
+    if not p.exists():
+        return ""
+    lines = p.read_text(errors="replace").replace("\r", "\n").splitlines()
+    return "\n".join(line for line in lines[-n:] if line.strip())
+
+
+def job_state(run_dir: str | os.PathLike) -> JobState:
+    """The state of a run from its files (launch.json, run.json, progress.jsonl, train.log)."""
+    run_dir = Path(run_dir)
+    launch = {}
+    if (run_dir / LAUNCH_FILE).exists():
+        try:
+            launch = json.loads((run_dir / LAUNCH_FILE).read_text())
+        except json.JSONDecodeError:
+            launch = {}
+    pid = launch.get("pid")
+    status, error = "missing", ""
+    if (run_dir / C.MANIFEST_FILE).exists():
+        try:
+            # a run whose process is gone already reads as failed (run.process_gone)
+            m = RunManifest.load(run_dir)
+            status, error = m.status or C.STATUS_FAILED, m.error
+            pid = m.pid or pid
+        except TracepropError as e:
+            status, error = C.STATUS_FAILED, str(e)
+    elif launch:
+        alive = process_alive(pid)
+        status = "starting" if alive else C.STATUS_FAILED
+        if not alive:
+            error = "the training process exited before it created the run (see the log)"
+    prog = read_progress(run_dir, last=1)
+    last = prog[-1] if prog else {}
+    tail = log_tail(run_dir) if status in (C.STATUS_FAILED, C.STATUS_CANCELLED) else ""
+    return JobState(
+        run_dir=run_dir,
+        status=status,
+        pid=pid,
+        step=int(last.get("step", 0)),
+        total=int(last.get("total", 0)),
+        loss=last.get("loss"),
+        eta_s=last.get("eta_s"),
+        examples_per_s=last.get("examples_per_s"),
+        error=error,
+        log_tail=tail,
+    )
+
+
+def active_job(cfg: AppConfig) -> JobState | None:
+    """The user run that is training now (one job at a time), or None."""
+    root = cfg.runs_root
+    candidates = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and ((p / LAUNCH_FILE).exists() or (p / C.MANIFEST_FILE).exists())
+    ]
+    for p in sorted(candidates, key=lambda q: q.stat().st_mtime, reverse=True):
+        s = job_state(p)
+        if s.running:
+            return s
+    return None
+
+
+def new_run_dir(cfg: AppConfig, name: str = "") -> Path:
+    base = sanitize_name(name, default="") if name else ""
+    base = base or time.strftime("run-%Y%m%d-%H%M%S")
+    p = cfg.runs_root / base
+    i = 2
+    while p.exists():
+        p = cfg.runs_root / f"{base}-{i}"
+        i += 1
+    return p
+
+
+def start_job(cfg: AppConfig, spec: LaunchSpec, name: str = "") -> JobState:
+    """Start ``traceprop train`` in its own process group, logging to RUN/train.log.
+
+    Raises:
+        JobError: another job is running, or the spec is invalid.
+    """
+    running = active_job(cfg)
+    if running is not None:
+        raise JobError(
+            f"a training job is already running ({running.run_dir.name}); wait for it or cancel it first"
+        )
+    errs = spec.errors()
+    if errs:
+        raise JobError("; ".join(errs))
+    run_dir = new_run_dir(cfg, name)
+    run_dir.mkdir(parents=True)
+    cmd = spec.command(run_dir)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "1"}
+    with open(run_dir / C.LOG_FILE, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=str(REPO),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    (run_dir / LAUNCH_FILE).write_text(
+        json.dumps({"pid": proc.pid, "command": cmd, "started": time.time()}, indent=2)
+    )
+    return job_state(run_dir)
+
+
+def cancel_job(run_dir: str | os.PathLike) -> bool:
+    """SIGTERM the job's process group (training stops at the next step, status 'cancelled').
+
+    Returns:
+        True if a signal was sent, False if the job was not running.
+    """
+    s = job_state(run_dir)
+    if not s.running or not s.pid:
+        return False
+    try:
+        os.killpg(os.getpgid(s.pid), signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_job(run_dir: str | os.PathLike, timeout_s: float = 120.0, poll_s: float = 0.2) -> JobState:
+    """Poll until the job is no longer running (or the timeout passes)."""
+    end = time.monotonic() + timeout_s
+    s = job_state(run_dir)
+    while s.running and time.monotonic() < end:
+        time.sleep(poll_s)
+        s = job_state(run_dir)
+    return s

@@ -1,0 +1,189 @@
+"""The Launch page's data: a tracked fine-tune as the form describes it, and the measured quality
+of tracking configurations."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.settings import TrackSettings, TrainSettings
+
+_TRACK_DEFAULTS = TrackSettings()
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A tracked fine-tune, as the Launch form describes it."""
+
+    data: Path
+    eval_data: Path | None = None
+    model: str = "tiny"
+    task: str = "causal-lm"
+    lora_rank: int = 0
+    epochs: int = 1
+    lr: float = 3e-3
+    batch_size: int = 8
+    max_length: int = 64
+    scope: str = "all"
+    k_in: int = _TRACK_DEFAULTS.k_in
+    k_out: int = _TRACK_DEFAULTS.k_out
+    rank: int = _TRACK_DEFAULTS.rank
+    sketch: str = "factored"
+    covariance: bool = True
+    seed: int = 0
+    tiny_layers: int = 2
+    tiny_width: int = 64
+    extra: tuple[str, ...] = field(default_factory=tuple)
+
+    def errors(self) -> list[str]:
+        """Every problem with the spec, each a sentence saying how to fix it (empty: valid).
+
+        The bounds of the numbers are those of :class:`TrainSettings` and :class:`TrackSettings`
+        (their ConfigError messages, as ``traceprop train`` would report them); this adds what
+        only the app knows: the data must exist and the packaged models train one task each.
+        """
+        e = []
+        if not Path(self.data).exists():
+            e.append(f"the training data {self.data} does not exist")
+        if self.eval_data is not None and not Path(self.eval_data).exists():
+            e.append(f"the eval data {self.eval_data} does not exist")
+        if self.model == "minilm" and self.task != "classification":
+            e.append(
+                "the minilm encoder only trains the classification task: pick task 'classification'"
+            )
+        if self.model == "tiny" and self.task == "classification":
+            e.append(
+                "the tiny model is a causal LM: use minilm (or a local classifier directory) for classification"
+            )
+        for build in (self._track_settings, self._train_settings):
+            try:
+                build()
+            except ConfigError as ex:
+                e.append(str(ex))
+        return e
+
+    def _track_settings(self) -> TrackSettings:
+        return TrackSettings(
+            scope=self.scope,
+            k_in=self.k_in,
+            k_out=self.k_out,
+            rank=self.rank,
+            sketch=self.sketch,
+            covariance=self.covariance,
+        )
+
+    def _train_settings(self) -> TrainSettings:
+        # out is chosen at start (new_run_dir); the tracking settings are checked on their own
+        return TrainSettings(
+            data=str(self.data),
+            out="",
+            model=self.model,
+            task=self.task,
+            eval_data=None if self.eval_data is None else str(self.eval_data),
+            epochs=self.epochs,
+            lr=self.lr,
+            batch_size=self.batch_size,
+            max_length=self.max_length,
+            lora_rank=self.lora_rank,
+            seed=self.seed,
+            track=None,
+            tiny_layers=self.tiny_layers,
+            tiny_width=self.tiny_width,
+        )
+
+    def command(self, run_dir: Path) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "traceprop_engine",
+            "train",
+            "--data",
+            str(self.data),
+            "--out",
+            str(run_dir),
+            "--model",
+            self.model,
+            "--task",
+            self.task,
+            "--epochs",
+            str(self.epochs),
+            "--lr",
+            str(self.lr),
+            "--batch-size",
+            str(self.batch_size),
+            "--max-length",
+            str(self.max_length),
+            "--lora-rank",
+            str(self.lora_rank),
+            "--scope",
+            self.scope,
+            "--k-in",
+            str(self.k_in),
+            "--k-out",
+            str(self.k_out),
+            "--rank",
+            str(self.rank),
+            "--sketch",
+            self.sketch,
+            "--seed",
+            str(self.seed),
+        ]
+        if self.eval_data is not None:
+            cmd += ["--eval-data", str(self.eval_data)]
+        if not self.covariance:
+            cmd.append("--no-covariance")
+        if self.model == "tiny":
+            cmd += ["--tiny-layers", str(self.tiny_layers), "--tiny-width", str(self.tiny_width)]
+        return cmd + list(self.extra)
+
+
+def measured_configurations() -> pl.DataFrame:
+    """The measured quality, overhead and bytes of the tracking configurations (empty when the
+    table is absent), with the Pareto front marked: what the Launch page shows before a run."""
+    from traceprop_engine.evaluate.pareto import front, load_measured
+
+    try:
+        sets, rows = load_measured()
+    except ConfigError:
+        return pl.DataFrame()
+    on_front = {r.name for r in front(rows)}
+    return pl.DataFrame(
+        [
+            {
+                "configuration": r.name + (" (default)" if r.default else ""),
+                **{f"LDS {d}": round(r.lds[d], 3) for d in sets},
+                "mean LDS": round(r.lds_mean, 3),
+                "overhead %": round(r.overhead_pct, 1),
+                "bytes / example": int(r.bytes_per_example),
+                "on the front": r.name in on_front,
+            }
+            for r in sorted(rows, key=lambda r: -r.lds_mean)
+        ]
+    )
+
+
+def assess_configuration(spec: LaunchSpec) -> str:
+    """One sentence on the measured quality of a Launch configuration (or that it was not
+    measured), saying when another measured configuration dominates it."""
+    from traceprop_engine.evaluate.pareto import assess
+
+    track = {**TrackSettings().to_dict(), "k_in": spec.k_in, "k_out": spec.k_out}
+    track["rank"] = spec.rank
+    hit = assess(track)
+    if hit is None:
+        return (
+            f"k_in={spec.k_in}, k_out={spec.k_out}, rank={spec.rank}: not measured "
+            "(benchmarks/EVAL.md lists the measured configurations)"
+        )
+    m = hit["measured"]
+    text = (
+        f"{m.name}: mean LDS {m.lds_mean:.2f}, overhead {m.overhead_pct:+.1f} %, "
+        f"{m.bytes_per_example:.0f} bytes per example (measured, benchmarks/EVAL.md)"
+    )
+    if hit["dominated_by"]:
+        text += ". Dominated by: " + ", ".join(hit["dominated_by"])
+    return text

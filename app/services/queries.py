@@ -1,0 +1,124 @@
+"""The Influencers page's data: cached engine handles and queries, each serialised per run.
+
+An opened run is one HDF5 handle shared by every session of the app (``st.cache_resource``);
+h5py handles are not safe to read from two threads, so every read of an opened run here holds
+that run's lock: queries, the example table, overviews and token reads alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import polars as pl
+import streamlit as st
+
+from traceprop_engine import constants as C
+from traceprop_engine.attribution import overview
+
+from .runs import step_times
+
+
+def manifest_mtime(run_dir: str | os.PathLike) -> float:
+    p = Path(run_dir) / C.MANIFEST_FILE
+    return p.stat().st_mtime if p.exists() else 0.0
+
+
+@st.cache_resource(max_entries=8, show_spinner="Opening the run…")
+def _open_run(run_dir: str, mtime: float):
+    from traceprop_engine.attribution.query import open_run
+
+    return open_run(run_dir), threading.Lock()
+
+
+def open_cached(run_dir: str | os.PathLike):
+    """``(AttributionRun, lock)`` cached per run path + manifest mtime; the lock serialises queries."""
+    return _open_run(str(Path(run_dir).resolve()), manifest_mtime(run_dir))
+
+
+def query_overview(run_dir: str | os.PathLike) -> overview.RunOverview:
+    """Run id, task, records, tracked layers, notes and the usable preconditioners of a run.
+
+    Raises:
+        TracepropError: the run cannot be opened for queries.
+    """
+    run, lock = open_cached(run_dir)
+    with lock:
+        return overview.describe(run)
+
+
+@st.cache_resource(max_entries=8, show_spinner=False)
+def cached_tokenizer(run_dir: str):
+    try:
+        from transformers import AutoTokenizer
+
+        info = Path(run_dir) / C.MODEL_DIR / "traceprop_model.json"
+        if info.exists() and json.loads(info.read_text()).get("tokenizer") is False:
+            return None  # a run finished without a tokenizer: show token ids
+        return AutoTokenizer.from_pretrained(str(Path(run_dir) / C.MODEL_DIR))
+    except (OSError, ValueError):
+        return None
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def cached_examples(run_dir: str, mtime: float, split: str | None = None) -> pl.DataFrame:
+    run, lock = open_cached(run_dir)
+    with lock:
+        ex = run.examples()
+    return ex if split is None else ex.filter(pl.col("split") == split)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def cached_step_times(run_dir: str, mtime: float) -> pl.DataFrame:
+    return step_times(Path(run_dir))
+
+
+def run_query(
+    run_dir: str | os.PathLike,
+    *,
+    prompt=None,
+    completion=None,
+    eval_example=None,
+    label=None,
+    top_k: int = 10,
+    preconditioner: str = C.DEFAULT_PRECONDITIONER,
+):
+    """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run)."""
+    from traceprop_engine.settings import IndexSettings
+
+    run, lock = open_cached(run_dir)
+    s = IndexSettings(preconditioner=preconditioner)
+    with lock:
+        res = run.query(
+            prompt, completion, eval_example=eval_example, label=label, top_k=top_k, settings=s
+        )
+        by_source = run.influence_by_source(res, s)
+    return res, by_source
+
+
+def layer_scores_table(layer_scores: str) -> pl.DataFrame:
+    d = json.loads(layer_scores or "{}")
+    return pl.DataFrame({"layer": list(d), "score": [float(v) for v in d.values()]})
+
+
+def decode_tokens(run_dir: Path, ids, loss_mask) -> str:
+    """Tokens as text, the trained-on (loss) tokens in ⟦brackets⟧; ids when no tokenizer loads."""
+    tok = cached_tokenizer(str(run_dir))
+    out = []
+    for t, m in zip(ids.tolist(), loss_mask.tolist(), strict=True):
+        piece = tok.decode([t]) if tok is not None else str(t)
+        out.append(f"⟦{piece}⟧" if m else piece)
+    return ("" if tok is not None else "ids: ") + (
+        "".join(out) if tok is not None else " ".join(out)
+    )
+
+
+def example_tokens_text(run_dir: str | os.PathLike, example_id: int) -> str:
+    """The tokens training example ``example_id`` was trained on, as :func:`decode_tokens` shows
+    them (read from the store under the run's lock)."""
+    run, lock = open_cached(run_dir)
+    with lock:
+        ids, mask = overview.example_tokens(run, example_id)
+    return decode_tokens(Path(run_dir), ids, mask)
