@@ -33,7 +33,7 @@ from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError, TracepropError
 from ..run import library_versions, new_run_id, now, read_manifest, write_manifest
 from ..settings import TrainSettings
-from . import distributed
+from . import distributed, fsdp
 from .data import Example, hash_files, load_examples, split_eval
 from .losses import example_losses
 from .models import (
@@ -212,7 +212,7 @@ def train(
     """
     run_dir = Path(settings.out)
     # WORLD_SIZE > 1 (torchrun): join the process group; rank 0 owns the run directory
-    dist_ctx, dist_device = distributed.setup(resolve_device(settings.device))
+    dist_ctx, dist_device = distributed.setup(resolve_device(settings.device), settings.parallel)
     lock_fd = None
     try:
         if dist_ctx.is_main:
@@ -241,6 +241,8 @@ def train(
     }
     if dist_ctx.enabled:
         manifest["distributed"] = {"world_size": dist_ctx.world_size, "backend": dist_ctx.backend}
+        if dist_ctx.fsdp:
+            manifest["distributed"]["parallel"] = "fsdp"
         if settings.track is not None:
             manifest["shards"] = dist_ctx.shard_files
 
@@ -307,6 +309,8 @@ def train(
                 max_length=settings.max_length,
             )
             if settings.lora_rank > 0:
+                if dist_ctx.fsdp:
+                    raise ConfigError("--parallel fsdp with --lora-rank is not supported yet")
                 apply_lora(loaded, settings.lora_rank, settings.lora_targets)
             if settings.threads > 0:
                 torch.set_num_threads(settings.threads)
@@ -356,7 +360,9 @@ def train(
                 tracker.capture.attach()
                 manifest["tracking"] = tracker.tracking_manifest()
             write_run_json()
-            forward = dist_ctx.wrap(model, device)  # DDP when WORLD_SIZE > 1, else the model itself
+            # DDP when WORLD_SIZE > 1, else the model itself; FSDP shards `model` in place (the
+            # hooks' Linear modules stay, their weights become DTensor shards between steps)
+            forward = dist_ctx.wrap(model, device)
             # -- loop -----------------------------------------------------------------------
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -488,15 +494,17 @@ def train(
             }
             if stop.requested:
                 manifest["cancel_reason"] = stop.reason
+            # a sharded model's forward and state dict are collectives: every rank takes part
+            eval_loss = (
+                _eval_loss(model, encoded[n_train:], pad_id, task, device, settings.batch_size)
+                if dist_ctx.is_main or dist_ctx.fsdp
+                else None
+            )
+            full_state = fsdp.full_state_dict(model) if dist_ctx.fsdp else None
             if dist_ctx.is_main:
-                manifest["metrics"] = {
-                    "last_train_loss": last_loss,
-                    "eval_loss": _eval_loss(
-                        model, encoded[n_train:], pad_id, task, device, settings.batch_size
-                    ),
-                }
+                manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": eval_loss}
                 model.eval()
-                info = _save_model_atomically(loaded, run_dir)
+                info = _save_model_atomically(loaded, run_dir, full_state)
                 manifest["model"]["fingerprint"] = info["fingerprint"]
                 manifest["model"]["saved"] = C.MODEL_DIR
     except KeyboardInterrupt:
@@ -573,7 +581,7 @@ def _disk_full(e: BaseException) -> OSError | None:
     return None
 
 
-def _save_model_atomically(loaded, run_dir: Path) -> dict:
+def _save_model_atomically(loaded, run_dir: Path, state_dict: dict | None = None) -> dict:
     """Save to RUN/.model.tmp, then rename to RUN/model: an interrupted save leaves no model/."""
     tmp, final = run_dir / _MODEL_TMP, run_dir / C.MODEL_DIR
     for p in (tmp, final):
@@ -581,7 +589,7 @@ def _save_model_atomically(loaded, run_dir: Path) -> dict:
             raise RunError(f"{p} is a symbolic link; Traceprop does not write through links")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        info = save_model(loaded, tmp)
+        info = save_model(loaded, tmp, state_dict=state_dict)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
