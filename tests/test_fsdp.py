@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,9 +25,10 @@ from traceprop_engine.training.distributed import shard_file
 from traceprop_engine.training.loop import train
 
 # The tolerance of FSDP vs one process: two ranks reduce-scatter gradients in another order than
-# one process sums them (fp32 round-off), grown a little by a few Adam steps; the same as DDP's.
-RTOL = 1e-3
-ATOL_REL = 1e-4
+# one process sums them: fp32 round-off, grown a little by a few Adam steps (measured: 4e-7 of
+# the largest sketch entry; these bounds leave a margin of ~25x).
+RTOL = 1e-4
+ATOL_REL = 1e-5
 WORLD = 2
 TRACK = TrackSettings(k_in=4, k_out=4, rank=0, covariance_stride=1)
 
@@ -126,7 +128,8 @@ def test_fsdp_saved_model_equals_the_one_process_model(runs):
     b = load_file(out / "model" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=RTOL, atol=1e-5, msg=k)
+        # Adam turns round-off in near-zero gradients into steps of up to lr: measured 7e-6
+        torch.testing.assert_close(b[k], a[k], rtol=RTOL, atol=1e-4, msg=k)
 
 
 def test_fsdp_run_answers_a_query(runs):
@@ -143,3 +146,55 @@ def test_fsdp_run_answers_a_query(runs):
     assert b.height == a.height == 10
     assert b["example_id"].to_list() == a["example_id"].to_list()
     np.testing.assert_allclose(b["score"].to_numpy(), a["score"].to_numpy(), rtol=1e-2)
+
+
+USER_LOOP = Path(__file__).with_name("fsdp_user_loop.py")
+
+
+@pytest.fixture(scope="module")
+def user_runs(tmp_path_factory):
+    """docs/scaling.md's own loop: fully_shard, then a Tracker per rank, then finish_sharded."""
+    root = tmp_path_factory.mktemp("fsdp_user")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.run(
+        [sys.executable, str(USER_LOOP), str(root / "single")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    _torchrun([str(USER_LOOP), str(root / "fsdp")])
+    return root / "single", root / "fsdp"
+
+
+def test_user_loop_under_fsdp_equals_one_process(user_runs):
+    from traceprop_engine.attribution.query import open_run
+
+    single, out = user_runs
+    m, m1 = read_manifest(out), read_manifest(single)
+    assert m["status"] == "completed" and m["shards"] == [shard_file(r) for r in range(WORLD)]
+    # a Tracker built on DTensor weights sizes its layers from the unsharded widths
+    assert m["tracking"]["layers"] == m1["tracking"]["layers"]
+    one, sharded = Store(single / "store.h5"), open_run_store(out)
+    assert sharded.n_records == one.n_records == 16
+    r1, o1 = _sorted(one)
+    r2, o2 = _sorted(sharded)
+    np.testing.assert_array_equal(r1["example_index"][o1], r2["example_index"][o2])
+    for li in range(len(one.layers)):
+        y = one.sketches(li)[o1]
+        np.testing.assert_allclose(
+            sharded.sketches(li)[o2], y, rtol=RTOL, atol=ATOL_REL * np.abs(y).max()
+        )
+    query = dict(input_ids=[1, 4, 7, 0], labels=[-100, 4, 7, 0])
+    scores = {}
+    for name, run_dir in (("single", single), ("fsdp", out)):
+        run = open_run(run_dir)
+        try:
+            scores[name] = run.scores(**query)
+        finally:
+            run.close()
+    assert scores["fsdp"].shape == (8,)
+    np.testing.assert_allclose(scores["fsdp"], scores["single"], rtol=1e-2, atol=1e-6)
