@@ -204,8 +204,8 @@ def test_truncated_classification_inputs_are_counted_in_the_notes(tmp_path, capl
 def test_an_interrupt_during_the_final_save_leaves_no_model(data, tmp_path, monkeypatch):
     real = run_dir_mod.save_model
 
-    def save_then_second_ctrl_c(loaded, out):
-        real(loaded, out)  # the files are written, the rename has not happened yet
+    def save_then_second_ctrl_c(loaded, out, **kw):
+        real(loaded, out, **kw)  # the files are written, the rename has not happened yet
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run_dir_mod, "save_model", save_then_second_ctrl_c)

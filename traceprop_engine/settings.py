@@ -182,6 +182,7 @@ class TrainSettings:
     threads: int = 0
     device: str = "auto"
     max_steps: int = 0
+    parallel: str = "ddp"  # several processes (torchrun): "ddp" or "fsdp" (FSDP2 fully_shard)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))
@@ -196,6 +197,7 @@ class TrainSettings:
             "tiny_width": self.tiny_width >= 8 and self.tiny_width % 4 == 0,
             "tiny_vocab": self.tiny_vocab >= 300,
             "max_steps": self.max_steps >= 0,
+            "parallel": self.parallel in ("ddp", "fsdp"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -203,7 +205,8 @@ class TrainSettings:
             raise ConfigError(
                 f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
                 "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_layers >= 1, "
-                "tiny_width >= 8 and a multiple of 4, tiny_vocab >= 300, max_steps >= 0)"
+                "tiny_width >= 8 and a multiple of 4, tiny_vocab >= 300, max_steps >= 0, "
+                "parallel ddp or fsdp)"
             )
 
     def to_dict(self) -> dict:

@@ -397,11 +397,15 @@ def make_run(
     data: dict | None = None,
     config: dict | None = None,
     extra: dict | None = None,
+    state_dict: dict | None = None,
+    shards: Sequence[str] | None = None,
 ) -> Path:
     """Save ``model`` (+ tokenizer) to ``RUN/model`` and write ``RUN/run.json`` beside ``RUN/store.h5``.
 
     Shared by :meth:`Tracker.finish` and ``integrations.hf_trainer.finish_run``; ``extra``
-    adds manifest sections (``tracking``, ``timings``, ``store``...).
+    adds manifest sections (``tracking``, ``timings``, ``store``...). ``shards`` names the
+    per-rank store files of a multi-process run (instead of ``store.h5``); ``state_dict`` is the
+    full state dict to save for a model whose own parameters are sharded (FSDP).
 
     Raises:
         ConfigError: no ``store.h5`` in ``run_dir``; a model without ``save_pretrained``; bad task.
@@ -410,9 +414,11 @@ def make_run(
     from ..training.models import LoadedModel, count_parameters, quiet_hf, save_model
 
     run_dir = Path(run_dir)
-    if not (run_dir / C.STORE_FILE).exists():
+    missing = [s for s in (shards or [C.STORE_FILE]) if not (run_dir / s).exists()]
+    if missing:
         raise ConfigError(
-            f"{run_dir} has no {C.STORE_FILE}: build the Tracker with store path {run_dir}/{C.STORE_FILE}"
+            f"{run_dir} has no {missing[0]}: build the Tracker with store path {run_dir}/{C.STORE_FILE}"
+            + (" (rank_store_path for each rank)" if shards else "")
         )
     if task not in ("causal-lm", "classification"):
         raise ConfigError(f"task must be one of 'causal-lm', 'classification', got {task!r}")
@@ -434,7 +440,7 @@ def make_run(
     n_params, n_trainable = count_parameters(model)
     model.eval()
     with quiet_hf():
-        info = save_model(loaded, run_dir / C.MODEL_DIR)
+        info = save_model(loaded, run_dir / C.MODEL_DIR, state_dict=state_dict)
     manifest = {
         "run_id": new_run_id(),
         "status": status,
@@ -455,6 +461,7 @@ def make_run(
             "trainable": n_trainable,
         },
         "store": {"file": C.STORE_FILE},
+        **({"shards": list(shards)} if shards else {}),
         **(extra or {}),
     }
     write_manifest(run_dir, manifest)

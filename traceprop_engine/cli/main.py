@@ -147,6 +147,12 @@ def _add_train(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="under torchrun: DistributedDataParallel, or FSDP2 fully_shard (docs/scaling.md)",
+    )
+    p.add_argument(
         "--max-steps", type=int, default=0, help="stop after this many steps (0 = all epochs)"
     )
     p.add_argument("--tiny-layers", type=int, default=4, help="layers of the tiny model")
@@ -198,6 +204,7 @@ def _cmd_train(a) -> int:
         track=track,
         threads=a.threads,
         device=a.device,
+        parallel=a.parallel,
         max_steps=a.max_steps,
         tiny_layers=a.tiny_layers,
         tiny_width=a.tiny_width,

@@ -1,4 +1,4 @@
-"""Multi-process (DDP) training: one process per device, one store shard per rank.
+"""Multi-process (DDP or FSDP) training: one process per device, one store shard per rank.
 
 ``torchrun --nproc_per_node N -m traceprop_engine train ...`` (or any launcher that sets
 ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``) makes
@@ -19,6 +19,10 @@ run before that and see the local ``∂L_local/∂y``. The local loss is
 ``L_local = Σ_{i∈local} ℓ_i · W / B_global`` (``W`` ranks), so that DDP's average is exactly the
 global mean ``Σ_i ℓ_i / B_global`` even when the last global batch does not split evenly, and the
 hooks' loss scale is ``B_global / W`` (= the local batch size when the split is even).
+
+``--parallel fsdp`` shards the model with FSDP2's ``fully_shard`` instead
+(:mod:`traceprop_engine.training.fsdp`); everything above holds unchanged, since FSDP's
+reduce-scatter averages gradients over ranks as DDP does.
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ class DistContext:
     local_rank: int = 0
     backend: str = ""
     owns_group: bool = False
+    parallel: str = "ddp"  # or "fsdp": how wrap() distributes the model
+
+    @property
+    def fsdp(self) -> bool:
+        return self.enabled and self.parallel == "fsdp"
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +102,10 @@ class DistContext:
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if not self.enabled:
             return model
+        if self.parallel == "fsdp":  # in place: the model itself now runs sharded
+            from .fsdp import shard_model
+
+            return shard_model(model)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = (
@@ -148,8 +161,10 @@ class DistContext:
         )
 
 
-def setup(device: torch.device) -> tuple[DistContext, torch.device]:
+def setup(device: torch.device, parallel: str = "ddp") -> tuple[DistContext, torch.device]:
     """Join the process group named by the environment (no-op when ``WORLD_SIZE`` is 1).
+
+    ``parallel``: ``ddp`` or ``fsdp``, how :meth:`DistContext.wrap` distributes the model.
 
     Returns:
         The context and the device this rank trains on (``cuda:LOCAL_RANK`` for a CUDA run).
@@ -185,8 +200,11 @@ def setup(device: torch.device) -> tuple[DistContext, torch.device]:
         local_rank=local_rank,
         backend=dist.get_backend(),
         owns_group=owns,
+        parallel=parallel,
     )
-    log.info("rank %d of %d (%s) on %s", ctx.rank, ctx.world_size, ctx.backend, device)
+    log.info(
+        "rank %d of %d (%s, %s) on %s", ctx.rank, ctx.world_size, ctx.backend, parallel, device
+    )
     return ctx, device
 
 

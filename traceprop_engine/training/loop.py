@@ -28,7 +28,7 @@ from .. import constants as C
 from ..errors import ConfigError, RunError, TracepropError
 from ..run import now
 from ..settings import TrainSettings
-from . import distributed
+from . import distributed, fsdp
 from .prepare import Job, Prepared, load_data, new_manifest, prepare_model, start_tracker
 from .run_dir import disk_full, lock_run_dir, prepare_dir, save_model_atomically
 from .steps import eval_loss, train_steps
@@ -107,7 +107,7 @@ def train(
     """
     run_dir = Path(settings.out)
     # WORLD_SIZE > 1 (torchrun): join the process group; rank 0 owns the run directory
-    dist_ctx, dist_device = distributed.setup(resolve_device(settings.device))
+    dist_ctx, dist_device = distributed.setup(resolve_device(settings.device), settings.parallel)
     lock_fd = _open_run_dir(run_dir, overwrite, dist_ctx)
     stop = stop or StopFlag()
     job = Job(settings, run_dir, dist_ctx, new_manifest(settings, dist_ctx), lock_fd)
@@ -135,7 +135,8 @@ def train(
             status = C.STATUS_CANCELLED if stop.requested else C.STATUS_COMPLETED
             if stop.requested:
                 job.manifest["cancel_reason"] = stop.reason
-            if dist_ctx.is_main:
+            # a sharded (FSDP) model's forward and state dict are collectives: every rank joins
+            if dist_ctx.is_main or dist_ctx.fsdp:
                 _save_results(job, prep, last_loss)
     except KeyboardInterrupt:
         status = C.STATUS_CANCELLED
@@ -178,20 +179,22 @@ def _open_run_dir(run_dir: Path, overwrite: bool, dist_ctx: distributed.DistCont
 
 
 def _save_results(job: Job, prep: Prepared, last_loss: float) -> None:
-    """Rank 0: the metrics (last train loss, eval loss) and the model, saved atomically."""
-    job.manifest["metrics"] = {
-        "last_train_loss": last_loss,
-        "eval_loss": eval_loss(
-            prep.model,
-            prep.encoded[prep.n_train :],
-            prep.pad_id,
-            prep.task,
-            prep.device,
-            job.settings.batch_size,
-        ),
-    }
+    """The metrics (last train loss, eval loss) and the model, saved atomically by rank 0. Under
+    FSDP every rank calls this: the eval forward and the full-state gather are collectives."""
+    loss = eval_loss(
+        prep.model,
+        prep.encoded[prep.n_train :],
+        prep.pad_id,
+        prep.task,
+        prep.device,
+        job.settings.batch_size,
+    )
+    full_state = fsdp.full_state_dict(prep.model) if job.dist.fsdp else None
+    if not job.dist.is_main:
+        return
+    job.manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": loss}
     prep.model.eval()
-    info = save_model_atomically(prep.loaded, job.run_dir)
+    info = save_model_atomically(prep.loaded, job.run_dir, full_state)
     job.manifest["model"]["fingerprint"] = info["fingerprint"]
     job.manifest["model"]["saved"] = C.MODEL_DIR
 

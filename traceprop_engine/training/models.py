@@ -188,12 +188,21 @@ def apply_lora(loaded: LoadedModel, rank: int, targets: str = "all-linear") -> L
     return loaded
 
 
-def save_model(loaded: LoadedModel, out: Path) -> dict:
-    """``save_pretrained`` the model (peft: the adapter, plus the base when it was built here)."""
+def save_model(loaded: LoadedModel, out: Path, state_dict: dict | None = None) -> dict:
+    """``save_pretrained`` the model (peft: the adapter, plus the base when it was built here).
+
+    ``state_dict``: the gathered full state dict of an FSDP-sharded model (its own parameters
+    are ``DTensor`` shards); saved under the model's pre-sharding class name.
+    """
+    from .fsdp import plain_class
+
     out.mkdir(parents=True, exist_ok=True)
     m = loaded.model
     is_peft = hasattr(m, "peft_config")
-    m.save_pretrained(out)
+    if state_dict is not None and is_peft:
+        raise ConfigError("saving a sharded (FSDP) peft model is not supported")
+    with plain_class(m):
+        m.save_pretrained(out, state_dict=state_dict)
     if loaded.tokenizer is not None:  # a run may have none: it is then queried by token ids
         loaded.tokenizer.save_pretrained(out)
     info = {"task": loaded.task, "source": loaded.source, "peft": is_peft, "labels": loaded.labels}

@@ -88,6 +88,8 @@ def new_manifest(settings: TrainSettings, dist_ctx: distributed.DistContext) -> 
     }
     if dist_ctx.enabled:
         manifest["distributed"] = {"world_size": dist_ctx.world_size, "backend": dist_ctx.backend}
+        if dist_ctx.fsdp:
+            manifest["distributed"]["parallel"] = "fsdp"
         if settings.track is not None:
             manifest["shards"] = dist_ctx.shard_files
     return manifest
@@ -143,6 +145,8 @@ def prepare_model(
         max_length=settings.max_length,
     )
     if settings.lora_rank > 0:
+        if job.dist.fsdp:
+            raise ConfigError("--parallel fsdp with --lora-rank is not supported yet")
         apply_lora(loaded, settings.lora_rank, settings.lora_targets)
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)

@@ -98,7 +98,7 @@ def prepare_dir(run_dir: Path, overwrite: bool) -> None:
         raise RunError(f"cannot clear the old run in {run_dir} ({e}); remove it yourself") from None
 
 
-def save_model_atomically(loaded, run_dir: Path) -> dict:
+def save_model_atomically(loaded, run_dir: Path, state_dict: dict | None = None) -> dict:
     """Save to RUN/.model.tmp, then rename to RUN/model: an interrupted save leaves no model/."""
     tmp, final = run_dir / _MODEL_TMP, run_dir / C.MODEL_DIR
     for p in (tmp, final):
@@ -106,7 +106,7 @@ def save_model_atomically(loaded, run_dir: Path) -> dict:
             raise RunError(f"{p} is a symbolic link; Traceprop does not write through links")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        info = save_model(loaded, tmp)
+        info = save_model(loaded, tmp, state_dict=state_dict)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

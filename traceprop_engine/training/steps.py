@@ -36,7 +36,9 @@ def train_steps(
     that is not finite fails the run (it diverged). Writes run.json's ``timings``.
     """
     settings, dist_ctx, device = job.settings, job.dist, prep.device
-    forward = dist_ctx.wrap(prep.model, device)  # DDP when WORLD_SIZE > 1, else the model itself
+    # DDP when WORLD_SIZE > 1, else the model itself; FSDP shards the model in place (the hooks'
+    # Linear modules stay, their weights become DTensor shards between steps)
+    forward = dist_ctx.wrap(prep.model, device)
     params = [p for p in prep.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     steps_per_epoch = (
