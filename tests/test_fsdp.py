@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 from helpers import FAST, facts_data, fast_settings
-from traceprop_engine.store.hdf5 import ShardedStore, open_run_store
 
 from traceprop_engine import Store
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
+from traceprop_engine.store.sharded import ShardedStore, open_run_store
 from traceprop_engine.training.distributed import shard_file
 from traceprop_engine.training.loop import train
 
@@ -115,9 +115,14 @@ def test_fsdp_shards_equal_the_one_process_store(runs):
             x, y, rtol=RTOL, atol=ATOL_REL * np.abs(y).max(), err_msg=one.layers[li].name
         )
         c1, c2 = one.covariance(li), sharded.covariance(li)
-        assert c1["n_tokens"] == c2["n_tokens"]
+        assert c1.n_tokens == c2.n_tokens
         for k in ("A", "S"):
-            np.testing.assert_allclose(c2[k], c1[k], rtol=RTOL, atol=ATOL_REL * np.abs(c1[k]).max())
+            np.testing.assert_allclose(
+                getattr(c2, k),
+                getattr(c1, k),
+                rtol=RTOL,
+                atol=ATOL_REL * np.abs(getattr(c1, k)).max(),
+            )
 
 
 def test_fsdp_saved_model_equals_the_one_process_model(runs):
