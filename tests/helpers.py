@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from traceprop_engine import Store, Tracker
-from traceprop_engine.capture.hooks import build_layers
+from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.settings import TrackSettings, TrainSettings
 from traceprop_engine.training.losses import causal_lm_losses

@@ -21,7 +21,8 @@ from helpers import (
 from peft import LoraConfig, get_peft_model
 
 from traceprop_engine import RunError, Store, Tracker, TrackSettings
-from traceprop_engine.capture.hooks import Capture, build_layers
+from traceprop_engine.capture.hooks import Capture
+from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.training.losses import causal_lm_losses, classification_losses
 
 

@@ -19,7 +19,7 @@ from helpers import (
 )
 
 from traceprop_engine import TrackSettings
-from traceprop_engine.capture.hooks import build_layers
+from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.training.losses import causal_lm_losses
 
 # subspace iteration against LAPACK's SVD, on records with a clear spectral gap

@@ -13,7 +13,7 @@ from helpers import causal_batch, record_causal_step, tiny_neox
 
 from traceprop_engine import ConfigError, RunError, Store, Tracker, TrackSettings
 from traceprop_engine import constants as C
-from traceprop_engine.capture.hooks import build_layers
+from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.training.losses import causal_lm_losses
 
 SETTINGS = TrackSettings(k_in=4, k_out=4, rank=0)

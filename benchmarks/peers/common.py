@@ -68,7 +68,7 @@ def make_batch(seed: int = 0, n: int | None = None):
 
 
 def linear_names(model) -> list[str]:
-    from traceprop_engine.capture.hooks import find_layers
+    from traceprop_engine.capture.layers import find_layers
 
     return [n for n, _ in find_layers(model, "all")]
 

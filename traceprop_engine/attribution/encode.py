@@ -16,7 +16,8 @@ import polars as pl
 import torch
 
 from .. import constants as C
-from ..capture.hooks import Capture, TrackedLayer
+from ..capture.hooks import Capture
+from ..capture.layers import TrackedLayer
 from ..errors import ModelMismatchError, QueryError, RunError
 from ..settings import SketchKind
 from ..training.examples import Example

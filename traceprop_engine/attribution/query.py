@@ -25,7 +25,7 @@ import numpy as np
 import polars as pl
 
 from .. import constants as C
-from ..capture.hooks import TrackedLayer
+from ..capture.layers import TrackedLayer
 from ..errors import QueryError, RunError
 from ..run import read_manifest
 from ..settings import IndexSettings

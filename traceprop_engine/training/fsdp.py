@@ -142,7 +142,7 @@ def finish_sharded(
     """
     import torch.distributed as dist
 
-    from ..capture.tracker import make_run
+    from ..capture.finish import make_run
 
     if not tracker._closed:
         tracker.close(C.STATUS_COMPLETED)

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from ..capture.tracker import Tracker, make_run
+from ..capture.finish import make_run
+from ..capture.tracker import Tracker
 from ..errors import ConfigError
 from .losses import example_losses
 from .models import Encoded, collate

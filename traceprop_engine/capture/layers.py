@@ -1,0 +1,185 @@
+"""Which layers are tracked and how: :class:`TrackedLayer` (a Linear/Conv1D layer, its widths,
+projections and sketch kind), found by :func:`find_layers` and built by :func:`build_layers`
+from :class:`~traceprop_engine.settings.TrackSettings`; the capture hooks (hooks.py) and the
+query side (attribution/encode.py, :meth:`TrackedLayer.from_stored`) share it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..settings import FactorSpace, SketchKind, TrackSettings
+from .sketch import gaussian_projection, layer_seed, sparse_jl
+
+try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency
+    Conv1D = ()  # type: ignore[assignment]
+
+_BLOCK_RE = re.compile(r"\.(\d+)\.")
+
+
+@dataclass
+class TrackedLayer:
+    """One tracked layer: its module, widths, projections and running covariance."""
+
+    name: str
+    module: nn.Module
+    kind: str  # "linear" | "conv1d"
+    d_in: int
+    d_out: int
+    k_in: int
+    k_out: int
+    sketch: SketchKind
+    rank: int = 0  # stored as rank-r factors (0: the full record)
+    factor_dtype: str = "float32"  # storage dtype of the factors
+    full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
+    power_iters: int = 0
+    cov_stride: int = 1  # K-FAC statistics over every cov_stride-th token (full_factor layers)
+    P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
+    P_out: torch.Tensor | None = None  # (k_out, d_out)
+    dense_k: int = 0
+    dense_index: torch.Tensor | None = None  # (nnz, d_out*d_in)
+    dense_sign: torch.Tensor | None = None
+    # device-side working state
+    _P_in_T: torch.Tensor | None = field(default=None, repr=False)
+    _P_out_T: torch.Tensor | None = field(default=None, repr=False)
+    _dense_index: torch.Tensor | None = field(default=None, repr=False)
+    _dense_sign: torch.Tensor | None = field(default=None, repr=False)
+    A: torch.Tensor | None = field(default=None, repr=False)  # (k_in, k_in) float32 running sum
+    S: torch.Tensor | None = field(default=None, repr=False)  # (k_out, k_out)
+    a_tokens: torch.Tensor | None = field(
+        default=None, repr=False
+    )  # float64 tokens of masked batches
+    a_rows: int = 0  # tokens of unmasked batches (a host count: no device op per step)
+    _stack: list = field(default_factory=list, repr=False)
+    _fired: bool = False
+
+    @classmethod
+    def from_stored(
+        cls,
+        info,
+        module: nn.Module,
+        P_in: np.ndarray | None,
+        P_out: np.ndarray | None,
+        dense_projection: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> TrackedLayer:
+        """A layer a store describes (its ``LayerInfo``), on ``module`` of the rebuilt model.
+
+        For test-side sketches: the training run's projections (``P_in``, ``P_out``, and for a
+        dense layer its sparse JL ``(index, sign)``), so the query lives in the space of the
+        stored records; full ``(k_out, k_in)`` records (no rank-r factors), since the query is
+        scored against every stored form.
+        """
+        layer = cls(
+            name=info.name,
+            module=module,
+            kind=info.kind,
+            d_in=info.d_in,
+            d_out=info.d_out,
+            k_in=info.k_in,
+            k_out=info.k_out,
+            sketch=SketchKind(info.sketch),
+            P_in=None if P_in is None else torch.from_numpy(P_in),
+            P_out=None if P_out is None else torch.from_numpy(P_out),
+            dense_k=info.dense_k,
+        )
+        if dense_projection is not None:
+            idx, sign = dense_projection
+            layer.dense_index, layer.dense_sign = torch.from_numpy(idx), torch.from_numpy(sign)
+        return layer
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        """What the hooks write per example: ``(dense_k,)``, ``(k_out, k_in)``, or for
+        full-space factors ``(k_out + k_in, r)`` (``U`` rows, then ``V`` rows)."""
+        if self.sketch is SketchKind.DENSE:
+            return (self.dense_k,)
+        if self.full_factor:
+            return (self.k_out + self.k_in, self.rank)
+        return (self.k_out, self.k_in)
+
+
+def _widths(module: nn.Module) -> tuple[str, int, int]:
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    w = module.weight  # Conv1D: (d_in, d_out)
+    return "conv1d", int(w.shape[0]), int(w.shape[1])
+
+
+def find_layers(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Module]]:
+    """Trainable linear layers of ``model`` in module order, filtered by ``scope``.
+
+    A layer is tracked when it is an ``nn.Linear`` or a GPT-2 ``Conv1D`` whose weight requires
+    grad (so with peft LoRA, the ``lora_A``/``lora_B`` layers, not the frozen base layers).
+    """
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, Conv1D))
+        and getattr(m, "weight", None) is not None
+        and m.weight.requires_grad
+    ]
+    if scope == "all":
+        chosen = found
+    elif scope == "last-block":
+        blocks = [int(b.group(1)) for n, _ in found if (b := _BLOCK_RE.search("." + n + "."))]
+        if not blocks:
+            raise ConfigError(
+                "scope 'last-block' found no numbered blocks (names like 'layers.3.'); use a regex scope"
+            )
+        last = max(blocks)
+        chosen = [(n, m) for n, m in found if f".{last}." in f".{n}."]
+    else:
+        rx = re.compile(scope)
+        chosen = [(n, m) for n, m in found if rx.search(n)]
+    if not chosen:
+        names = ", ".join(n for n, _ in found[:12]) or "(none: no trainable linear layer)"
+        raise ConfigError(f"scope {scope!r} matches no trainable linear layer; layers are: {names}")
+    return chosen
+
+
+def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer]:
+    """Tracked layers with their seeded projections (k clamped to each side's width)."""
+    layers = []
+    for name, module in find_layers(model, settings.scope):
+        kind, d_in, d_out = _widths(module)
+        layer = TrackedLayer(
+            name=name,
+            module=module,
+            kind=kind,
+            d_in=d_in,
+            d_out=d_out,
+            k_in=min(settings.k_in, d_in),
+            k_out=min(settings.k_out, d_out),
+            sketch=settings.sketch,
+        )
+        if settings.sketch is SketchKind.DENSE:
+            layer.k_in, layer.k_out = d_in, d_out
+            layer.dense_k = settings.dense_k
+            layer.dense_index, layer.dense_sign = sparse_jl(
+                d_out * d_in,
+                settings.dense_k,
+                settings.dense_nnz,
+                layer_seed(settings.seed, name, "dense"),
+            )
+        else:
+            layer.P_in = gaussian_projection(
+                layer.k_in, d_in, layer_seed(settings.seed, name, "in")
+            )
+            layer.P_out = gaussian_projection(
+                layer.k_out, d_out, layer_seed(settings.seed, name, "out")
+            )
+            if settings.rank:
+                layer.rank = min(settings.rank, layer.k_out, layer.k_in)
+                layer.factor_dtype = settings.factor_dtype.value
+                layer.full_factor = settings.factor_space is FactorSpace.FULL
+                layer.power_iters = settings.power_iters
+                layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
+        layers.append(layer)
+    return layers
