@@ -20,7 +20,8 @@ from traceprop_engine.attribution.query import open_run
 from traceprop_engine.attribution.woodbury import fit_woodbury
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings
-from traceprop_engine.store.compact import FactorStore, compact_store
+from traceprop_engine.store.compact import compact_store
+from traceprop_engine.store.factor_file import FactorStore
 from traceprop_engine.store.reader import Store
 from traceprop_engine.store.writer import StoreWriter
 from traceprop_engine.training.loop import train

@@ -18,7 +18,8 @@ from traceprop_engine.attribution.precondition import (
 )
 from traceprop_engine.attribution.woodbury import fit_woodbury, truncated_svd
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
-from traceprop_engine.store.compact import FactorStore, compact_store, factorize_chunk
+from traceprop_engine.store.compact import compact_store, factorize_chunk
+from traceprop_engine.store.factor_file import FactorStore
 from traceprop_engine.store.format import Covariance
 from traceprop_engine.store.reader import Store
 from traceprop_engine.store.writer import StoreWriter

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import ConfigError, StoreError
-from ..store.compact import CHUNK, FactorStore
+from ..store.factor_file import CHUNK, FactorStore
 from ..store.reader import Store
 from .precondition import Preconditioner
 

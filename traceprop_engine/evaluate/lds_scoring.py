@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 def _factor_file(store, rank: int, run_dir: Path) -> Path:
     """``run_dir/factors-c{rank}.h5``, built from the run's store unless a valid one is there."""
     from ..errors import IndexStaleError, StoreError
-    from ..store.compact import FactorStore, compact_store, factor_file_name
+    from ..store.compact import compact_store
+    from ..store.factor_file import FactorStore, factor_file_name
 
     path = run_dir / factor_file_name(rank)
     if path.exists():
@@ -64,7 +65,7 @@ def _compact_methods(
     from ..attribution.factor_scores import factor_scores
     from ..attribution.query import open_run
     from ..settings import IndexSettings
-    from ..store.compact import FactorStore
+    from ..store.factor_file import FactorStore
 
     run = open_run(run_dir)
     try:
