@@ -14,6 +14,7 @@ from helpers import FAST, facts_data, fast_settings
 
 from traceprop_engine import Store
 from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
 from traceprop_engine.store.sharded import ShardedStore, open_run_store
@@ -48,7 +49,7 @@ def runs(tmp_path_factory):
         )
     )
     ddp = root / "ddp"
-    cmd = [
+    launcher = (
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -58,40 +59,21 @@ def runs(tmp_path_factory):
         "127.0.0.1",
         "--master_port",
         str(_free_port()),
-        "-m",
-        "traceprop_engine",
-        "train",
-        "--data",
-        str(data / "train"),
-        "--eval-data",
-        str(data / "eval"),
-        "--out",
-        str(ddp),
-        "--device",
-        "cpu",
-        "--batch-size",
-        "4",
-        "--epochs",
-        str(FAST["epochs"]),
-        "--max-length",
-        str(FAST["max_length"]),
-        "--tiny-layers",
-        str(FAST["tiny_layers"]),
-        "--tiny-width",
-        str(FAST["tiny_width"]),
-        "--tiny-vocab",
-        str(FAST["tiny_vocab"]),
-        "--threads",
-        "1",
-        "--k-in",
-        "4",
-        "--k-out",
-        "4",
-        "--covariance-stride",
-        "1",  # every token: the shards' statistics sum to the one-process ones exactly
-        "--rank",
-        "0",  # full sketches, compared with autograd below
-    ]
+    )
+    flags = {
+        "data": data / "train",
+        "eval_data": data / "eval",
+        "out": ddp,
+        "device": "cpu",
+        "batch_size": 4,
+        **{k: FAST[k] for k in ("epochs", "max_length", "tiny_layers", "tiny_width", "tiny_vocab")},
+        "threads": 1,
+        "k_in": 4,
+        "k_out": 4,
+        "covariance_stride": 1,  # every token: the shards' statistics sum to the one-process ones exactly
+        "rank": 0,  # full sketches, compared with autograd below
+    }
+    cmd = train_argv(flags, launcher=launcher)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import h5py
@@ -20,6 +19,7 @@ from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, RunError, Store, StoreError
 from traceprop_engine.cli.main import main
+from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
 from traceprop_engine.store.writer import StoreWriter
@@ -48,35 +48,20 @@ def _snapshot(d):
 
 
 def _cli_train(data, out, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "traceprop_engine",
-        "train",
-        "--data",
-        str(data / "train"),
-        "--eval-data",
-        str(data / "eval"),
-        "--out",
-        str(out),
-        "--batch-size",
-        "8",
-        "--max-length",
-        "48",
-        "--tiny-layers",
-        "1",
-        "--tiny-width",
-        "32",
-        "--tiny-vocab",
-        "300",
-        "--threads",
-        "1",
-        "--k-in",
-        "4",
-        "--k-out",
-        "4",
-        *extra,
-    ]
+    flags = {
+        "data": data / "train",
+        "eval_data": data / "eval",
+        "out": out,
+        "batch_size": 8,
+        "max_length": 48,
+        "tiny_layers": 1,
+        "tiny_width": 32,
+        "tiny_vocab": 300,
+        "threads": 1,
+        "k_in": 4,
+        "k_out": 4,
+    }
+    return train_argv(flags) + list(extra)
 
 
 # -- 7: one training process per run directory ---------------------------------------------------

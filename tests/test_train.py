@@ -14,6 +14,7 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, DataError, RunError, Store
+from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
 from traceprop_engine.training.loop import StopFlag, train
@@ -79,29 +80,17 @@ def test_stop_flag_leaves_a_readable_partial_store(data, tmp_path):
 
 def _long_train_cmd(data, out, *extra: str) -> list[str]:
     """A `traceprop train` of 50 epochs on the tiny model: long enough to be stopped."""
-    return [
-        sys.executable,
-        "-m",
-        "traceprop_engine",
-        "train",
-        "--data",
-        str(data / "train"),
-        "--out",
-        str(out),
-        "--epochs",
-        "50",
-        "--tiny-layers",
-        "1",
-        "--tiny-width",
-        "32",
-        "--tiny-vocab",
-        "300",
-        "--max-length",
-        "48",
-        "--threads",
-        "1",
-        *extra,
-    ]
+    flags = {
+        "data": data / "train",
+        "out": out,
+        "epochs": 50,
+        "tiny_layers": 1,
+        "tiny_width": 32,
+        "tiny_vocab": 300,
+        "max_length": 48,
+        "threads": 1,
+    }
+    return train_argv(flags) + list(extra)
 
 
 def test_sigterm_cancels_a_cli_run(data, tmp_path):

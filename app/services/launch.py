@@ -3,7 +3,6 @@ of tracking configurations."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,49 +95,31 @@ class LaunchSpec:
         )
 
     def command(self, run_dir: Path) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "traceprop_engine",
-            "train",
-            "--data",
-            str(self.data),
-            "--out",
-            str(run_dir),
-            "--model",
-            self.model,
-            "--task",
-            self.task,
-            "--epochs",
-            str(self.epochs),
-            "--lr",
-            str(self.lr),
-            "--batch-size",
-            str(self.batch_size),
-            "--max-length",
-            str(self.max_length),
-            "--lora-rank",
-            str(self.lora_rank),
-            "--scope",
-            self.scope,
-            "--k-in",
-            str(self.k_in),
-            "--k-out",
-            str(self.k_out),
-            "--rank",
-            str(self.rank),
-            "--sketch",
-            self.sketch,
-            "--seed",
-            str(self.seed),
-        ]
-        if self.eval_data is not None:
-            cmd += ["--eval-data", str(self.eval_data)]
-        if not self.covariance:
-            cmd.append("--no-covariance")
-        if self.model == "tiny":
-            cmd += ["--tiny-layers", str(self.tiny_layers), "--tiny-width", str(self.tiny_width)]
-        return cmd + list(self.extra)
+        from traceprop_engine.cli.train import train_argv
+
+        tiny = self.model == "tiny"
+        flags = {
+            "data": self.data,
+            "out": run_dir,
+            "model": self.model,
+            "task": self.task,
+            "epochs": self.epochs,
+            "lr": self.lr,
+            "batch_size": self.batch_size,
+            "max_length": self.max_length,
+            "lora_rank": self.lora_rank,
+            "scope": self.scope,
+            "k_in": self.k_in,
+            "k_out": self.k_out,
+            "rank": self.rank,
+            "sketch": self.sketch,
+            "seed": self.seed,
+            "eval_data": self.eval_data,
+            "no_covariance": not self.covariance,
+            "tiny_layers": self.tiny_layers if tiny else None,
+            "tiny_width": self.tiny_width if tiny else None,
+        }
+        return train_argv(flags) + list(self.extra)
 
 
 def measured_configurations() -> pl.DataFrame:

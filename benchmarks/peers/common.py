@@ -6,7 +6,7 @@ one torch thread, every trainable linear layer, factored sketch k_in = k_out = 8
 Arms run interleaved in ONE process: each round runs every arm once (``steps_per_arm`` training
 steps), the order cycles through all permutations of the arms, so load from other users of the
 2 shared cores hits every arm alike; the overhead of an arm is the median over rounds of the
-paired ratio ``arm/plain - 1`` with a bootstrap 95 % interval (as ``bench_overhead.py``).
+paired ratio ``arm/plain - 1`` with a bootstrap 95 % interval (as ``traceprop_engine/bench/overhead.py``).
 
 An arm is a small object (see :class:`Arm`): ``attach()``/``detach()`` around its timed steps,
 ``step(i)`` = forward + backward of the batch with its logging (the harness then does the

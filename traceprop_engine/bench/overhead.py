@@ -24,9 +24,10 @@ the write were synchronous (an upper bound for a machine without a spare core).
 
 Storage. ``bytes_per_example`` is the steady-state store size of one record: per sketch dataset
 (and per record-metadata dataset) the HDF5 storage size divided by the rows its allocated chunks
-hold. HDF5 allocates whole chunks (``store.format.chunk_rows``: ~128 KiB, up to 4096 rows), so a short
-benchmark's file is mostly empty chunk space; dividing the file size by a few hundred records
-(``short_run_file_bytes_per_example``) says nothing about a real run. For uncompressed sketches
+hold (:func:`traceprop_engine.store.sizes.steady_state_bytes`). HDF5 allocates whole chunks
+(~1 MiB, up to 4096 rows), so a short benchmark's file is mostly empty chunk space; dividing
+the file size by a few hundred records (``short_run_file_bytes_per_example``) says nothing about
+a real run. For uncompressed sketches
 the steady-state figure equals the nominal ``4 · k_in · k_out`` per layer; with compression it
 is the measured compressed size per row.
 """
@@ -37,7 +38,6 @@ import itertools
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,14 +46,20 @@ import numpy as np
 import torch
 
 from ..capture.tracker import Tracker
-from ..settings import TrackSettings
+from ..cli.train import train_argv
+from ..settings import TrackSettings, TrainSettings
+from ..store.sizes import steady_state_bytes
 from ..training.losses import causal_lm_losses
 from ..training.models import tiny_config
 
 log = logging.getLogger(__name__)
 
 
-def _bootstrap_ci(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+ARMS = ("plain", "logging", "tracked")
+
+
+def median_ci(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap 95 % interval of the median of ``x`` (``n`` resamples)."""
     rng = np.random.default_rng(seed)
     meds = np.median(rng.choice(x, size=(n, len(x)), replace=True), axis=1)
     return float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
@@ -73,152 +79,85 @@ def _timed_writer(tr: Tracker, acc: dict) -> None:
     tr.writer.append = timed  # BackgroundSink looks the method up on the writer at call time
 
 
-def _storage(path: Path) -> dict:
-    """Steady-state bytes per record (storage per allocated chunk row), see the module doc."""
-    import h5py
+class _Arms:
+    """One model, one batch, and the trackers of the ``logging`` and ``tracked`` arms (hooks
+    attached only while their arm runs)."""
 
-    from .. import constants as C
+    def __init__(self, shape: dict, track: dict, folder: Path, steps_per_arm: int, seed: int):
+        from transformers import GPTNeoXForCausalLM
 
-    def per_row(ds) -> float:
-        rows = ds.chunks[0] if ds.chunks else max(ds.shape[0], 1)
-        n_alloc = -(-ds.shape[0] // rows) * rows
-        return ds.id.get_storage_size() / max(n_alloc, 1)
+        torch.manual_seed(seed)
+        layers, width, vocab = shape["layers"], shape["width"], shape["vocab"]
+        batch, seq = shape["batch"], shape["seq"]
+        self.model = GPTNeoXForCausalLM(tiny_config(vocab, width, layers, max(seq, 64)))
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        self.mask = torch.ones_like(self.ids)
+        self.labels = self.ids.clone()
+        self.example_index = np.arange(batch)
+        self.steps_per_arm = steps_per_arm
+        self.trackers = {
+            "tracked": Tracker(
+                self.model, folder / "tracked.h5", TrackSettings(covariance=True, **track)
+            ),
+            "logging": Tracker(
+                self.model, folder / "logging.h5", TrackSettings(covariance=False, **track)
+            ),
+        }
+        self.writer_acc = {name: {"writer_s": 0.0} for name in self.trackers}
+        for name, tr in self.trackers.items():
+            _timed_writer(tr, self.writer_acc[name])
 
-    with h5py.File(path, "r") as f:
-        n_rec = int(f.attrs["n_records"])
-        groups = [f[C.G_LAYERS][k] for k in sorted(f[C.G_LAYERS])]
-        data = [  # a layer's record datasets: the full sketch, or its factors U and V
-            [g[n] for n in (C.L_SKETCH, C.L_U, C.L_V, C.L_SCALE) if n in g] for g in groups
-        ]
-        sketch = [sum(per_row(ds) for ds in dss) for dss in data]
-        nominal = [
-            sum(int(np.prod(ds.shape[1:])) * ds.dtype.itemsize for ds in dss) for dss in data
-        ]
-        meta = sum(per_row(f[C.G_RECORDS][name]) for name in f[C.G_RECORDS])
-        alloc_sketch = sum(ds.id.get_storage_size() for dss in data for ds in dss)
-    return {
-        "n_records": n_rec,
-        "n_layers": len(groups),
-        "bytes_per_example": sum(sketch) + meta,
-        "bytes_per_example_sketch": sum(sketch),
-        "bytes_per_example_per_layer": sum(sketch) / len(groups),
-        "bytes_per_example_meta": meta,
-        "bytes_per_example_nominal": sum(nominal),
-        "storage_ratio_vs_nominal": sum(sketch) / sum(nominal),
-        "short_run_sketch_bytes_per_example": alloc_sketch / max(n_rec, 1),
-        "short_run_file_bytes_per_example": os.path.getsize(path) / max(n_rec, 1),
-    }
+    def _train_step(self, tr: Tracker | None, i: int) -> None:
+        logits = lambda: self.model(input_ids=self.ids, attention_mask=self.mask).logits  # noqa: E731
+        if tr is None:
+            causal_lm_losses(logits(), self.labels).mean().backward()
+        else:
+            with tr.step(self.example_index, padding_mask=self.mask, step=i) as rec:
+                losses = causal_lm_losses(logits(), self.labels)
+                losses.mean().backward()
+                rec.losses = losses
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-
-def run_overhead_bench(
-    *,
-    layers: int = 4,
-    width: int = 256,
-    vocab: int = 1024,
-    batch: int = 8,
-    seq: int = 128,
-    scope: str = "all",
-    sketch: str = "factored",
-    k_in: int | None = None,
-    k_out: int | None = None,
-    rank: int | None = None,
-    factor_dtype: str | None = None,
-    dense_k: int = 512,
-    track_extra: dict | None = None,
-    repeats: int = 40,
-    steps_per_arm: int = 1,
-    warmup: int = 3,
-    buffer_records: int = 256,
-    threads: int = 1,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict:
-    """Measure the per-step overhead of tracking; returns the JSON-ready result dict.
-
-    ``k_in``, ``k_out``, ``rank``, ``factor_dtype`` default to :class:`TrackSettings`' defaults,
-    so the bench measures the default configuration unless told otherwise."""
-    d = TrackSettings()
-    k_in = d.k_in if k_in is None else k_in
-    k_out = d.k_out if k_out is None else k_out
-    rank = d.rank if rank is None else rank
-    factor_dtype = d.factor_dtype.value if factor_dtype is None else factor_dtype
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    from transformers import GPTNeoXForCausalLM
-
-    model = GPTNeoXForCausalLM(tiny_config(vocab, width, layers, max(seq, 64)))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    mask = torch.ones_like(ids)
-    labels = ids.clone()
-    example_index = np.arange(batch)
-    load_before = os.getloadavg()
-
-    tmp = tempfile.TemporaryDirectory(prefix="traceprop-bench-")
-    common = dict(
-        scope=scope,
-        k_in=k_in,
-        k_out=k_out,
-        rank=rank,
-        factor_dtype=factor_dtype,
-        sketch=sketch,
-        dense_k=dense_k,
-        buffer_records=buffer_records,
-        **(track_extra or {}),
-        seed=seed,
-    )
-    trackers = {
-        "tracked": Tracker(
-            model, Path(tmp.name) / "tracked.h5", TrackSettings(covariance=True, **common)
-        ),
-        "logging": Tracker(
-            model, Path(tmp.name) / "logging.h5", TrackSettings(covariance=False, **common)
-        ),
-    }
-    writer_acc = {name: {"writer_s": 0.0} for name in trackers}
-    for name, tr in trackers.items():
-        _timed_writer(tr, writer_acc[name])
-
-    def step(arm: str, i: int) -> tuple[float, float, float]:
+    def step(self, arm: str, i: int) -> tuple[float, float, float]:
         """(wall ms, process CPU ms, flush ms inside the step) per training step."""
-        tr = trackers.get(arm)
+        tr = self.trackers.get(arm)
         if tr is not None:
             tr.capture.attach()
             f0 = tr.buffer.flush_s
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps_per_arm):
-            if tr is None:
-                causal_lm_losses(
-                    model(input_ids=ids, attention_mask=mask).logits, labels
-                ).mean().backward()
-            else:
-                with tr.step(example_index, padding_mask=mask, step=i) as rec:
-                    losses = causal_lm_losses(
-                        model(input_ids=ids, attention_mask=mask).logits, labels
-                    )
-                    losses.mean().backward()
-                    rec.losses = losses
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        for _ in range(self.steps_per_arm):
+            self._train_step(tr, i)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         flush = 0.0
         if tr is not None:
             flush = tr.buffer.flush_s - f0
             tr.capture.detach()
-        k = steps_per_arm
+        k = self.steps_per_arm
         return wall * 1e3 / k, cpu * 1e3 / k, flush * 1e3 / k
 
-    arms = ["plain", "logging", "tracked"]
-    for i in range(warmup):
-        for arm in arms:
-            step(arm, i)
-    writer0 = {name: acc["writer_s"] for name, acc in writer_acc.items()}
-    times = {a: [] for a in arms}
-    cpu = {a: [] for a in arms}
-    inflush = {a: [] for a in arms}
-    orders = list(itertools.permutations(arms))  # all six orders, cycled
+    def writer_s(self) -> dict[str, float]:
+        return {name: acc["writer_s"] for name, acc in self.writer_acc.items()}
+
+    def close(self) -> dict[str, float]:
+        """Close every tracker; the final flush + covariance + close (ms) is part of the arm's cost."""
+        final_flush_ms = {}
+        for name, tr in self.trackers.items():
+            t0 = time.perf_counter()
+            tr.close()
+            final_flush_ms[name] = (time.perf_counter() - t0) * 1e3
+        return final_flush_ms
+
+
+def _interleave(arms: _Arms, repeats: int, first_step: int, progress: bool) -> dict[str, dict]:
+    """``repeats`` rounds of one step per arm, cycling through all six orders of the arms.
+
+    Returns ``{"wall"|"cpu"|"flush": {arm: [ms per round]}}``."""
+    got = {what: {a: [] for a in ARMS} for what in ("wall", "cpu", "flush")}
+    orders = list(itertools.permutations(ARMS))  # all six orders, cycled
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -226,21 +165,23 @@ def run_overhead_bench(
         bar = tqdm(total=repeats, desc="bench overhead", unit="round")
     for r in range(repeats):
         for arm in orders[r % len(orders)]:
-            w, c, f = step(arm, warmup + r)
-            times[arm].append(w)
-            cpu[arm].append(c)
-            inflush[arm].append(f)
+            for what, v in zip(
+                ("wall", "cpu", "flush"), arms.step(arm, first_step + r), strict=True
+            ):
+                got[what][arm].append(v)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    n_steps = repeats * steps_per_arm
-    final_flush_ms, writer_ms = {}, {}
-    for name, tr in trackers.items():
-        t0 = time.perf_counter()
-        tr.close()  # the final flush + covariance + close: part of the arm's cost
-        final_flush_ms[name] = (time.perf_counter() - t0) * 1e3
-        writer_ms[name] = (writer_acc[name]["writer_s"] - writer0[name]) * 1e3
+    return got
+
+
+def _overheads(
+    got: dict, final_flush_ms: dict, writer_ms: dict, n_steps: int
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """Paired-ratio overheads (percent) of the tracked arms against the plain one, and the
+    per-round ratios ``arm/plain - 1``."""
+    times, cpu, inflush = got["wall"], got["cpu"], got["flush"]
     plain = np.array(times["plain"])
     plain_cpu = np.array(cpu["plain"])
     adj, adj_cpu, amort = {}, {}, {}
@@ -254,11 +195,7 @@ def run_overhead_bench(
     cpu_ratio = {a: adj_cpu[a] / plain_cpu - 1 for a in adj_cpu}
     cov_ratio = adj["tracked"] / adj["logging"] - 1
     sync_ratio = (adj["tracked"] + writer_ms["tracked"] / n_steps) / plain - 1
-    storage = _storage(Path(tmp.name) / "tracked.h5")
-    tmp.cleanup()
-    ci = {a: _bootstrap_ci(ratio[a]) for a in ratio}
-    cov_ci = _bootstrap_ci(cov_ratio)
-    cpu_ci = _bootstrap_ci(cpu_ratio["tracked"])
+    ci = {a: median_ci(ratio[a]) for a in ratio}
     pct = lambda x: 100 * float(x)  # noqa: E731
     result = {
         "overhead_pct": pct(np.median(ratio["tracked"])),
@@ -266,9 +203,9 @@ def run_overhead_bench(
         "logging_pct": pct(np.median(ratio["logging"])),
         "logging_ci95_pct": [pct(v) for v in ci["logging"]],
         "covariance_pct": pct(np.median(cov_ratio)),
-        "covariance_ci95_pct": [pct(v) for v in cov_ci],
+        "covariance_ci95_pct": [pct(v) for v in median_ci(cov_ratio)],
         "cpu_overhead_pct": pct(np.median(cpu_ratio["tracked"])),
-        "cpu_overhead_ci95_pct": [pct(v) for v in cpu_ci],
+        "cpu_overhead_ci95_pct": [pct(v) for v in median_ci(cpu_ratio["tracked"])],
         "cpu_logging_pct": pct(np.median(cpu_ratio["logging"])),
         "overhead_sync_writer_pct": pct(np.median(sync_ratio)),
         "overhead_mean_pct": pct(np.mean(adj["tracked"]) / np.mean(plain) - 1),
@@ -280,32 +217,86 @@ def run_overhead_bench(
         "final_flush_ms": final_flush_ms,
         "writer_ms_per_step": {a: writer_ms[a] / n_steps for a in writer_ms},
         "n_flushes_in_loop": {a: int(np.count_nonzero(inflush[a])) for a in amort},
+    }
+    return result, ratio
+
+
+_TRAIN = TrainSettings(data="-", out="-")  # the bench measures the default tiny training shape
+
+
+def run_overhead_bench(
+    *,
+    layers: int = _TRAIN.tiny_layers,
+    width: int = _TRAIN.tiny_width,
+    vocab: int = _TRAIN.tiny_vocab,
+    batch: int = _TRAIN.batch_size,
+    seq: int = _TRAIN.max_length,
+    scope: str | None = None,
+    sketch: str | None = None,
+    k_in: int | None = None,
+    k_out: int | None = None,
+    rank: int | None = None,
+    factor_dtype: str | None = None,
+    dense_k: int | None = None,
+    track_extra: dict | None = None,
+    repeats: int = 40,
+    steps_per_arm: int = 1,
+    warmup: int = 3,
+    buffer_records: int = 256,
+    threads: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Measure the per-step overhead of tracking; returns the JSON-ready result dict.
+
+    ``scope``, ``sketch``, ``k_in``, ``k_out``, ``rank``, ``factor_dtype``, ``dense_k`` default to
+    :class:`TrackSettings`' defaults, so the bench measures the default configuration unless
+    told otherwise."""
+    d = TrackSettings().to_dict()
+    given = dict(
+        scope=scope,
+        k_in=k_in,
+        k_out=k_out,
+        rank=rank,
+        factor_dtype=factor_dtype,
+        sketch=sketch,
+        dense_k=dense_k,
+    )
+    track = {k: d[k] if v is None else v for k, v in given.items()}
+    track.update(buffer_records=buffer_records, **(track_extra or {}), seed=seed)
+    torch.set_num_threads(threads)
+    shape = dict(layers=layers, width=width, vocab=vocab, batch=batch, seq=seq)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="traceprop-bench-") as tmp:
+        arms = _Arms(shape, track, Path(tmp), steps_per_arm, seed)
+        for i in range(warmup):
+            for arm in ARMS:
+                arms.step(arm, i)
+        writer0 = arms.writer_s()  # after the warm-up: its appends are not timed
+        got = _interleave(arms, repeats, warmup, progress)
+        final_flush_ms = arms.close()
+        writer_ms = {a: (s - writer0[a]) * 1e3 for a, s in arms.writer_s().items()}
+        storage = steady_state_bytes(Path(tmp) / "tracked.h5")
+    result, pairs = _overheads(got, final_flush_ms, writer_ms, repeats * steps_per_arm)
+    return {
+        **result,
         **{k: v for k, v in storage.items() if k != "n_records"},
         "n_records_tracked": storage["n_records"],
         "repeats": repeats,
         "steps_per_arm": steps_per_arm,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "config": {
-            "layers": layers,
-            "width": width,
-            "vocab": vocab,
-            "batch": batch,
-            "seq": seq,
-            "scope": scope,
-            "sketch": sketch,
-            "k_in": k_in,
-            "k_out": k_out,
-            "rank": rank,
+            **shape,
+            **{k: track[k] for k in ("scope", "sketch", "k_in", "k_out", "rank")},
             **(track_extra or {}),
-            "factor_dtype": factor_dtype,
+            "factor_dtype": track["factor_dtype"],
             "threads": threads,
             "buffer_records": buffer_records,
             "warmup": warmup,
         },
-        "pair_overheads_pct": [round(pct(x), 3) for x in ratio["tracked"]],
-        "pair_logging_pct": [round(pct(x), 3) for x in ratio["logging"]],
+        "pair_overheads_pct": [round(100 * float(x), 3) for x in pairs["tracked"]],
+        "pair_logging_pct": [round(100 * float(x), 3) for x in pairs["logging"]],
     }
-    return result
 
 
 def run_rss_bench(data: str, epochs: int = 1, extra: list[str] | None = None) -> dict:
@@ -316,23 +307,16 @@ def run_rss_bench(data: str, epochs: int = 1, extra: list[str] | None = None) ->
     """
     out = {}
     with tempfile.TemporaryDirectory(prefix="traceprop-rss-") as tmp:
-        for arm, flags in (("plain", ["--no-track"]), ("tracked", [])):
-            cmd = [
-                sys.executable,
-                "-m",
-                "traceprop_engine",
-                "train",
-                "--data",
-                data,
-                "--out",
-                str(Path(tmp) / arm),
-                "--epochs",
-                str(epochs),
-                "--threads",
-                "1",
-                *flags,
-                *(extra or []),
-            ]
+        for arm in ("plain", "tracked"):
+            cmd = train_argv(
+                {
+                    "data": data,
+                    "out": Path(tmp) / arm,
+                    "epochs": epochs,
+                    "threads": 1,
+                    "no_track": arm == "plain",
+                }
+            ) + list(extra or [])
             # stderr to a file, not a pipe: nobody reads a pipe during wait4, and a full one
             # would block the child in write() forever.
             err_path = Path(tmp) / f"{arm}.stderr"

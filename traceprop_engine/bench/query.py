@@ -20,15 +20,16 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import psutil
 
-from traceprop_engine.attribution.index_build import build_index
-from traceprop_engine.errors import ConfigError
-from traceprop_engine.settings import IndexKind
+from ..attribution.index_build import build_index
+from ..errors import ConfigError
+from ..settings import IndexKind
 
-__all__ = ["SketchGenerator", "run_query_bench"]
+__all__ = ["SketchGenerator", "run_base_vectors", "run_query_bench"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,102 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _spill(chunks: Callable[[], Iterator[np.ndarray]], n: int, dim: int) -> str:
+    """Write the vectors to a temporary ``.npy`` file; returns its path (the caller unlinks it)."""
+    fd, spill = tempfile.mkstemp(suffix=".npy", prefix="traceprop-bench-")
+    os.close(fd)
+    mm = np.lib.format.open_memmap(spill, mode="w+", dtype=np.float32, shape=(n, dim))
+    pos = 0
+    for c in chunks():
+        mm[pos : pos + len(c)] = c
+        pos += len(c)
+    mm.flush()
+    del mm
+    return spill
+
+
+def _latencies(idx, queries: np.ndarray) -> np.ndarray:
+    """Seconds of each single query (batch of 1, like an interactive query), after a warm-up."""
+    idx.search(queries[:5], _K)  # warm-up
+    lat = np.empty(len(queries))
+    for i in range(len(queries)):
+        q = queries[i : i + 1]
+        t = time.perf_counter()
+        idx.search(q, _K)
+        lat[i] = time.perf_counter() - t
+    return lat
+
+
+def _measure(
+    chunks: Callable[[], Iterator[np.ndarray]],
+    n: int,
+    dim: int,
+    kind: IndexKind,
+    queries: np.ndarray,
+    exact: np.ndarray,
+    *,
+    generator: str,
+    seed: int,
+    nlist: int | None,
+    target_recall: float,
+    threads: int | None,
+) -> dict:
+    """Build one index over ``n`` vectors, time its queries and measure recall@10 against
+    ``exact`` (the true top 10 of the first ``len(exact)`` queries)."""
+    fetch, spill = None, None
+    if kind is IndexKind.IVFPQ:
+        # compressed codes in RAM, exact re-rank from the full vectors on disk, as a run
+        # does with its memory-mapped vectors.npy
+        spill = _spill(chunks, n, dim)
+        disk = np.load(spill, mmap_mode="r")
+
+        def fetch(rows, disk=disk):
+            return np.asarray(disk[rows])
+
+    try:
+        t0 = time.perf_counter()
+        idx = build_index(
+            chunks,
+            dim,
+            n,
+            kind=kind,
+            seed=seed,
+            nlist=nlist,
+            target_recall=target_recall,
+            threads=threads,
+            fetch=fetch,
+        )
+        build_s = time.perf_counter() - t0
+        lat = _latencies(idx, queries)
+        _, got = idx.search(queries[: len(exact)], _K)
+        recall = float(
+            np.mean([len(set(a) & set(b)) / _K for a, b in zip(got, exact, strict=True)])
+        )
+        row = {
+            "n": n,
+            "dim": dim,
+            "kind": kind.value,
+            "build_s": round(build_s, 3),
+            "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+            "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+            "recall_at_10": round(recall, 4),
+            "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+            "nlist": getattr(_ivf(idx), "nlist", None),
+            "nprobe": idx.nprobe,
+            "threads": idx.threads,
+            "n_queries": len(queries),
+            "generator": generator,
+        }
+        if kind is IndexKind.IVFPQ:
+            row["rerank"] = idx.rerank
+        del idx
+        return row
+    finally:
+        if spill is not None:
+            os.unlink(spill)
+
+
 def run_query_bench(
     sizes: Sequence[int] = (10_000, 100_000, 1_000_000),
     dim: int = 1024,
@@ -185,81 +282,40 @@ def run_query_bench(
     rows: list[dict] = []
     for n in sizes:
         chunks = _data(gen, int(n), seed)
-        n_rec = min(_RECALL_QUERIES, n_queries)
-        exact = _exact_topk(chunks, queries[:n_rec], _K)
+        exact = _exact_topk(chunks, queries[: min(_RECALL_QUERIES, n_queries)], _K)
         for kind in kinds:
             kind = IndexKind(kind)
             if progress:
                 progress(f"building {kind.value} over {n} x {dim}")
-            fetch, spill = None, None
-            if kind is IndexKind.IVFPQ:
-                # compressed codes in RAM, exact re-rank from the full vectors on disk, as a run
-                # does with its memory-mapped vectors.npy
-                fd, spill = tempfile.mkstemp(suffix=".npy", prefix="traceprop-bench-")
-                os.close(fd)
-                mm = np.lib.format.open_memmap(
-                    spill, mode="w+", dtype=np.float32, shape=(int(n), dim)
-                )
-                pos = 0
-                for c in chunks():
-                    mm[pos : pos + len(c)] = c
-                    pos += len(c)
-                mm.flush()
-                del mm
-                disk = np.load(spill, mmap_mode="r")
-
-                def fetch(rows, disk=disk):
-                    return np.asarray(disk[rows])
-
-            t0 = time.perf_counter()
-            idx = build_index(
+            row = _measure(
                 chunks,
-                dim,
                 int(n),
-                kind=kind,
+                dim,
+                kind,
+                queries,
+                exact,
+                generator=gen_name,
                 seed=seed,
                 nlist=nlist,
                 target_recall=target_recall,
                 threads=threads,
-                fetch=fetch,
             )
-            build_s = time.perf_counter() - t0
-            idx.search(queries[:5], _K)  # warm-up
-            lat = np.empty(n_queries)
-            for i in range(n_queries):
-                q = queries[i : i + 1]
-                t = time.perf_counter()
-                idx.search(q, _K)
-                lat[i] = time.perf_counter() - t
-            _, got = idx.search(queries[:n_rec], _K)
-            recall = float(
-                np.mean([len(set(a) & set(b)) / _K for a, b in zip(got, exact, strict=True)])
-            )
-            ivf_nlist = getattr(_ivf(idx), "nlist", None)
-            row = {
-                "n": int(n),
-                "dim": dim,
-                "kind": kind.value,
-                "build_s": round(build_s, 3),
-                "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
-                "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
-                "recall_at_10": round(recall, 4),
-                "peak_rss_mb": round(_peak_rss_mb(), 1),
-                "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
-                "nlist": ivf_nlist,
-                "nprobe": idx.nprobe,
-                "threads": idx.threads,
-                "n_queries": n_queries,
-                "generator": gen_name,
-            }
-            if kind is IndexKind.IVFPQ:
-                row["rerank"] = idx.rerank
             log.info("query bench: %s", row)
             rows.append(row)
-            del idx
-            if spill is not None:
-                os.unlink(spill)
     return rows
+
+
+def run_base_vectors(run_dir: str | os.PathLike) -> np.ndarray | None:
+    """The default index's preconditioned vectors of the run in ``run_dir`` (built if missing),
+    to fit the generator to; ``None`` when there is no such directory."""
+    if not Path(run_dir).exists():
+        return None
+    from ..attribution.index_store import VECTORS_FILE
+    from ..attribution.query import open_run
+
+    run = open_run(run_dir)
+    run.index()
+    return np.load(run.index_dir() / VECTORS_FILE)
 
 
 def _ivf(idx):

@@ -6,6 +6,8 @@ import argparse
 import logging
 import math
 
+from .flags import choices, field_defaults, plain
+
 
 def _add_train_flags(p) -> None:
     p.add_argument(
@@ -32,6 +34,9 @@ def _add_train_flags(p) -> None:
 
 def register(sub) -> None:
     """Add ``eval`` with its ``lds`` and ``detect`` subcommands to an argparse subparsers object."""
+    from ..settings import Task, TrainSettings
+
+    train_defaults = field_defaults(TrainSettings)
     ev = sub.add_parser(
         "eval", help="attribution-quality benchmarks (LDS, detection of planted problems)"
     )
@@ -50,8 +55,8 @@ def register(sub) -> None:
     p.add_argument(
         "--eval-data", help="eval data (otherwise --eval-fraction of --data is held out)"
     )
-    p.add_argument("--eval-fraction", type=float, default=0.1)
-    p.add_argument("--task", default="causal-lm", choices=["causal-lm", "classification"])
+    p.add_argument("--eval-fraction", type=float, default=train_defaults["eval_fraction"])
+    p.add_argument("--task", default=plain(train_defaults["task"]), choices=choices(Task))
     p.add_argument("--out", required=True, help="evaluation directory (EVAL_DIR)")
     _add_train_flags(p)
     p.add_argument("--scope", default="all", help="tracked layers of the factored runs")

@@ -1,0 +1,112 @@
+"""``traceprop bench overhead`` and ``traceprop bench query``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .flags import add_dense_k_flag, add_sketch_flag, add_track_flags, field_defaults
+
+
+def add_bench(sub) -> None:
+    from ..settings import TrackSettings, TrainSettings
+
+    d = field_defaults(TrainSettings)  # the bench measures the default tiny training shape
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: overhead (tracked vs plain steps), query (index latency/recall)",
+        description="Benchmarks print medians of interleaved repeats and ratios against a baseline measured in the same run.",
+    )
+    bs = p.add_subparsers(dest="bench", required=True)
+    o = bs.add_parser(
+        "overhead",
+        help="plain vs tracked training steps, interleaved",
+        description="Time plain, logging and tracked training steps of one model in "
+        "interleaved rounds; report the median overhead, CPU time and store bytes per example.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    o.add_argument("--json", help="write the result JSON here")
+    o.add_argument("--layers", type=int, default=d["tiny_layers"])
+    o.add_argument("--width", type=int, default=d["tiny_width"])
+    o.add_argument("--vocab", type=int, default=d["tiny_vocab"])
+    o.add_argument("--batch", type=int, default=d["batch_size"])
+    o.add_argument("--seq", type=int, default=d["max_length"])
+    o.add_argument("--scope", default=field_defaults(TrackSettings)["scope"])
+    add_sketch_flag(o)
+    add_track_flags(o)
+    add_dense_k_flag(o)
+    o.add_argument(
+        "--repeats", type=int, default=40, help="interleaved rounds (each: one step of every arm)"
+    )
+    o.add_argument("--threads", type=int, default=1)
+    o.add_argument(
+        "--rss-data",
+        help="also compare peak RSS of 'traceprop train' tracked vs --no-track on this data",
+    )
+    o.set_defaults(func=_cmd_bench_overhead)
+    q = bs.add_parser(
+        "query",
+        help="index build time, query latency and recall at several N",
+        description="Build each index kind over N vectors shaped like preconditioned sketches "
+        "for several N; report build time, single-query latency and recall@10 against exact "
+        "search.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    q.add_argument("--json", help="write the result rows here")
+    q.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated N")
+    q.add_argument("--dim", type=int, default=1024)
+    q.add_argument("--queries", type=int, default=200)
+    q.add_argument(
+        "--run",
+        help="a run whose preconditioned vectors seed the generator (default: the sample run)",
+    )
+    q.set_defaults(func=_cmd_bench_query)
+
+
+def _cmd_bench_overhead(a) -> int:
+    from ..bench.overhead import run_overhead_bench, run_rss_bench, summarize
+
+    r = run_overhead_bench(
+        layers=a.layers,
+        width=a.width,
+        vocab=a.vocab,
+        batch=a.batch,
+        seq=a.seq,
+        scope=a.scope,
+        sketch=a.sketch,
+        k_in=a.k_in,
+        k_out=a.k_out,
+        rank=a.rank,
+        factor_dtype=a.factor_dtype,
+        track_extra=dict(
+            factor_space=a.factor_space,
+            power_iters=a.power_iters,
+            covariance_stride=a.covariance_stride,
+        ),
+        dense_k=a.dense_k,
+        repeats=a.repeats,
+        threads=a.threads,
+    )
+    if a.rss_data:
+        r.update(run_rss_bench(a.rss_data))
+    print(summarize(r))
+    if "rss_ratio" in r:
+        print(f"peak RSS       tracked/plain = {r['rss_ratio']:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def _cmd_bench_query(a) -> int:
+    from ..bench.query import run_base_vectors, run_query_bench
+    from ..samples.run import default_root
+
+    base = run_base_vectors(a.run or default_root() / "facts")
+    sizes = tuple(int(x) for x in a.sizes.split(","))
+    rows = run_query_bench(sizes=sizes, dim=a.dim, n_queries=a.queries, base_vectors=base)
+    for r in rows:
+        print(json.dumps(r))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+    return 0

@@ -1,0 +1,149 @@
+"""Flags shared by several command groups, their defaults and choices read from the settings.
+
+A default lives in one place, the settings dataclass (``TrackSettings``, ``TrainSettings``,
+``IndexSettings``); the parser reads it from there, so changing it there changes ``--help`` and
+the behaviour of every command together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from enum import Enum
+
+
+def field_defaults(cls) -> dict:
+    """``{field name: default}`` of a dataclass (fields without a plain default are left out)."""
+    return {
+        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+    }
+
+
+def plain(value):
+    """An enum member's value (what argparse shows and parses), anything else as is."""
+    return value.value if isinstance(value, Enum) else value
+
+
+def choices(enum: type[Enum]) -> list[str]:
+    return [e.value for e in enum]
+
+
+def add_track_flags(p) -> None:
+    """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
+    from ..settings import FactorDtype, FactorSpace, TrackSettings
+
+    d = field_defaults(TrackSettings)
+    p.add_argument(
+        "--k-in",
+        type=int,
+        default=d["k_in"],
+        help="input-side projection size per layer (clamped to the layer width)",
+    )
+    p.add_argument(
+        "--k-out", type=int, default=d["k_out"], help="output-side projection size per layer"
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=d["rank"],
+        help="store each record as rank-r factors computed inline (0 = the full k_out x k_in "
+        "sketch); see benchmarks/EVAL.md for the quality per byte",
+    )
+    p.add_argument(
+        "--factor-dtype",
+        default=plain(d["factor_dtype"]),
+        choices=choices(FactorDtype),
+        help="storage type of the factors",
+    )
+    p.add_argument(
+        "--factor-space",
+        default=plain(d["factor_space"]),
+        choices=choices(FactorSpace),
+        help="full: factors of the full per-example gradient by power iteration (per-token "
+        "cost independent of k); sketch: project every token, factor the k x k sketch",
+    )
+    p.add_argument(
+        "--power-iters", type=int, default=d["power_iters"], help="power iterations (full space)"
+    )
+    p.add_argument(
+        "--covariance-stride",
+        type=int,
+        default=d["covariance_stride"],
+        help="K-FAC statistics over every n-th token (full-space factors)",
+    )
+
+
+def add_sketch_flag(p, help: str | None = None) -> None:
+    """--sketch with TrackSettings' default."""
+    from ..settings import SketchKind, TrackSettings
+
+    d = field_defaults(TrackSettings)
+    p.add_argument("--sketch", default=plain(d["sketch"]), choices=choices(SketchKind), help=help)
+
+
+def add_dense_k_flag(p, help: str | None = None) -> None:
+    """--dense-k with TrackSettings' default."""
+    from ..settings import TrackSettings
+
+    p.add_argument(
+        "--dense-k", type=int, default=field_defaults(TrackSettings)["dense_k"], help=help
+    )
+
+
+def add_preconditioner_flag(p, help: str | None = None) -> None:
+    """--preconditioner with IndexSettings' default."""
+    from ..attribution.precondition import PreconditionerKind
+    from ..settings import IndexSettings
+
+    d = field_defaults(IndexSettings)
+    p.add_argument(
+        "--preconditioner",
+        default=plain(d["preconditioner"]),
+        choices=choices(PreconditionerKind),
+        help=help,
+    )
+
+
+def add_index_flags(p) -> None:
+    """The flags of :class:`IndexSettings` (index, query), with its defaults."""
+    from ..attribution.precondition import DEFAULT_DAMPING
+    from ..settings import IndexKind, IndexSettings
+
+    d = field_defaults(IndexSettings)
+    add_preconditioner_flag(p, help="H^-1 approximation")
+    p.add_argument(
+        "--damping",
+        type=float,
+        default=d["damping"],
+        help=f"damping as a fraction of each factor's mean eigenvalue (default {DEFAULT_DAMPING:g})",
+    )
+    p.add_argument(
+        "--cosine",
+        action=argparse.BooleanOptionalAction,
+        default=d["cosine"],
+        help="cosine scores (normalised vectors; the default) or raw inner products",
+    )
+    p.add_argument(
+        "--per-record",
+        action="store_true",
+        help="one vector per record (example x epoch) instead of per example",
+    )
+    p.add_argument(
+        "--index-kind",
+        default=plain(d["kind"]),
+        choices=choices(IndexKind),
+        help="FAISS index (auto: exact up to 200k vectors)",
+    )
+
+
+def index_settings(a):
+    """The :class:`IndexSettings` of parsed :func:`add_index_flags` flags."""
+    from ..settings import IndexSettings
+
+    return IndexSettings(
+        preconditioner=a.preconditioner,
+        damping=a.damping,
+        cosine=a.cosine,
+        per_record=a.per_record,
+        kind=a.index_kind,
+    )
