@@ -125,8 +125,8 @@ def add_rank(sub) -> None:
 
 
 def _cmd_rank(a) -> int:
-    from ..attribution.query import open_run
     from ..attribution.outliers import RankBy, rank_examples
+    from ..attribution.query import open_run
     from ..settings import IndexSettings
 
     run = open_run(a.run)

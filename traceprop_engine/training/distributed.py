@@ -13,7 +13,7 @@
 - writes ``RUN/store.rank{r}.h5`` on every rank; rank 0 alone writes the example table,
   ``run.json`` (with ``"shards": [...]``), the progress file and the model.
 
-Loss scaling (checked against one process and autograd in tests/test_distributed.py): DDP
+Loss scaling (checked against one process and autograd in tests/training/test_distributed.py): DDP
 averages *parameter* gradients across ranks in its reducer; the tensor hooks on the layer outputs
 run before that and see the local ``∂L_local/∂y``. The local loss is
 ``L_local = Σ_{i∈local} ℓ_i · W / B_global`` (``W`` ranks), so that DDP's average is exactly the

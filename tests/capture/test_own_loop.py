@@ -25,7 +25,7 @@ from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
 from traceprop_engine.training.losses import causal_lm_losses
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["the cat sat", "the dog ran", "a cat ran", "the bird sang", "a dog sat", "the cat ran"]
 VOCAB = {w: i + 1 for i, w in enumerate(sorted({w for t in TEXTS for w in t.split()}))}
 EXAMPLES = [[VOCAB[w] for w in t.split()] + [0] for t in TEXTS]

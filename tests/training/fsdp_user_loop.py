@@ -1,9 +1,9 @@
 """Your own loop under FSDP2 (docs/scaling.md): ``fully_shard``, a Tracker per rank, one run.
 
-    torchrun --nproc_per_node 2 tests/fsdp_user_loop.py RUN_DIR    # FSDP, store.rank{r}.h5
-    python tests/fsdp_user_loop.py RUN_DIR                          # one process, store.h5
+    torchrun --nproc_per_node 2 tests/training/fsdp_user_loop.py RUN_DIR    # FSDP, store.rank{r}.h5
+    python tests/training/fsdp_user_loop.py RUN_DIR                          # one process, store.h5
 
-tests/test_fsdp.py runs both and compares them. Every rank takes an equal part of each global
+tests/training/test_fsdp.py runs both and compares them. Every rank takes an equal part of each global
 batch and backpropagates the mean of its own per-example losses: FSDP averages the gradients over
 ranks, so the update is the global mean, and the Tracker's default loss scale (the local batch
 size) gives each example's own gradient.

@@ -27,7 +27,7 @@ from traceprop_engine.cli.main import main
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.training.loop import train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IDENTITY = IndexSettings(preconditioner="identity", cosine=False)
 INDEX_FILES = ("index.json", "index.faiss", VECTORS_FILE, IDS_FILE, "preconditioner.npz")
 
