@@ -32,6 +32,7 @@ def _add_train_flags(p) -> None:
     )
 
 
+# long: one add_argument per flag of eval lds and eval detect; a flat list reads best
 def register(sub) -> None:
     """Add ``eval`` with its ``lds`` and ``detect`` subcommands to an argparse subparsers object."""
     from ..settings import Task, TrainSettings

@@ -23,6 +23,7 @@ from .flags import (
 )
 
 
+# long: one add_argument per flag of traceprop train; a flat list reads best
 def add_train_arguments(p) -> None:
     """Every flag of ``traceprop train``, defaults from TrainSettings and TrackSettings."""
     from ..settings import Task, TrackSettings, TrainSettings
