@@ -31,7 +31,7 @@ def test_readme_python_api_example_runs(capsys):
     exec(compile(code, str(README), "exec"), ns)
     run, scores = ns["run"], ns["scores"]
     assert scores.shape == (len(ns["examples"]),)
-    assert run.manifest["status"] == "completed"
+    assert run.manifest.status == "completed"
     res = ns["res"]
     assert res.rows.height == 6  # top 3 proponents + top 3 opponents
     assert res.proponents["example_id"][0] == int(scores.argmax())

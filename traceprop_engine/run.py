@@ -107,6 +107,15 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
     return m
 
 
+def is_completed(run_dir: str | os.PathLike) -> bool:
+    """``run_dir`` holds a run that finished (a readable run.json with status completed): what
+    evaluations check before they reuse a run instead of training it again."""
+    try:
+        return RunManifest.load(run_dir).completed
+    except RunError:
+        return False
+
+
 def process_gone(manifest: dict) -> bool:
     """True when ``manifest`` still says 'running' but its training process on this machine has
     ended: it was killed before it could write its final status, so the run failed.

@@ -74,7 +74,7 @@ def _check_store(run_dir: Path, m: RunManifest, problems: list[str]) -> dict:
     if not (m.tracked or (run_dir / C.STORE_FILE).exists()):
         return {"status": "absent"}
     try:
-        with open_run_store(run_dir, m.raw) as st:
+        with open_run_store(run_dir, m.shards) as st:
             parts = getattr(st, "shards", [st])
             checks = [{"file": str(sh.path), **sh.verify_content()} for sh in parts]
             worst = next((c for c in checks if c["status"] != "ok"), checks[0])

@@ -33,7 +33,7 @@ def test_sample_indexes_are_fresh(monkeypatch):
     monkeypatch.setattr(run.indexes, "build", no_rebuild)
     for pc in SAMPLE_PRECONDITIONERS:
         index, ids, pre = run.index(IndexSettings(preconditioner=pc))
-        assert index.n == len(ids) == run.manifest["data"]["n_train"]
+        assert index.n == len(ids) == run.manifest.data.n_train
 
 
 def test_sample_manifest_holds_no_absolute_path():
@@ -87,7 +87,7 @@ def test_rank_puts_the_planted_rumours_first(tmp_path):
         out = tmp_path / f"{by}.csv"
         assert main(["rank", str(SAMPLE), "--by", by, "--csv", str(out)]) == 0
         df = pl.read_csv(out)
-        assert df.height == open_run(SAMPLE).manifest["data"]["n_train"]
+        assert df.height == open_run(SAMPLE).manifest.data.n_train
         assert list(df["rank"][:3]) == [1, 2, 3]
         rumours = df.filter(pl.col("source") == "rumours.jsonl")["rank"]
         if by == "loss":

@@ -31,7 +31,7 @@ def data_manifest_hash(manifest: RunManifest) -> str:
 
 def audit_trail(run, result) -> dict:
     """The audit record of one query (see the module docstring for what it does and does not prove)."""
-    m = RunManifest.from_dict(run.manifest)
+    m = run.manifest
     rows = rows_for_export(result)
     return {
         "kind": "traceprop-audit-trail",

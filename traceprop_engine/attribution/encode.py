@@ -19,6 +19,7 @@ from .. import constants as C
 from ..capture.hooks import Capture
 from ..capture.layers import TrackedLayer
 from ..errors import ModelMismatchError, QueryError, RunError
+from ..run import RunManifest
 from ..settings import SketchKind
 from ..training.examples import Example
 from ..training.losses import example_losses
@@ -47,7 +48,7 @@ class QueryEncoder:
     def __init__(
         self,
         run_dir: Path,
-        manifest: dict,
+        manifest: RunManifest,
         store,
         task: str,
         examples: Callable[[], pl.DataFrame],
@@ -181,7 +182,7 @@ class QueryEncoder:
 
     def _encode_text(self, loaded, prompt, completion, label) -> tuple[Encoded, dict, list[str]]:
         """A text query through the run's tokenizer (classification: a text and its label)."""
-        max_length = int(self.manifest.get("config", {}).get("max_length", 128))
+        max_length = int(self.manifest.config.get("max_length", 128))
         notes: list[str] = []
         if self.task == "classification":
             if not (prompt or "").strip():

@@ -27,7 +27,7 @@ import polars as pl
 from .. import constants as C
 from ..capture.layers import TrackedLayer
 from ..errors import QueryError, RunError
-from ..run import read_manifest
+from ..run import RunManifest
 from ..settings import IndexSettings
 from ..store.sharded import open_run_store
 from .encode import QueryEncoder, query_batch
@@ -75,14 +75,13 @@ class AttributionRun:
 
     def __init__(self, run_dir: str | os.PathLike, device: str = "cpu") -> None:
         self.dir = Path(run_dir)
-        self.manifest = read_manifest(self.dir)
-        if not (self.dir / C.STORE_FILE).exists() and not self.manifest.get("shards"):
+        self.manifest = RunManifest.load(self.dir)
+        if not (self.dir / C.STORE_FILE).exists() and not self.manifest.shards:
             raise RunError(
                 f"{self.dir} has no {C.STORE_FILE}: it was trained with --no-track, or it failed before tracking began"
             )
-        self.store = open_run_store(
-            self.dir, self.manifest
-        )  # a Store, or a ShardedStore for a DDP run
+        # a Store, or a ShardedStore for a multi-process run
+        self.store = open_run_store(self.dir, self.manifest.shards)
         self.device = device
         self.indexes = RunIndexes(self.dir, self.store)
         self.encoder = QueryEncoder(
@@ -94,11 +93,11 @@ class AttributionRun:
     # -- description --------------------------------------------------------------------------
     @property
     def run_id(self) -> str:
-        return str(self.manifest.get("run_id", self.dir.name))
+        return str(self.manifest.run_id or self.dir.name)
 
     @property
     def task(self) -> str:
-        return self.manifest.get("config", {}).get("task", "causal-lm")
+        return self.manifest.task
 
     @property
     def notes(self) -> list[str]:

@@ -31,7 +31,7 @@ def make_run(
 ) -> Path:
     """Save ``model`` (+ tokenizer) to ``RUN/model`` and write ``RUN/run.json`` beside ``RUN/store.h5``.
 
-    Shared by :meth:`Tracker.finish` and ``integrations.hf_trainer.finish_run``; ``extra``
+    Shared by :meth:`Tracker.finish` and ``training.hf_trainer.finish_run``; ``extra``
     adds manifest sections (``tracking``, ``timings``, ``store``...). ``shards`` names the
     per-rank store files of a multi-process run (instead of ``store.h5``); ``state_dict`` is the
     full state dict to save for a model whose own parameters are sharded (FSDP).

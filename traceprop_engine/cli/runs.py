@@ -22,27 +22,23 @@ def add_info(sub) -> None:
 
 
 def _cmd_info(a) -> int:
-    from ..run import read_manifest
+    from ..run import RunManifest
     from ..store.sharded import open_run_store
     from ..store.sizes import run_store_bytes
 
-    m = read_manifest(a.run)
+    m = RunManifest.load(a.run)
     if a.json:
-        print(json.dumps(m, indent=2, default=str))
+        print(json.dumps(m.raw, indent=2, default=str))
         return 0
-    print(f"run {m.get('run_id')}  status {m.get('status')}  created {m.get('created')}")
-    d = m.get("data", {})
-    print(
-        f"data {d.get('root')}  ({d.get('n_train')} train / {d.get('n_eval')} eval, {len(d.get('files', {}))} files)"
-    )
-    mo = m.get("model", {})
-    print(
-        f"model {mo.get('source')}  task {mo.get('task')}  params {mo.get('parameters')} (trainable {mo.get('trainable')})"
-    )
-    if (Path(a.run) / C.STORE_FILE).exists() or m.get("shards"):
-        with open_run_store(a.run, m) as st:
+    print(f"run {m.run_id}  status {m.status}  created {m.created or None}")
+    d = m.data
+    print(f"data {d.root}  ({d.n_train} train / {d.n_eval} eval, {len(d.files)} files)")
+    mo = m.model
+    print(f"model {mo.source}  task {mo.task}  params {mo.parameters} (trainable {mo.trainable})")
+    if (Path(a.run) / C.STORE_FILE).exists() or m.shards:
+        with open_run_store(a.run, m.shards) as st:
             size = run_store_bytes(a.run)
-            shards = f", {len(m['shards'])} shards" if m.get("shards") else ""
+            shards = f", {len(m.shards)} shards" if m.shards else ""
             print(
                 f"store ({size / 1e6:.2f} MB{shards}): {st.n_records} records, {len(st.layers)} layers, dim {st.dim}, status {st.status}"
             )
@@ -50,10 +46,9 @@ def _cmd_info(a) -> int:
                 print(f"note: {st.describe_partial()}")
     from ..evaluate.pareto import describe
 
-    cfg = m.get("config") or {}
-    print(describe(cfg.get("track") if isinstance(cfg, dict) else None))
-    if m.get("error"):
-        print(f"error: {m['error']}")
+    print(describe(m.config.get("track")))
+    if m.error:
+        print(f"error: {m.error}")
     return 0
 
 
@@ -69,7 +64,7 @@ def add_runs(sub) -> None:
 
 
 def _cmd_runs(a) -> int:
-    from ..run import list_runs, read_manifest
+    from ..run import RunManifest, list_runs
 
     runs = list_runs(a.root)
     if not runs:
@@ -77,10 +72,9 @@ def _cmd_runs(a) -> int:
         return 0
     for r in runs:
         try:
-            m = read_manifest(r)
+            m = RunManifest.load(r)
         except TracepropError as e:  # one damaged run.json must not hide the others
             print(f"{r.name:<32} {'unreadable':<10} {e}")
             continue
-        model = m.get("model") if isinstance(m.get("model"), dict) else {}
-        print(f"{r.name:<32} {str(m.get('status', '?')):<10} {model.get('source', '?')}")
+        print(f"{r.name:<32} {str(m.status or '?'):<10} {m.model.source or '?'}")
     return 0

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
-from .. import constants as C
 from .flags import (
     add_dense_k_flag,
     add_sketch_flag,
@@ -189,17 +188,17 @@ def train_settings(a):
 
 
 def _cmd_train(a) -> int:
-    from ..run import read_manifest
+    from ..run import RunManifest
     from ..training.loop import train
 
     run_dir = train(train_settings(a), overwrite=a.overwrite)
-    m = read_manifest(run_dir)
+    m = RunManifest.load(run_dir)
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0 if m["status"] == C.STATUS_COMPLETED else 130
+        return 0 if m.completed else 130
     print(
-        f"{m['status']}: {run_dir}  ({m.get('store', {}).get('n_records', 0)} records, eval loss {m.get('metrics', {}).get('eval_loss')})"
+        f"{m.status}: {run_dir}  ({m.store.n_records or 0} records, eval loss {m.metrics.get('eval_loss')})"
     )
-    return 0 if m["status"] == C.STATUS_COMPLETED else 130
+    return 0 if m.completed else 130
 
 
 # -- the argv of a `traceprop train` child process -------------------------------------------------

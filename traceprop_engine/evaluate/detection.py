@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import ConfigError, RunError
+from ..run import is_completed
 from .detection_data import (
     TARGET,
     generate_backdoor_data,
@@ -108,8 +109,7 @@ def _train(s: DetectSettings, data: Path, eval_data: Path, run_dir: Path, seed: 
     from ..settings import TrackSettings, TrainSettings
     from ..training.loop import train
 
-    man = run_dir / C.MANIFEST_FILE
-    if man.exists() and json.loads(man.read_text()).get("status") == C.STATUS_COMPLETED:
+    if is_completed(run_dir):
         return run_dir
     t = TrainSettings(
         data=str(data),
@@ -128,7 +128,7 @@ def _train(s: DetectSettings, data: Path, eval_data: Path, run_dir: Path, seed: 
         track=TrackSettings(k_in=s.k, k_out=s.k, seed=seed),
     )
     train(t, overwrite=True)
-    if json.loads(man.read_text())["status"] != C.STATUS_COMPLETED:
+    if not is_completed(run_dir):
         raise RunError(f"the detection run {run_dir} did not complete")
     return run_dir
 

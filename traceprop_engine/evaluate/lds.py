@@ -49,6 +49,7 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import ConfigError, RunError
+from ..run import RunManifest, is_completed
 from ..settings import TrackSettings
 from .lds_report import lds_scores, summarize, write_results
 from .lds_retrain import record, retrain_subsets, subset_losses, write_subsets
@@ -183,16 +184,15 @@ def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval
     from ..training.loop import train
 
     run_dir = eval_dir / RUNS_DIR / name
-    man = run_dir / C.MANIFEST_FILE
     sidecar = run_dir / RUN_TRACK_FILE
     want = json.loads(json.dumps(track.to_dict()))
-    if man.exists() and json.loads(man.read_text()).get("status") == C.STATUS_COMPLETED:
+    if is_completed(run_dir):
         if not sidecar.exists() or json.loads(sidecar.read_text()) == want:
             return run_dir  # (no sidecar: a run of an older evaluation, trusted as before)
         log.warning("%s was tracked with other settings; training it again", run_dir)
     log.info("training the tracked run %s", name)
     train(dataclasses.replace(s.train, model=base, out=str(run_dir), track=track), overwrite=True)
-    status = json.loads(man.read_text())["status"]
+    status = RunManifest.load(run_dir).status
     if status != C.STATUS_COMPLETED:
         raise RunError(
             f"the tracked run {run_dir} ended {status!r}; rerun to resume the evaluation"

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import RunError
+from ..run import RunManifest
 from .lds_report import bootstrap_ci, spearman_rows
 from .lds_settings import (
     LOSSES_DIR,
@@ -112,7 +113,7 @@ def _retrain_subset(job: dict) -> dict:
             settings, seed=settings.seed + RETRAIN_SEED_STRIDE * r, out=str(work / f"run{r}")
         )
         run_dir = train(rs, overwrite=True)
-        status = json.loads((run_dir / C.MANIFEST_FILE).read_text())["status"]
+        status = RunManifest.load(run_dir).status
         if status != C.STATUS_COMPLETED:
             raise RunError(f"the retrain of subset {job['subset']} ended {status!r}; see {run_dir}")
         losses = _eval_losses(run_dir / C.MODEL_DIR, job["encs"], settings.task.value)

@@ -7,7 +7,6 @@ single-process and a DDP run the same way.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -201,20 +200,24 @@ class ShardedStore(PartialStatus):
         self.close()
 
 
-def shard_paths(run_dir: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
-    """The store shards a DDP run's ``run.json`` lists (``shards``: file names relative to the
-    run, in rank order), or ``[]`` for a single-process run (``store.h5``)."""
+def shard_paths(run_dir: str | os.PathLike, shards: Sequence[str] | None = None) -> list[Path]:
+    """The store shards of a multi-process run (``shards``: file names relative to the run, in
+    rank order; read from its ``run.json`` when not given), or ``[]`` for a single-process run
+    (``store.h5``)."""
+    from ..run import RunManifest
+
     run_dir = Path(run_dir)
-    if manifest is None and (run_dir / C.MANIFEST_FILE).exists():
-        manifest = json.loads((run_dir / C.MANIFEST_FILE).read_text())
-    return [run_dir / s for s in (manifest or {}).get("shards") or []]
+    if shards is None and (run_dir / C.MANIFEST_FILE).exists():
+        shards = RunManifest.load(run_dir).shards
+    return [run_dir / s for s in shards or []]
 
 
 def open_run_store(
-    run_dir: str | os.PathLike, manifest: dict | None = None
+    run_dir: str | os.PathLike, shards: Sequence[str] | None = None
 ) -> Store | ShardedStore:
-    """The store of a run directory: ``store.h5``, or the shards ``run.json`` lists (DDP runs)."""
-    shards = shard_paths(run_dir, manifest)
+    """The store of a run directory: ``store.h5``, or its shards (multi-process runs; the
+    manifest's ``shards`` when not given)."""
+    shards = shard_paths(run_dir, shards)
     if shards:
         return ShardedStore(shards)
     return Store(Path(run_dir) / C.STORE_FILE)

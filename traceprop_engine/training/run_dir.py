@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import RunError
-from ..run import read_manifest
+from ..run import RunManifest
 from . import distributed
 from .models import save_model
 
@@ -83,7 +83,7 @@ def prepare_dir(run_dir: Path, overwrite: bool) -> None:
             "in a run directory; remove it yourself or choose another --out"
         )
     try:
-        status = read_manifest(run_dir).get("status")
+        status = RunManifest.load(run_dir).status
     except RunError:
         status = None  # no or unreadable run.json: nothing says it is running
     if status == C.STATUS_RUNNING:
