@@ -246,3 +246,25 @@ def record_causal_step(path: Path, model, settings: TrackSettings, seed: int = 0
     ids, mask, labels, lengths = causal_batch(seed)
     store = record_step(path, model, settings, ids, mask, lambda lg: causal_lm_losses(lg, labels))
     return store, (ids, mask, labels, lengths)
+
+
+def assert_same_answers(single_run, other_run) -> None:
+    """A multi-process run (DDP shards, FSDP) answers an eval example's query as the one-process
+    run of the same data does: the same top-5 rows either side, scores within 1 %."""
+    import numpy as np
+
+    from traceprop_engine.attribution.query import AttributionRun
+    from traceprop_engine.store.reader import Store
+
+    eval_id = int(np.flatnonzero(Store(single_run / "store.h5").examples()["split"] == "eval")[0])
+    rows = []
+    for run_dir in (single_run, other_run):
+        run = AttributionRun(run_dir)
+        try:
+            rows.append(run.query(eval_example=eval_id, top_k=5).rows)
+        finally:
+            run.close()
+    a, b = rows
+    assert b.height == a.height == 10
+    assert b["example_id"].to_list() == a["example_id"].to_list()
+    np.testing.assert_allclose(b["score"].to_numpy(), a["score"].to_numpy(), rtol=1e-2)

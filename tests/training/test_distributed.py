@@ -10,10 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, facts_data, fast_settings
+from helpers import FAST, assert_same_answers, facts_data, fast_settings
 
 from traceprop_engine import Store
-from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
@@ -175,18 +174,7 @@ def test_ddp_loss_scale_against_autograd(runs):
 
 def test_sharded_run_answers_a_query(runs):
     _, single, ddp = runs
-    eval_id = int(np.flatnonzero(Store(single / "store.h5").examples()["split"] == "eval")[0])
-    res = {}
-    for name, run_dir in (("single", single), ("ddp", ddp)):
-        run = AttributionRun(run_dir)
-        try:
-            res[name] = run.query(eval_example=eval_id, top_k=5).rows
-        finally:
-            run.close()
-    a, b = res["single"], res["ddp"]
-    assert b.height == a.height == 10
-    assert b["example_id"].to_list() == a["example_id"].to_list()
-    np.testing.assert_allclose(b["score"].to_numpy(), a["score"].to_numpy(), rtol=1e-2)
+    assert_same_answers(single, ddp)
 
 
 def test_local_batches_partition_every_global_batch():

@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, facts_data, fast_settings
+from helpers import FAST, assert_same_answers, facts_data, fast_settings
 
 from traceprop_engine import Store
-from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
 from traceprop_engine.store.sharded import ShardedStore, open_run_store
@@ -139,18 +138,7 @@ def test_fsdp_saved_model_equals_the_one_process_model(runs):
 
 def test_fsdp_run_answers_a_query(runs):
     _, single, out = runs
-    eval_id = int(np.flatnonzero(Store(single / "store.h5").examples()["split"] == "eval")[0])
-    res = {}
-    for name, run_dir in (("single", single), ("fsdp", out)):
-        run = AttributionRun(run_dir)
-        try:
-            res[name] = run.query(eval_example=eval_id, top_k=5).rows
-        finally:
-            run.close()
-    a, b = res["single"], res["fsdp"]
-    assert b.height == a.height == 10
-    assert b["example_id"].to_list() == a["example_id"].to_list()
-    np.testing.assert_allclose(b["score"].to_numpy(), a["score"].to_numpy(), rtol=1e-2)
+    assert_same_answers(single, out)
 
 
 USER_LOOP = Path(__file__).with_name("fsdp_user_loop.py")
