@@ -39,7 +39,8 @@ st.subheader("How to read the results")
 st.markdown(landing.SIGN_NOTE)
 st.markdown(
     "\n".join(
-        f"- **{text.md_escape(k)}**: {text.md_escape(v)}" for k, v in landing.PRECONDITIONERS.items()
+        f"- **{text.md_escape(k)}**: {text.md_escape(v)}"
+        for k, v in landing.PRECONDITIONERS.items()
     )
 )
 st.caption(

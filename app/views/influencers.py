@@ -196,9 +196,8 @@ for r in rows.iter_rows(named=True):
             language=None,
         )
         st.caption("Per-layer partial scores")
-        st.dataframe(
-            queries.layer_scores_table(r["layer_scores"]), hide_index=True, width="stretch"
-        )
+        # a plain table: 2 × top-k interactive grids made every query's page slow to draw
+        st.table(queries.layer_scores_table(r["layer_scores"]))
 
 st.subheader("Influence by source file (all training examples)")
 fig = go.Figure()

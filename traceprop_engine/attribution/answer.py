@@ -45,7 +45,9 @@ def _decode(tok, ids) -> str:
 
 
 @torch.no_grad()
-def model_answer(run, prompt=None, completion=None, *, eval_example=None, label=None) -> ModelAnswer:
+def model_answer(
+    run, prompt=None, completion=None, *, eval_example=None, label=None
+) -> ModelAnswer:
     """The model's loss on the query and its greedy answer (causal LM: greedy decoding from the
     prompt for as many tokens as the queried completion has; classification: the argmax label).
 
