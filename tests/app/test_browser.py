@@ -170,7 +170,8 @@ def test_sample_run_is_active(page, server):
     from playwright.sync_api import expect
 
     page.goto(server["url"])
-    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+    expect(page.get_by_role("heading", name="Traceprop").first).to_be_visible()  # the landing page
+    _nav(page, "Runs")
     expect(page.get_by_test_id("stSidebar")).to_contain_text("facts")
     expect(page.get_by_label("Active run")).to_have_value("facts · sample · completed")
     expect(page.get_by_test_id("stDataFrame")).to_be_visible()
