@@ -165,3 +165,11 @@ def test_warm_up_loads_the_model_once(app_env, monkeypatch):
     monkeypatch.setattr(warmup, "warm", lambda d: None)
     assert warmup.start(SAMPLE) and not warmup.start(SAMPLE)  # once per run and process
     assert not warmup.start(None)
+
+
+def test_data_root_exists_by_default(tmp_path, monkeypatch):
+    from services import config
+
+    monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(tmp_path / "runs"))
+    monkeypatch.setenv("TRACEPROP_DATA_ROOT", str(tmp_path / "fresh" / "data"))
+    assert config.AppConfig.from_env().data_root.is_dir()
