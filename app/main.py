@@ -12,7 +12,7 @@ for p in (APP_DIR, APP_DIR.parent):  # `import services` and the engine, from an
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from services import config, jobs, runs  # noqa: E402
+from services import config, jobs, runs, warmup  # noqa: E402
 
 st.set_page_config(page_title="Traceprop", page_icon="🧭", layout="wide")
 
@@ -20,7 +20,8 @@ cfg = config.AppConfig.from_env()
 active = runs.ensure_active_run(cfg, st.session_state)
 
 pages = [
-    st.Page("views/runs.py", title="Runs", icon="🗂️", default=True),
+    st.Page("views/home.py", title="Home", icon="🧭", default=True),
+    st.Page("views/runs.py", title="Runs", icon="🗂️"),
     st.Page("views/launch.py", title="Launch", icon="🚀"),
     st.Page("views/influencers.py", title="Influencers", icon="🔎"),
     st.Page("views/overhead.py", title="Overhead", icon="⏱️"),
@@ -41,4 +42,7 @@ with st.sidebar:
     if job is not None:
         st.info(f"Training {job.run_dir.name}: step {job.step}/{job.total or '?'}")
 
-nav.run()
+try:
+    nav.run()
+finally:  # after the page is drawn (even one that stopped): the first query finds the model loaded
+    warmup.start(active)

@@ -1,6 +1,5 @@
 """Traceprop: training-data attribution recorded inside the training backward pass."""
 
-from .capture.tracker import Tracker
 from .errors import (
     ConfigError,
     DataError,
@@ -14,9 +13,23 @@ from .errors import (
     TracepropError,
 )
 from .settings import SketchKind, Task, TrackSettings, TrainSettings
-from .store.reader import Store
 
 __version__ = "0.1.0"
+
+# Tracker and Store pull torch / h5py: imported on first use, so that `import traceprop_engine.x`
+# (the app's pages, `traceprop runs`) starts without loading torch.
+_LAZY = {"Tracker": ".capture.tracker", "Store": ".store.reader"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",

@@ -35,14 +35,14 @@ class AppConfig:
     def from_env(cls) -> AppConfig:
         runs = Path(os.environ.get("TRACEPROP_RUNS_ROOT") or REPO / "runs").expanduser().resolve()
         runs.mkdir(parents=True, exist_ok=True)
+        data = Path(os.environ.get("TRACEPROP_DATA_ROOT") or REPO / "data").expanduser().resolve()
+        data.mkdir(parents=True, exist_ok=True)  # the Launch page's paths are relative to it
         return cls(
             runs_root=runs,
             sample_runs=Path(os.environ.get("TRACEPROP_SAMPLE_RUNS") or REPO / "sample_runs")
             .expanduser()
             .resolve(),
-            data_root=Path(os.environ.get("TRACEPROP_DATA_ROOT") or REPO / "data")
-            .expanduser()
-            .resolve(),
+            data_root=data,
         )
 
     @property

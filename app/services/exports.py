@@ -7,14 +7,16 @@ import os
 
 import polars as pl
 
-from traceprop_engine.attribution import audit, export
-from traceprop_engine.verify import verify_run
-
 from .queries import open_cached
+
+# The engine's export / audit / verify modules pull torch: imported inside the functions, so
+# the app's first page starts without it.
 
 
 def shown_rows(result) -> pl.DataFrame:
     """Exactly the rows shown and exported: the engine's export columns plus ``file:row``."""
+    from traceprop_engine.attribution import export
+
     rows = export.rows_for_export(result)
     return rows.with_columns(
         (pl.col("source") + ":" + pl.col("row").cast(pl.Utf8)).alias("location")
@@ -23,6 +25,8 @@ def shown_rows(result) -> pl.DataFrame:
 
 def export_bytes(result, fmt: str) -> bytes:
     """CSV or JSON bytes of the shown influencer rows."""
+    from traceprop_engine.attribution import export
+
     return export.rows_to_bytes(shown_rows(result), fmt)
 
 
@@ -32,6 +36,8 @@ def audit_bytes(run_dir: str | os.PathLike, result) -> tuple[bytes, bytes, dict]
     Raises:
         TracepropError: the run cannot be opened.
     """
+    from traceprop_engine.attribution import audit, export
+
     run, _ = open_cached(run_dir)  # the trail reads the manifest only, not the store
     trail = audit.audit_trail(run, result)
     js = json.dumps(trail, indent=2, ensure_ascii=False, default=str).encode()
@@ -46,4 +52,6 @@ def verify_inputs(run_dir: str | os.PathLike) -> dict:
     Raises:
         RunError: no readable run.json.
     """
+    from traceprop_engine.verify import verify_run
+
     return verify_run(run_dir)

@@ -6,7 +6,7 @@ import json
 
 import plotly.graph_objects as go
 import streamlit as st
-from services import config, exports, jobs, queries, runs, text
+from services import answers, config, exports, jobs, queries, runs, text
 
 from traceprop_engine.errors import TracepropError
 
@@ -97,7 +97,8 @@ pre = c2.selectbox(
     ),
 )
 
-if st.button("Find influencers", type="primary", key="infl_go"):
+clicked = st.button("Find influencers", type="primary", key="infl_go")
+if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's sample question
     try:
         with st.spinner("Scoring every training example…"):
             res, by_source = queries.run_query(
@@ -113,10 +114,17 @@ if st.button("Find influencers", type="primary", key="infl_go"):
         st.session_state.pop("infl_result", None)
         st.error(text.md_escape(e))
     else:
+        try:
+            ans = answers.model_answer(
+                active, prompt=prompt, completion=completion, eval_example=eval_id, label=label
+            )
+        except TracepropError:
+            ans = None
         st.session_state["infl_result"] = {
             "run": str(active),
             "result": res,
             "by_source": by_source,
+            "answer": ans,
         }
 
 saved = st.session_state.get("infl_result")
@@ -133,6 +141,14 @@ st.caption(
     f"Query loss {q.get('query_loss', float('nan')):.4f} · preconditioner {q.get('preconditioner')} · "
     f"{q.get('n_vectors')} examples searched · {res.elapsed_ms:.0f} ms"
 )
+ans = saved.get("answer")
+if ans is not None:
+    a1, a2, a3 = st.columns(3)
+    a1.metric("Model's loss on the queried output", f"{ans.loss:.4f}")
+    a2.metric("Queried output", text.one_line(ans.queried) or "—")
+    a3.metric("Model's own greedy answer", text.one_line(ans.greedy) or "—")
+    if (warn := answers.answer_warning(ans)) is not None:
+        st.warning(text.md_escape(warn))
 
 cols = (
     ["rank", "score", "text", "location", "label"]
@@ -180,9 +196,8 @@ for r in rows.iter_rows(named=True):
             language=None,
         )
         st.caption("Per-layer partial scores")
-        st.dataframe(
-            queries.layer_scores_table(r["layer_scores"]), hide_index=True, width="stretch"
-        )
+        # a plain table: 2 × top-k interactive grids made every query's page slow to draw
+        st.table(queries.layer_scores_table(r["layer_scores"]))
 
 st.subheader("Influence by source file (all training examples)")
 fig = go.Figure()

@@ -60,6 +60,8 @@ if running is not None:
     st.session_state["launch_run"] = str(running.run_dir)
     st.info("A training job is running; a second launch waits until it ends (one job at a time).")
 
+for note in st.session_state.pop("launch_prefill_notes", []):  # "Re-launch" on the Runs page
+    st.info(text.md_escape("Prefilled from the run: " + note))
 with st.form("launch_form"):
     st.markdown("**Data**")
     data_kind = st.radio(

@@ -69,3 +69,58 @@ with st.expander("Delete a user run"):
                     st.session_state.pop("runs_active", None)
                 st.success(text.md_escape(f"Deleted {victim}"))
                 st.rerun()
+
+# -- the active run's story: loss curve, configuration, bytes, measured quality, re-launch --------
+st.header(f"The run {active.name}" if active is not None else "The run")
+if active is not None and str(active) in paths:
+    import plotly.graph_objects as go
+    from services import run_story
+
+    try:
+        curve = run_story.loss_curve(active)
+        sizes = run_story.storage(active)
+        quality_line, measured = run_story.quality(active)
+        settings = run_story.configuration(active)
+        layers = settings.pop("track.layers", None) or []
+        settings["track.layers"] = f"{len(layers)} tracked layers"
+    except TracepropError as e:
+        st.error(text.md_escape(f"{active.name}: {e}"))
+    else:
+        c1, c2, c3, c4 = st.columns(4)
+        c1.metric("Training steps", curve.height)
+        c2.metric("Final training loss", f"{curve['loss'][-1]:.3f}" if curve.height else "—")
+        c3.metric(
+            "Bytes per example",
+            f"{sizes['bytes_per_example']:,.0f}" if sizes.get("bytes_per_example") else "—",
+            help="steady-state bytes one recorded training example takes in this run's store "
+            "(its sketches and metadata; a short run's file also holds empty HDF5 chunk space). "
+            "The measured line below is for the same configuration on the benchmark models.",
+        )
+        c4.metric("Store on disk", text.fmt_bytes(sizes["store_bytes"]))
+        if curve.height:
+            fig = go.Figure()
+            fig.add_scatter(x=curve["step"].to_list(), y=curve["loss"].to_list(), mode="lines")
+            fig.update_layout(
+                xaxis_title="step", yaxis_title="training loss", height=300, margin={"t": 20}
+            )
+            st.plotly_chart(fig, key="runs_loss_curve")
+        else:
+            st.caption("No training steps logged (progress.jsonl is empty or missing).")
+        st.markdown("**Measured quality of this tracking configuration**")
+        st.caption(text.md_escape(quality_line))
+        if measured is not None and measured["dominated_by"]:
+            st.warning(text.md_escape("Dominated by: " + ", ".join(measured["dominated_by"])))
+        with st.expander("Configuration"):
+            st.dataframe(
+                {
+                    "setting": list(settings),
+                    "value": [str(v) for v in settings.values()],
+                },
+                hide_index=True,
+                width="stretch",
+            )
+        if st.button("Re-launch with these settings", key="runs_relaunch"):
+            values, notes = run_story.relaunch_state(cfg, active)
+            st.session_state.update(values)
+            st.session_state["launch_prefill_notes"] = notes
+            st.switch_page("views/launch.py")

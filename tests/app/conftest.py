@@ -24,4 +24,7 @@ def app_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(REPO / "sample_runs"))
     # only this test's bench folder, not the repository's measured results
     monkeypatch.setenv("TRACEPROP_BENCH_DIRS", str(runs / "bench"))
+    # no background warm-up thread racing the test's own queries (tests/app/test_first_minute.py
+    # tests the warm-up itself)
+    monkeypatch.setenv("TRACEPROP_NO_WARMUP", "1")
     return {"runs": runs, "data": data, "repo": REPO}

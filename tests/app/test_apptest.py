@@ -31,6 +31,8 @@ def _goto(at: AppTest, page: str) -> AppTest:
 
 
 def test_opens_on_sample_run(at):
+    assert at.title[0].value == "Traceprop"  # the landing page
+    _goto(at, "runs")
     assert at.title[0].value.endswith("Runs")
     assert at.session_state["runs_active"] == str(REPO / "sample_runs" / "facts")
     assert at.selectbox(key="runs_pick").value == str(REPO / "sample_runs" / "facts")
@@ -160,6 +162,7 @@ def test_overhead_reads_bench_json(app_env):
     )
     at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
     at.run()
+    _goto(at, "runs")
     assert at.dataframe[0].value["overhead %"].iloc[0] == pytest.approx(
         4.2
     )  # matched by k and sketch
@@ -199,7 +202,9 @@ def test_every_page_says_so_when_there_are_no_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(tmp_path / "runs"))
     at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
     at.run()
-    assert not at.exception and "No runs found" in at.warning[0].value
+    assert not at.exception and any("sample run is not here" in i.value for i in at.info)
+    _goto(at, "runs")
+    assert "No runs found" in at.warning[0].value
     for page in ("influencers", "overhead", "audit", "launch"):
         _goto(at, page)
     _goto(at, "influencers")

@@ -170,10 +170,11 @@ def test_sample_run_is_active(page, server):
     from playwright.sync_api import expect
 
     page.goto(server["url"])
-    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+    expect(page.get_by_role("heading", name="Traceprop").first).to_be_visible()  # the landing page
+    _nav(page, "Runs")
     expect(page.get_by_test_id("stSidebar")).to_contain_text("facts")
     expect(page.get_by_label("Active run")).to_have_value("facts · sample · completed")
-    expect(page.get_by_test_id("stDataFrame")).to_be_visible()
+    expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
     expect(page.get_by_text("Delete a user run")).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
 
@@ -246,7 +247,7 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
     page.get_by_label("Active run").click()
     expect(page.get_by_role("option", name="browser-run · user · completed")).to_be_visible()
     page.keyboard.press("Escape")
-    expect(page.get_by_test_id("stDataFrame")).to_be_visible()
+    expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
     expect(page.get_by_text("Delete a user run")).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "runs-after-launch.png"), full_page=True)
     assert not page.blocked, page.blocked

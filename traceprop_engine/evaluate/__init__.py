@@ -10,10 +10,30 @@
 
 from __future__ import annotations
 
-from .detection import DetectSettings, auroc, precision_at_k, run_detection
-from .lds import run_lds
-from .lds_report import bootstrap_ci, lds_scores, spearman_rows
-from .lds_settings import LdsSettings
+# imported on first use: `evaluate.pareto` (the app's Runs page, `traceprop info`) must not pull
+# torch through the LDS and detection modules
+_LAZY = {
+    "DetectSettings": ".detection",
+    "auroc": ".detection",
+    "precision_at_k": ".detection",
+    "run_detection": ".detection",
+    "run_lds": ".lds",
+    "bootstrap_ci": ".lds_report",
+    "lds_scores": ".lds_report",
+    "spearman_rows": ".lds_report",
+    "LdsSettings": ".lds_settings",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DetectSettings",

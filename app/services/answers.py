@@ -1,0 +1,33 @@
+"""The model's own loss and greedy answer for a query (shown beside the influencers)."""
+
+from __future__ import annotations
+
+import os
+
+from .queries import open_cached
+
+
+def model_answer(run_dir: str | os.PathLike, **query):
+    """:func:`traceprop_engine.attribution.answer.model_answer` on the cached run, under its lock.
+
+    ``query``: ``prompt``, ``completion``, ``eval_example``, ``label`` as for a query.
+
+    Raises:
+        TracepropError: the run cannot be opened, or the query is malformed.
+    """
+    from traceprop_engine.attribution.answer import model_answer as answer
+
+    run, lock = open_cached(run_dir)
+    with lock:
+        return answer(run, **query)
+
+
+def answer_warning(ans) -> str | None:
+    """The warning shown when the model does not itself produce the queried output."""
+    if ans.matches:
+        return None
+    return (
+        f"The model does not produce the queried output: asked about {ans.queried.strip()!r}, its "
+        f"own greedy answer is {ans.greedy.strip()!r}. The ranking then explains an output the "
+        "model fails to give: the training examples that state it can even rank as opponents."
+    )

@@ -1,0 +1,54 @@
+"""Warm the query path in the background once the first page has been drawn.
+
+The first page needs no torch (the engine is imported lazily); the first query does: importing
+torch and transformers, loading the run's model and fitting its index take seconds on a CPU.
+:func:`start` does that work in a daemon thread right after the first page is sent, so that a
+user's first click finds it done (or under way: the query then waits on the same imports and
+the run's lock instead of starting from scratch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+_started: set[str] = set()
+_guard = threading.Lock()
+log = logging.getLogger(__name__)
+
+
+def warm(run_dir: str | os.PathLike) -> None:
+    """Open the cached run, load its model and tokenizer and answer one eval query with the
+    default settings (builds or loads the index): what a first query would otherwise do."""
+    from traceprop_engine.errors import TracepropError
+
+    from .queries import cached_tokenizer, open_cached
+
+    try:
+        run, lock = open_cached(run_dir)
+        cached_tokenizer(str(Path(run_dir).resolve()))
+        with lock:
+            ex = run.examples()
+            evals = ex.filter(ex["split"] == "eval")["example_id"].to_list()
+            if evals:
+                run.query(eval_example=int(evals[0]), top_k=1)
+            else:
+                run.model()
+    except (TracepropError, OSError, ValueError) as e:  # the page shows the error on use
+        log.info("warm-up of %s skipped: %s", run_dir, e)
+
+
+def start(run_dir: str | os.PathLike | None) -> bool:
+    """Start warming ``run_dir`` once per process (no-op for None or an already warmed run).
+    Returns whether a thread was started. TRACEPROP_NO_WARMUP=1 turns it off (benchmarks)."""
+    if run_dir is None or os.environ.get("TRACEPROP_NO_WARMUP") == "1":
+        return False
+    key = str(Path(run_dir).resolve())
+    with _guard:
+        if key in _started:
+            return False
+        _started.add(key)
+    threading.Thread(target=warm, args=(key,), name="traceprop-warmup", daemon=True).start()
+    return True
