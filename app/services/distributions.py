@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 
 import polars as pl
+import streamlit as st
 
 from traceprop_engine.attribution.distributions import score_histogram
 
 from .queries import open_cached
 
-__all__ = ["all_scores", "rank_by", "score_histogram", "RANK_BY"]
+__all__ = ["RANK_BY", "all_scores", "cached_rank_by", "rank_by", "score_histogram"]
 
 RANK_BY = ("self-influence", "gradient-norm", "loss")
 RANK_HELP = {
@@ -52,3 +53,9 @@ def rank_by(run_dir: str | os.PathLike, by: str, preconditioner: str) -> pl.Data
     run, lock = open_cached(run_dir)
     with lock:
         return rank_examples(run, by, IndexSettings(preconditioner=preconditioner))
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def cached_rank_by(run_dir: str, mtime: float, by: str, preconditioner: str) -> pl.DataFrame:
+    """:func:`rank_by` cached per run path + manifest mtime (paging and filtering rerun the page)."""
+    return rank_by(run_dir, by, preconditioner)

@@ -36,7 +36,7 @@ pre = c2.selectbox(
 st.info(distributions.RANK_HELP[by])
 try:
     with st.spinner("Ranking every training example…"):
-        ranked = distributions.rank_by(active, by, pre)
+        ranked = distributions.cached_rank_by(str(active), queries.manifest_mtime(active), by, pre)
 except TracepropError as e:
     st.error(text.md_escape(e))
     st.stop()
@@ -44,13 +44,13 @@ column = by.replace("-", "_")
 
 st.plotly_chart(charts.ranking_figure(ranked, column), key="rank_chart")
 
-c1, c2, c3 = st.columns([2, 2, 1])
+c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
 needle = c1.text_input("Text contains", key="rank_text", help="case-insensitive")
 sources = c2.multiselect("Source files", sorted(set(ranked["source"].to_list())), key="rank_src")
 size = c3.selectbox("Rows per page", find.PAGE_SIZES, index=1, key="rank_size")
 found = find.filter_rows(ranked, needle, sources)
 last = find.n_pages(found.height, size)
-page = min(int(st.number_input(f"Page (of {last})", 1, last, 1, key="rank_page")), last)
+page = min(int(c4.number_input(f"Page (of {last})", 1, last, 1, key="rank_page")), last)
 part = find.page_of(found, page, size)
 st.caption(f"{found.height} of {ranked.height} examples match · page {page} of {last}")
 st.dataframe(

@@ -101,6 +101,9 @@ def test_score_histogram_counts_every_score_by_sign():
     lo, hi = h["left"][i], h["right"][i]
     assert h["proponents"][i] == ((s > 0) & (s >= lo) & (s < hi)).sum()
     assert score_histogram(np.array([2.0, 2.0]), 3)["proponents"].sum() == 2
+    # 0 is an edge: no bin holds both signs
+    assert 0.0 in set(h["left"].to_list())
+    assert ((h["proponents"] > 0) & (h["opponents"] > 0)).sum() == 0
     for bad, match in (([], "no scores"), ([1.0, np.nan], "not finite")):
         with pytest.raises(ValueError, match=match):
             score_histogram(np.array(bad), 4)

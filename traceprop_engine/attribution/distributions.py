@@ -10,6 +10,9 @@ import polars as pl
 def score_histogram(scores: np.ndarray, bins: int = 40) -> pl.DataFrame:
     """Counts of ``scores`` in ``bins`` equal-width bins, split by sign.
 
+    When the scores have both signs, 0 is a bin edge (the bins on each side share one width as
+    far as ``bins`` allows), so no bin mixes proponents and opponents.
+
     Returns:
         ``left, right, center, proponents, opponents, zero`` per bin: ``proponents`` counts
         scores > 0, ``opponents`` scores < 0 and ``zero`` exact zeros in that bin; the counts
@@ -28,7 +31,7 @@ def score_histogram(scores: np.ndarray, bins: int = 40) -> pl.DataFrame:
     lo, hi = float(s.min()), float(s.max())
     if lo == hi:
         lo, hi = lo - 0.5, hi + 0.5
-    edges = np.linspace(lo, hi, bins + 1)
+    edges = _edges(lo, hi, bins)
     pos, _ = np.histogram(s[s > 0], edges)
     neg, _ = np.histogram(s[s < 0], edges)
     zero, _ = np.histogram(s[s == 0], edges)
@@ -42,3 +45,10 @@ def score_histogram(scores: np.ndarray, bins: int = 40) -> pl.DataFrame:
             "zero": zero.astype(np.int64),
         }
     )
+
+
+def _edges(lo: float, hi: float, bins: int) -> np.ndarray:
+    if not lo < 0 < hi or bins < 2:
+        return np.linspace(lo, hi, bins + 1)
+    n_neg = min(max(1, round(bins * -lo / (hi - lo))), bins - 1)
+    return np.concatenate([np.linspace(lo, 0, n_neg + 1), np.linspace(0, hi, bins - n_neg + 1)[1:]])
