@@ -189,7 +189,7 @@ def test_typed_prompt_influencers_and_csv(page, server):
     page.get_by_role("button", name="Find influencers").click()
     expect(page.get_by_text("Proponents (pushed toward this output)")).to_be_visible()
     expect(page.get_by_text("Sign convention")).to_be_visible()
-    expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart").first).to_be_visible()  # by source
     page.screenshot(path=str(ARTIFACTS / "influencers.png"), full_page=True)
     page.get_by_text("proponent #1 ·").click()
     expect(
@@ -198,7 +198,7 @@ def test_typed_prompt_influencers_and_csv(page, server):
     page.get_by_test_id("stExpander").first.screenshot(
         path=str(ARTIFACTS / "influencers-example.png")
     )
-    page.get_by_test_id("stPlotlyChart").screenshot(
+    page.get_by_test_id("stPlotlyChart").first.screenshot(
         path=str(ARTIFACTS / "influencers-by-source.png")
     )
     with page.expect_download() as dl:
