@@ -24,6 +24,8 @@ pages = [
     st.Page("views/runs.py", title="Runs", icon="🗂️"),
     st.Page("views/launch.py", title="Launch", icon="🚀"),
     st.Page("views/influencers.py", title="Influencers", icon="🔎"),
+    st.Page("views/compare.py", title="Compare", icon="⚖️"),
+    st.Page("views/rankings.py", title="Rankings", icon="📊"),
     st.Page("views/overhead.py", title="Overhead", icon="⏱️"),
     st.Page("views/quality.py", title="Quality", icon="📈"),
     st.Page("views/audit.py", title="Audit", icon="🧾"),

@@ -23,11 +23,12 @@ def shown_rows(result) -> pl.DataFrame:
     )
 
 
-def export_bytes(result, fmt: str) -> bytes:
-    """CSV or JSON bytes of the shown influencer rows."""
+def export_bytes(result, fmt: str, rows: pl.DataFrame | None = None) -> bytes:
+    """CSV or JSON bytes of the shown influencer rows (or of ``rows``, e.g. those found), with
+    the query they answer recorded inside (:func:`~traceprop_engine.attribution.export.export_with_query`)."""
     from traceprop_engine.attribution import export
 
-    return export.rows_to_bytes(shown_rows(result), fmt)
+    return export.export_with_query(shown_rows(result) if rows is None else rows, result.query, fmt)
 
 
 def audit_bytes(run_dir: str | os.PathLike, result) -> tuple[bytes, bytes, dict]:
@@ -55,3 +56,11 @@ def verify_inputs(run_dir: str | os.PathLike) -> dict:
     from traceprop_engine.verify import verify_run
 
     return verify_run(run_dir)
+
+
+def ranking_bytes(ranked: pl.DataFrame, desc: dict, by: str) -> bytes:
+    """CSV of ranked examples (``rank_examples``) with the run, the ranking and the
+    preconditioner in ``query_*`` columns."""
+    from traceprop_engine.attribution import export
+
+    return export.export_with_query(ranked, {**desc, "prompt": f"rank by {by}"}, "csv")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-import plotly.graph_objects as go
 import streamlit as st
-from services import answers, config, exports, jobs, queries, runs, text
+from services import answers, charts, config, exports, find, jobs, queries, runs, text
+from views import distribution_panel, find_panel
 
 from traceprop_engine.errors import TracepropError
 
@@ -82,7 +82,7 @@ else:
             "Completion (the output whose origin you want explained)", key="infl_completion"
         )
 c1, c2 = st.columns(2)
-top_k = c1.slider("Top k", 1, 50, 10, key="infl_topk")
+top_k = c1.slider("Top k", 1, 200, 10, key="infl_topk")
 pre = c2.selectbox(
     "Preconditioner",
     list(run.preconditioners),
@@ -174,8 +174,9 @@ for kind, title in (
         },
     )
 
-st.subheader("Examples")
-for r in rows.iter_rows(named=True):
+found, page_rows = find_panel.render(rows, key="infl_find")
+st.subheader("Examples on this page")
+for r in page_rows.iter_rows(named=True):
     with st.expander(
         f"{r['kind']} #{r['rank']} · {r['score']:+.4g} · {text.md_escape(r['location'])}"
     ):
@@ -200,42 +201,22 @@ for r in rows.iter_rows(named=True):
         st.table(queries.layer_scores_table(r["layer_scores"]))
 
 st.subheader("Influence by source file (all training examples)")
-fig = go.Figure()
-fig.add_bar(
-    name="positive",
-    x=by_source["source"].to_list(),
-    y=by_source["positive"].to_list(),
-    marker_color="#2a9d8f",
-)
-fig.add_bar(
-    name="negative",
-    x=by_source["source"].to_list(),
-    y=by_source["negative"].to_list(),
-    marker_color="#e76f51",
-)
-fig.add_scatter(
-    name="total",
-    x=by_source["source"].to_list(),
-    y=by_source["total"].to_list(),
-    mode="markers",
-    marker={"size": 12, "color": "#264653"},
-)
-fig.update_layout(barmode="relative", yaxis_title="summed influence", height=380, margin={"t": 20})
-st.plotly_chart(fig, key="infl_by_source")
+st.plotly_chart(charts.by_source_figure(by_source), key="infl_by_source")
+distribution_panel.render(active, res, q.get("preconditioner") or pre, key="infl_dist")
 
 c1, c2 = st.columns(2)
 c1.download_button(
     "Export CSV",
-    exports.export_bytes(res, "csv"),
-    file_name=f"influencers-{run.run_id}.csv",
+    exports.export_bytes(res, "csv", found),
+    file_name=find.export_name(q, "csv"),
     mime="text/csv",
     on_click="ignore",
     key="infl_csv",
 )
 c2.download_button(
     "Export JSON",
-    exports.export_bytes(res, "json"),
-    file_name=f"influencers-{run.run_id}.json",
+    exports.export_bytes(res, "json", found),
+    file_name=find.export_name(q, "json"),
     mime="application/json",
     on_click="ignore",
     key="infl_json",

@@ -190,7 +190,7 @@ def test_typed_prompt_influencers_and_csv(page, server):
     page.get_by_role("button", name="Find influencers").click()
     expect(page.get_by_text("Proponents (pushed toward this output)")).to_be_visible()
     expect(page.get_by_text("Sign convention")).to_be_visible()
-    expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart").first).to_be_visible()  # by source
     page.screenshot(path=str(ARTIFACTS / "influencers.png"), full_page=True)
     page.get_by_text("proponent #1 ·").click()
     expect(
@@ -199,7 +199,7 @@ def test_typed_prompt_influencers_and_csv(page, server):
     page.get_by_test_id("stExpander").first.screenshot(
         path=str(ARTIFACTS / "influencers-example.png")
     )
-    page.get_by_test_id("stPlotlyChart").screenshot(
+    page.get_by_test_id("stPlotlyChart").first.screenshot(
         path=str(ARTIFACTS / "influencers-by-source.png")
     )
     with page.expect_download() as dl:
@@ -279,4 +279,72 @@ def test_overhead_and_audit_pages(page, server):
     rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
     assert len(rows) == 20 and all(r["run_id"] for r in rows)
     page.screenshot(path=str(ARTIFACTS / "audit.png"), full_page=True)
+    assert not page.blocked, page.blocked
+
+
+DOCS_IMG = REPO / "docs" / "img"
+
+
+def test_find_distribution_compare_and_rankings(page, server):
+    """Issue 13 items 2, 4, 6: page through more than 100 influencers, search them, export with
+    the run and the query in the name and inside; the score histogram; Compare; Rankings."""
+    from playwright.sync_api import expect
+
+    _nav(page, "Influencers")
+    page.get_by_text("An eval example").click()
+    slider = page.get_by_role("slider").first
+    slider.focus()
+    slider.press("End")  # top k = 200: every signed example of the sample run
+    expect(slider).to_have_attribute("aria-valuetext", "200")
+    page.get_by_role("button", name="Find influencers").click()
+    expect(page.get_by_text("154 of 154 rows match")).to_be_visible()
+    pager = page.get_by_label("Page (of 7)")
+    pager.fill("7")
+    pager.press("Enter")
+    expect(page.get_by_text("showing 151–154 (page 7 of 7)")).to_be_visible()
+    pager.fill("1")
+    pager.press("Enter")
+    search = page.get_by_label("Text contains", exact=True).and_(page.get_by_role("textbox"))
+    search.fill("ethmor")
+    search.press("Enter")
+    matched = page.get_by_text(re.compile(r"^(?!154 )\d+ of 154 rows match"))  # filtered
+    expect(matched).to_be_visible()
+    n = int(matched.inner_text().split()[0])
+    assert 0 < n < 154
+    # while a rerun paints, the old elements stay beside the new ones: wait for one
+    expect(page.get_by_text("Score distribution (all training examples)")).to_have_count(1)
+    page.wait_for_timeout(800)  # the table canvas and the charts paint
+    page.get_by_text("Find", exact=True).scroll_into_view_if_needed()
+    DOCS_IMG.mkdir(exist_ok=True)
+    page.screenshot(path=str(DOCS_IMG / "influencers-find.png"), full_page=True)
+    page.get_by_test_id("stPlotlyChart").nth(1).screenshot(
+        path=str(DOCS_IMG / "influencers-score-histogram.png")
+    )
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Export CSV").click()
+    name = dl.value.suggested_filename
+    assert re.fullmatch(r"influencers-\d{8}-\d{6}-[0-9a-f]+-eval\d+-identity\.csv", name), name
+    rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
+    assert len(rows) == n and all("ethmor" in r["text"].lower() for r in rows)
+    assert {r["query_eval_example"] for r in rows} == {name.split("-eval")[1].split("-")[0]}
+    assert {r["query_preconditioner"] for r in rows} == {"identity"}
+
+    _nav(page, "Compare")
+    page.get_by_role("button", name="Compare", exact=True).click()
+    expect(page.get_by_text("Overlap of the top k")).to_be_visible()
+    expect(page.get_by_text("Rank changes", exact=True)).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(DOCS_IMG / "compare.png"), full_page=True)
+
+    _nav(page, "Rankings")
+    expect(page.get_by_text("154 of 154 examples match")).to_be_visible()
+    expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Export CSV").click()
+    assert dl.value.suggested_filename.endswith("-self-influence-identity.csv")
+    ranked = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
+    assert len(ranked) == 154 and [int(r["rank"]) for r in ranked] == list(range(1, 155))
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(DOCS_IMG / "rankings.png"), full_page=True)
     assert not page.blocked, page.blocked

@@ -151,7 +151,9 @@ def test_export_csv_rows_carry_lineage(sample_result):
 
 def test_export_json_matches_csv(sample_result):
     _, res = sample_result
-    js = json.loads(services.export_bytes(res, "json"))
+    doc = json.loads(services.export_bytes(res, "json"))
+    assert doc["query"]["eval_example"] == res.query["eval_example"]  # the query rides along
+    js = doc["rows"]
     assert [r["example_id"] for r in js] == res.rows["example_id"].to_list()
     assert {
         "rank",

@@ -81,3 +81,37 @@ def rows_to_bytes(rows: pl.DataFrame, fmt: str) -> bytes:
 
 def write_rows(rows: pl.DataFrame, path: str | os.PathLike, fmt: str) -> None:
     Path(path).write_bytes(rows_to_bytes(rows, fmt))
+
+
+QUERY_FIELDS = (
+    "run_id",
+    "prompt",
+    "completion",
+    "eval_example",
+    "label",
+    "preconditioner",
+    "top_k",
+    "query_loss",
+)
+"""What of a query's description every exported row carries (as ``query_<field>`` in a CSV)."""
+
+
+def rows_with_query(rows: pl.DataFrame, query: dict) -> pl.DataFrame:
+    """``rows`` with one ``query_<field>`` column per :data:`QUERY_FIELDS` entry (the same value
+    on every row), so a CSV on its own still says which run and query it answers."""
+    cols = []
+    for f in QUERY_FIELDS:
+        v = query.get(f)
+        cols.append(pl.lit(None if v is None else str(v), dtype=pl.Utf8).alias(f"query_{f}"))
+    return rows.with_columns(cols)
+
+
+def export_with_query(rows: pl.DataFrame, query: dict, fmt: str) -> bytes:
+    """CSV (``rows`` plus the ``query_*`` columns of :func:`rows_with_query`) or JSON (an object
+    ``{"query": query, "rows": [...]}``) of influencer rows and the query they answer."""
+    if fmt == "csv":
+        return csv_bytes(rows_with_query(rows, query))
+    if fmt == "json":
+        doc = {"query": query, "rows": rows.to_dicts()}
+        return json.dumps(doc, indent=2, ensure_ascii=False, default=str).encode()
+    raise ValueError(f"format must be 'csv' or 'json', got {fmt!r}")

@@ -1,0 +1,83 @@
+"""The Compare page's data: one query answered by two (run, preconditioner) sides, their
+overlap and rank changes (the engine's :mod:`traceprop_engine.attribution.compare`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import polars as pl
+
+from traceprop_engine.attribution import compare
+
+from .queries import open_cached
+
+
+@dataclass
+class Comparison:
+    a: object  # QueryResult of side A
+    b: object  # QueryResult of side B
+    overlap: pl.DataFrame  # per kind: k, shared, jaccard, overlap_at_k
+    changes: pl.DataFrame  # per example: kind, rank and score in A and B, rank change, status
+
+
+def query_text(run_dir: str | os.PathLike, eval_example: int) -> dict:
+    """The text of eval example ``eval_example`` of a run as query arguments (``prompt`` and
+    ``completion``, or ``prompt`` and ``label`` for classification), so another run can be asked
+    the same question.
+
+    Raises:
+        QueryError: no such eval example.
+    """
+    from traceprop_engine.errors import QueryError
+
+    run, lock = open_cached(run_dir)
+    with lock:
+        ev = run.eval_examples()
+    row = ev.filter(pl.col("example_id") == int(eval_example))
+    if row.is_empty():
+        raise QueryError(f"{eval_example} is not an eval example of this run")
+    r = row.row(0, named=True)
+    if r["label"]:
+        return {"prompt": r["text"], "label": r["label"]}
+    if r["prompt"] or r["completion"]:
+        return {"prompt": r["prompt"], "completion": r["completion"]}
+    return {"prompt": r["text"]}
+
+
+def side_query(run_dir, preconditioner: str, top_k: int, query: dict):
+    """One side's :class:`QueryResult` (under the run's lock)."""
+    from traceprop_engine.settings import IndexSettings
+
+    run, lock = open_cached(run_dir)
+    with lock:
+        return run.query(
+            query.get("prompt"),
+            query.get("completion"),
+            eval_example=query.get("eval_example"),
+            label=query.get("label"),
+            top_k=top_k,
+            settings=IndexSettings(preconditioner=preconditioner),
+        )
+
+
+def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) -> Comparison:
+    """Ask ``query`` on side A and side B (each ``(run_dir, preconditioner)``) for ``top_k``
+    proponents and opponents and compare the answers.
+
+    ``query`` holds ``prompt``/``completion``/``label`` (any run) or ``eval_example`` (only when
+    both sides are the same run: ids differ between runs, use :func:`query_text` first).
+
+    Raises:
+        TracepropError: a side cannot be opened or queried.
+        ValueError: an eval example id asked of two different runs.
+    """
+    if query.get("eval_example") is not None and os.path.realpath(side_a[0]) != os.path.realpath(
+        side_b[0]
+    ):
+        raise ValueError("two runs share no example ids: ask them by the example's text")
+    a = side_query(side_a[0], side_a[1], top_k, query)
+    b = side_query(side_b[0], side_b[1], top_k, query)
+    return Comparison(
+        a, b, compare.overlap(a.rows, b.rows, top_k), compare.rank_changes(a.rows, b.rows)
+    )
