@@ -7,6 +7,7 @@ import json
 import plotly.graph_objects as go
 import streamlit as st
 from services import config, exports, jobs, queries, runs, text
+from views import counterfactual as cf_sections
 
 from traceprop_engine.errors import TracepropError
 
@@ -183,6 +184,9 @@ for r in rows.iter_rows(named=True):
         st.dataframe(
             queries.layer_scores_table(r["layer_scores"]), hide_index=True, width="stretch"
         )
+
+cf_sections.render_tokens(active, res, rows)
+cf_sections.render_counterfactual(active, res)
 
 st.subheader("Influence by source file (all training examples)")
 fig = go.Figure()
