@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,29 @@ def test_too_big_run_is_refused(sample_copy, monkeypatch):
     _query(at)
     warn = [w.value for w in at.warning if "Counterfactual check unavailable" in w.value]
     assert warn and "too big" in warn[0]
+
+
+def test_highlighted_html_escapes_every_piece():
+    out = cf.highlighted_html(
+        ["<script>alert(1)</script>", " a&b", "\n"], [0.5, -1.0, 0.0], [1, 1, 0]
+    )
+    assert "<script>" not in out and "&lt;script&gt;alert(1)&lt;/script&gt;" in out
+    assert "a&amp;b" in out
+    assert "rgba(231,111,81,0.88)" in out  # the largest |contribution|, negative: full red
+    assert 'title="no loss on this token"' in out
+
+
+def test_cancel_stops_the_background_check(sample_copy):
+    spec = cf.spec_for({"prompt": PROMPT, "completion": " a planet"}, 5, 3, "identity")
+    s = cf.start(sample_copy, spec)
+    assert s["status"] == "running"
+    with pytest.raises(cf.CounterfactualError, match="running already"):
+        cf.start(sample_copy, spec)
+    deadline = time.monotonic() + 300
+    while cf.state(sample_copy, spec)["done"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.3)  # wait until it is retraining
+    assert cf.cancel(sample_copy, spec)
+    s = cf.wait(sample_copy, spec, timeout_s=120)
+    assert s["status"] == "cancelled", s
+    assert cf.result(sample_copy, spec) is None
+    assert not (sample_copy / "counterfactual" / f"{spec.key()}.work").exists()

@@ -123,8 +123,8 @@ def plan(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict:
     if est > MAX_ESTIMATED_S:
         raise RunError(
             f"this run is too big for the counterfactual check: {n_retrains} retrains of about "
-            f"{per_retrain:.0f} s each (~{est / 60:.0f} min, the limit is "
-            f"{MAX_ESTIMATED_S / 60:.0f} min); use fewer seeds or a smaller run"
+            f"{per_retrain:.0f} s each (~{est:.0f} s, the limit is {MAX_ESTIMATED_S:.0f} s); "
+            "use fewer seeds or a smaller run"
         )
     return {"n_train": n_train, "retrains": n_retrains, "estimated_s": round(est, 1)}
 
@@ -356,6 +356,7 @@ def run_with_progress_file(run_dir: str | os.PathLike, spec: CounterfactualSpec)
     completed, cancelled or failed; done/total; the last message; the error)."""
     from ..training.loop import StopFlag
 
+    plan(run_dir, spec)  # a check refused up front leaves no progress file behind
     path = progress_path(run_dir, spec)
     state = {"pid": os.getpid(), "status": "running", "done": 0, "total": 0, "message": "starting"}
     _write_progress(path, state)
