@@ -93,7 +93,7 @@ def _show_result(doc: dict) -> None:
     fig.add_bar(
         x=[r["removed"] for r in rows],
         y=[r["loss change (mean)"] for r in rows],
-        error_y={"type": "data", "array": [r["std"] for r in rows]},
+        error_y={"type": "data", "array": [r["std"] or 0.0 for r in rows], "visible": n > 1},
         marker_color=["#2a9d8f", "#8d99ae"],
     )
     fig.update_layout(
@@ -113,7 +113,8 @@ def _show_result(doc: dict) -> None:
     st.caption(
         f"Query loss of the run's model {doc['original_loss']:.4f}; retrained on all "
         f"{doc['n_train']} examples {full:.4f} (mean of {n} seeds). Change = retrained without "
-        f"the removed examples minus retrained on all, same recipe and seed; ± std over seeds. "
+        f"the removed examples minus retrained on all, same recipe and seed; ± std over seeds "
+        f"(none with one seed). "
         f"Computed {text.md_escape(doc['created'])} in {doc['seconds']:.0f} s."
     )
 

@@ -104,3 +104,13 @@ def test_bad_input_is_refused(sample_run, monkeypatch):
         == 1
     )
     assert cf.job_state(sample_run, cf.CounterfactualSpec(PROMPT, "x", 10, 3))["status"] == "none"
+
+
+def test_summarize_by_hand():
+    one = cf.summarize({"full": [1.0], "top_k": [2.0], "random": [1.1]})
+    assert one["top_k"] == {"delta": [1.0], "mean": 1.0, "std": None, "sem": None}
+    three = cf.summarize({"full": [1.0, 1.0, 1.0], "top_k": [2.0, 3.0, 4.0], "random": [1, 1, 1]})
+    assert three["top_k"]["mean"] == pytest.approx(2.0)
+    assert three["top_k"]["std"] == pytest.approx(1.0)  # sample std of 1, 2, 3
+    assert three["top_k"]["sem"] == pytest.approx(1 / 3**0.5)
+    assert three["top_k_minus_random"] == pytest.approx(2.0)

@@ -49,10 +49,12 @@ def format_result(doc: dict) -> str:
         ("random", f"without {k} random examples"),
     ):
         c = ch[arm]
-        lines.append(
-            f"{what:>34}: loss change {c['mean']:+.4f} ± {c['std']:.4f} (std over {n} seeds, "
-            f"sem {c['sem']:.4f})"
+        spread = (
+            f" ± {c['std']:.4f} (std over {n} seeds, sem {c['sem']:.4f})"
+            if c["std"] is not None
+            else " (one seed: no spread; use --seeds 2 or more)"
         )
+        lines.append(f"{what:>34}: loss change {c['mean']:+.4f}{spread}")
     lines.append(f"top-k removal minus random removal: {ch['top_k_minus_random']:+.4f}")
     return "\n".join(lines)
 

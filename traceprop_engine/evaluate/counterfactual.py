@@ -215,12 +215,12 @@ def summarize(losses: dict[str, list[float]]) -> dict:
     for arm in ("top_k", "random"):
         d = np.asarray(losses[arm], dtype=np.float64) - full
         n = len(d)
-        std = float(d.std(ddof=1)) if n > 1 else 0.0
+        std = float(d.std(ddof=1)) if n > 1 else None  # one seed: no spread to report
         out[arm] = {
             "delta": [float(x) for x in d],
             "mean": float(d.mean()),
             "std": std,
-            "sem": std / np.sqrt(n) if n > 1 else 0.0,
+            "sem": std / float(np.sqrt(n)) if std is not None else None,
         }
     out["top_k_minus_random"] = out["top_k"]["mean"] - out["random"]["mean"]
     return out
