@@ -6,6 +6,7 @@ import json
 
 import streamlit as st
 from services import answers, charts, config, exports, find, jobs, queries, runs, text
+from views import counterfactual as cf_sections
 from views import distribution_panel, find_panel
 
 from traceprop_engine.errors import TracepropError
@@ -199,6 +200,9 @@ for r in page_rows.iter_rows(named=True):
         st.caption("Per-layer partial scores")
         # a plain table: 2 × top-k interactive grids made every query's page slow to draw
         st.table(queries.layer_scores_table(r["layer_scores"]))
+
+cf_sections.render_tokens(active, res, rows)
+cf_sections.render_counterfactual(active, res)
 
 st.subheader("Influence by source file (all training examples)")
 st.plotly_chart(charts.by_source_figure(by_source), key="infl_by_source")

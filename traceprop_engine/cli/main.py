@@ -13,7 +13,7 @@ import logging
 import sys
 
 from ..errors import TracepropError
-from . import attribute, audit, bench, evaluate, runs, sample, store, train
+from . import attribute, audit, bench, counterfactual, evaluate, runs, sample, store, train
 
 log = logging.getLogger("traceprop")
 
@@ -31,6 +31,7 @@ _COMMANDS = (
     audit.add_rank,
     sample.add_sample,
     evaluate.register,
+    counterfactual.register,
 )
 
 

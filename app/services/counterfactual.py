@@ -1,0 +1,191 @@
+"""The counterfactual check and the per-token view for the Influencers page.
+
+The check retrains the run's model several times, so it runs as ``traceprop counterfactual`` in
+its own process group (like a Launch job): its state lives on disk beside the run
+(``RUN/counterfactual/<key>.progress.json``, the result ``<key>.json``), a closed tab neither
+kills nor orphans it, and a revisit shows the saved result.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from traceprop_engine.errors import TracepropError
+from traceprop_engine.evaluate import counterfactual as cf
+
+from .config import REPO
+from .queries import cached_tokenizer, open_cached
+
+
+class CounterfactualError(TracepropError, RuntimeError):
+    """The counterfactual check cannot be started."""
+
+
+def spec_for(query: dict, top_k: int, seeds: int, preconditioner: str) -> cf.CounterfactualSpec:
+    """The check of a query result's query (typed, or an eval example's prompt and completion).
+
+    Raises:
+        QueryError: the query has no prompt/completion (a classification or token-id query).
+    """
+    return cf.CounterfactualSpec(
+        prompt=query.get("prompt") or "",
+        completion=query.get("completion") or "",
+        top_k=int(top_k),
+        seeds=int(seeds),
+        preconditioner=str(preconditioner),
+    )
+
+
+def plan(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> dict:
+    """Retrains and estimated seconds (raises when the run is too big to retrain)."""
+    return cf.plan(run_dir, spec)
+
+
+def state(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> dict:
+    """``status`` none | running | completed | cancelled | failed, with done/total/message/error."""
+    return cf.job_state(run_dir, spec)
+
+
+def result(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> dict | None:
+    return cf.load_result(run_dir, spec)
+
+
+def command(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "traceprop_engine",
+        "counterfactual",
+        str(Path(run_dir).resolve()),
+        "--prompt",
+        spec.prompt,
+        "--completion",
+        spec.completion,
+        "--top-k",
+        str(spec.top_k),
+        "--seeds",
+        str(spec.seeds),
+        "--preconditioner",
+        spec.preconditioner,
+        "--force",
+    ]
+
+
+def start(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> dict:
+    """Start the check in the background (its own process group, log beside the result).
+
+    Raises:
+        CounterfactualError: it is running already.
+        RunError: the run is too big to retrain, or not complete.
+    """
+    if state(run_dir, spec)["status"] == "running":
+        raise CounterfactualError("this check is running already")
+    cf.plan(run_dir, spec)  # refuse too-big runs before starting anything
+    out = Path(run_dir) / cf.CF_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    with open(out / f"{spec.key()}.log", "wb") as log:
+        proc = subprocess.Popen(
+            command(run_dir, spec),
+            cwd=str(REPO),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    # the child rewrites this file as soon as it starts; until then it says "starting"
+    path = cf.progress_path(run_dir, spec)
+    if not path.exists() or cf.job_state(run_dir, spec)["status"] != "running":
+        cf._write_progress(
+            path,
+            {"pid": proc.pid, "status": "running", "done": 0, "total": 0, "message": "starting"},
+        )
+    return state(run_dir, spec)
+
+
+def cancel(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> bool:
+    """SIGTERM the check's process group (it stops at the next training step)."""
+    s = state(run_dir, spec)
+    if s["status"] != "running" or not s.get("pid"):
+        return False
+    try:
+        os.killpg(os.getpgid(int(s["pid"])), signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait(run_dir, spec, timeout_s: float = 300.0, poll_s: float = 0.5) -> dict:
+    end = time.monotonic() + timeout_s
+    s = state(run_dir, spec)
+    while s["status"] == "running" and time.monotonic() < end:
+        time.sleep(poll_s)
+        s = state(run_dir, spec)
+    return s
+
+
+def summary_rows(doc: dict) -> list[dict]:
+    """One row per removal: what was removed and the loss change (mean ± std, sem) over seeds."""
+    k, n = doc["settings"]["top_k"], len(doc["seeds"])
+    out = []
+    for arm, what in (("top_k", f"top-{k} proponents"), ("random", f"{k} random examples")):
+        c = doc["change"][arm]
+        out.append(
+            {
+                "removed": what,
+                "loss change (mean)": c["mean"],
+                "std": c["std"],
+                "sem": c["sem"],
+                "per seed": ", ".join(f"{d:+.4f}" for d in c["delta"]),
+                "seeds": n,
+            }
+        )
+    return out
+
+
+# -- per-token view -----------------------------------------------------------------------------
+def token_view(run_dir: str | os.PathLike, res, example_id: int):
+    """``(pieces, TokenContributions)``: the example's tokens as text pieces and their shares of
+    its score against the query of ``res``, in the index ``res`` was ranked with (computed under
+    the run's query lock)."""
+    import dataclasses
+
+    from traceprop_engine.attribution.tokens import token_contributions
+    from traceprop_engine.settings import IndexSettings
+
+    names = {f.name for f in dataclasses.fields(IndexSettings)}
+    s = IndexSettings(**{k: v for k, v in res.query.items() if k in names})
+    run, lock = open_cached(run_dir)
+    with lock:
+        tc = token_contributions(run, res.sketches, int(example_id), s)
+    tok = cached_tokenizer(str(Path(run_dir).resolve()))
+    ids = tc.token_ids.tolist()
+    pieces = [tok.decode([t]) if tok is not None else f"[{t}]" for t in ids]
+    return pieces, tc
+
+
+def highlighted_html(pieces: list[str], contributions, loss_mask) -> str:
+    """The tokens as HTML spans shaded by contribution (green: toward the output, red: away);
+    every piece is HTML-escaped, so no data is ever rendered as markup."""
+    vals = [float(c) for c in contributions]
+    top = max((abs(v) for v in vals), default=0.0) or 1.0
+    spans = []
+    for piece, v, m in zip(pieces, vals, loss_mask, strict=True):
+        a = min(abs(v) / top, 1.0)
+        rgb = "42,157,143" if v >= 0 else "231,111,81"
+        bg = f"background:rgba({rgb},{0.08 + 0.8 * a:.2f});" if m else "color:#888;"
+        tip = f"{v:+.4g}" if m else "no loss on this token"
+        text = html.escape(piece).replace("\n", "↵<br>")
+        spans.append(f'<span class="tp-tok" style="{bg}padding:1px 0" title="{tip}">{text}</span>')
+    return (
+        '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.9">'
+        + "".join(spans)
+        + "</div>"
+    )
