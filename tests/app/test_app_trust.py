@@ -1,0 +1,98 @@
+"""Issue 10, items 15 and 7 (the app half): the Launch page and the job slot say what they do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import services
+from streamlit.testing.v1 import AppTest
+
+from traceprop_engine import constants as C
+
+REPO = Path(__file__).resolve().parents[2]
+MAIN = str(REPO / "app" / "main.py")
+TIMEOUT = 60
+
+
+@pytest.fixture
+def cfg(app_env):
+    return services.AppConfig.from_env()
+
+
+def _spec(data: Path, eval_data: Path | None = None, *extra: str) -> services.LaunchSpec:
+    return services.LaunchSpec(
+        data=data, eval_data=eval_data, max_length=32, tiny_layers=1, tiny_width=32, extra=extra
+    )
+
+
+def _stop(run_dir: Path) -> None:
+    services.cancel_job(run_dir)
+    services.wait_job(run_dir, timeout_s=60)
+
+
+# -- item 7, the app half: one job slot, taken under an exclusive lock ------------------------
+@pytest.mark.slow
+def test_two_sessions_pressing_start_together_train_once(cfg):
+    data, eval_data = services.sample_dataset(cfg, "facts")
+    spec = _spec(data, eval_data, "--max-steps", "4")
+    barrier = threading.Barrier(3)
+    started, refused = [], []
+
+    def press(name: str) -> None:
+        barrier.wait()
+        try:
+            started.append(services.start_job(cfg, spec, name))
+        except services.JobError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=press, args=(n,)) for n in ("tab-a", "tab-b", "tab-c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert len(started) == 1, [s.run_dir.name for s in started]
+        assert len(refused) == 2 and all("already" in m for m in refused), refused
+        # the refused presses wrote nothing: one run directory, one launch record
+        dirs = [p for p in cfg.runs_root.iterdir() if p.name.startswith("tab-")]
+        assert dirs == [started[0].run_dir]
+    finally:
+        for s in started:
+            _stop(s.run_dir)
+
+
+# -- item 15.6: the Runs page shows the run's own figures, one median step time -----------------
+def test_runs_and_overhead_show_one_median_step_and_no_borrowed_overhead(app_env):
+    import numpy as np
+
+    from traceprop_engine.store.reader import Store
+
+    bench = app_env["runs"] / "bench"
+    bench.mkdir(parents=True)
+    (bench / "other-model.json").write_text(
+        json.dumps(
+            {
+                "overhead_pct": 4.41,
+                "plain_step_ms": 10.0,
+                "tracked_step_ms": 10.44,
+                "config": {"k_in": 126, "k_out": 126, "sketch": "factored"},
+            }
+        )
+    )
+    with Store(REPO / "sample_runs" / "facts" / "store.h5") as s:
+        want = round(float(np.median(s.timings()["step_ms"])), 2)
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    df = at.dataframe[0].value
+    assert "overhead %" not in df.columns
+    assert df[df["run"] == "facts"]["median step ms"].iloc[0] == pytest.approx(want)
+    at.switch_page("views/overhead.py")
+    at.run()
+    assert any(f"median {want:.2f} ms" in c.value for c in at.caption)
