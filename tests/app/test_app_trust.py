@@ -96,3 +96,60 @@ def test_runs_and_overhead_show_one_median_step_and_no_borrowed_overhead(app_env
     at.switch_page("views/overhead.py")
     at.run()
     assert any(f"median {want:.2f} ms" in c.value for c in at.caption)
+
+
+# -- item 15.2: cancelling a job while it is "starting" ---------------------------------------
+@pytest.mark.slow
+def test_cancel_while_starting_is_cancelled_and_the_run_can_be_seen_and_deleted(cfg, app_env):
+    data, eval_data = services.sample_dataset(cfg, "facts")
+    job = services.start_job(cfg, _spec(data, eval_data), "early")
+    assert job.status == "starting"  # the process is still importing torch: no run.json yet
+    assert services.cancel_job(job.run_dir)
+    done = services.wait_job(job.run_dir, timeout_s=60)
+    assert not (job.run_dir / C.MANIFEST_FILE).exists()
+    assert done.status == C.STATUS_CANCELLED, (done.status, done.error)
+    assert "cancelled before training started" in done.error
+    t = services.runs_table(cfg)
+    assert t.filter(t["run"] == "early")["status"].to_list() == ["cancelled"]
+    # the Launch page says cancelled (a warning), not "Training failed (see the log)"
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.session_state["launch_run"] = str(job.run_dir)
+    at.run()
+    at.switch_page("views/launch.py")
+    at.run()
+    assert not at.exception
+    assert not [e.value for e in at.error if "failed" in e.value]
+    assert any("cancelled" in w.value for w in at.warning)
+    # the Runs page lists it and deletes it
+    at.switch_page("views/runs.py")
+    at.run()
+    df = at.dataframe[0].value
+    assert df[df["run"] == "early"]["status"].iloc[0] == "cancelled"
+    at.selectbox(key="runs_delete_pick").set_value(str(job.run_dir)).run()
+    at.checkbox(key=f"runs_delete_confirm_{job.run_dir}").check().run()
+    at.button(key="runs_delete_button").click().run()
+    assert not at.exception
+    assert not job.run_dir.exists()
+
+
+# -- item 15.5: run names with '/' -------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a/b", "../x", "x y", ".hidden", "é"])
+def test_run_names_that_are_not_plain_folder_names_are_refused(cfg, tmp_path, name):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    with pytest.raises(services.JobError, match="use letters, digits"):
+        services.start_job(cfg, _spec(data), name)
+    assert not [p for p in cfg.runs_root.iterdir() if p.is_dir()]
+
+
+def test_launch_page_refuses_a_run_name_with_a_slash(app_env):
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page("views/launch.py")
+    at.run()
+    at.text_input(key="launch_name").input("team/exp1")
+    at.button[0].click().run()
+    assert not at.exception
+    msgs = " ".join(e.value for e in at.error)
+    assert "team/exp1" in msgs and "no '/'" in msgs
+    assert not [p for p in app_env["runs"].iterdir() if (p / "launch.json").exists()]
