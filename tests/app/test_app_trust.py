@@ -149,3 +149,19 @@ def test_launch_page_refuses_a_run_name_with_a_slash(app_env):
     msgs = " ".join(e.value for e in at.error)
     assert "team/exp1" in msgs and "no '/'" in msgs
     assert not [p for p in app_env["runs"].iterdir() if (p / "launch.json").exists()]
+
+
+# -- item 15.1: uploads are never ignored --------------------------------------------------------
+def test_uploads_win_over_a_bundled_set_and_conflict_with_a_path():
+    from traceprop_engine.errors import ConfigError
+
+    kind, note = services.launch.choose_data("facts", ["a.jsonl", "b.csv"])
+    assert kind == "upload"
+    assert "2 uploaded file(s) (a.jsonl, b.csv)" in note and "not on the bundled" in note
+    assert services.launch.choose_data("facts", []) == (
+        "facts",
+        "Training on the bundled generated facts set",
+    )
+    assert services.launch.choose_data("path", [], "d/x.jsonl")[1].endswith("'d/x.jsonl'")
+    with pytest.raises(ConfigError, match="choose 'Upload files'"):
+        services.launch.choose_data("path", ["a.jsonl"], "d/x.jsonl")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 from test_browser import ARTIFACTS, _nav, page, server  # noqa: F401 - fixtures
@@ -79,6 +78,8 @@ def test_banner_and_sidebar_clear_when_the_job_ends(page, server):  # noqa: F811
     # no reload, no click: both go within a few seconds of the end
     expect(sidebar.get_by_text(re.compile(r"Training live-run"))).to_have_count(0, timeout=15_000)
     expect(page.get_by_text("A training job is running")).to_have_count(0, timeout=15_000)
+    # a healthy tab never shows the stale-code hint (app/stale_assets.html)
+    expect(page.locator("#traceprop-stale-hint")).to_have_count(0)
     page.screenshot(path=str(ARTIFACTS / "launch-done-cleared.png"), full_page=True)
 
 
@@ -92,6 +93,7 @@ def test_a_failed_lazy_import_reloads_the_tab(page, server):  # noqa: F811
     page.goto(server["url"])
     page.get_by_role("heading", name="Runs").wait_for()
     page.wait_for_timeout(1500)
+    expect(page.locator("#traceprop-stale-hint")).to_have_count(0)
     seen = {r for r in page.evaluate("performance.getEntriesByType('resource').map(e => e.name)")}
     failed: list[str] = []
 
@@ -109,6 +111,8 @@ def test_a_failed_lazy_import_reloads_the_tab(page, server):  # noqa: F811
         page.wait_for_timeout(2000)
         assert failed, "no lazily loaded chunk was requested"
         assert "Failed to fetch dynamically imported module" not in page.inner_text("body")
+        # it was a reload (not the hint): the chart's chunk loaded on the second try
+        assert any("PlotlyChart" in u for u in failed), failed
+        expect(page.locator("#traceprop-stale-hint")).to_have_count(0)
     finally:
         page.unroute(re.compile(r".*/static/js/.*\.js$"))
-    time.sleep(0)
