@@ -32,6 +32,17 @@ pages = [
 ]
 nav = st.navigation(pages)
 
+
+def _job_status() -> None:
+    job = jobs.active_job(cfg)
+    if job is None:
+        if st.session_state.pop("sidebar_job", None):
+            st.rerun()  # the job just ended: redraw the page (its banners) without it
+        return
+    st.session_state["sidebar_job"] = str(job.run_dir)
+    st.info(f"Training {job.run_dir.name}: step {job.step}/{job.total or '?'}")
+
+
 with st.sidebar:
     st.caption("Active run")
     if active is None:
@@ -41,8 +52,13 @@ with st.sidebar:
     else:
         st.text(active.name + ("  (sample)" if config.is_sample(cfg, active) else ""))
     job = jobs.active_job(cfg)
-    if job is not None:
-        st.info(f"Training {job.run_dir.name}: step {job.step}/{job.total or '?'}")
+    # live while a job runs; when it ends the whole page reruns, so no stale "step 9/20" or
+    # "a training job is running" banner stays behind
+    st.fragment(_job_status, run_every=2.0 if job is not None else None)()
+
+    # "Failed to fetch dynamically imported module" after a server restart: reload the tab once
+    # (a browser keeps a failed lazy import for the page's life), or say to (app/stale_assets.html)
+    st.html(APP_DIR / "stale_assets.html", unsafe_allow_javascript=True)
 
 try:
     nav.run()

@@ -6,8 +6,11 @@ closed browser tab neither kills nor orphans a training job and every user sees 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -22,6 +25,8 @@ from .config import REPO, AppConfig, sanitize_name
 from .launch import LaunchSpec
 
 LAUNCH_FILE = "launch.json"  # written by the app next to run.json: pid + command of a launched job
+SLOT_LOCK = ".job-slot.lock"  # in the runs root: flock'ed while a session takes the one job slot
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,119}")
 
 
 class JobError(TracepropError, RuntimeError):
@@ -86,8 +91,12 @@ def job_state(run_dir: str | os.PathLike) -> JobState:
             status, error = C.STATUS_FAILED, str(e)
     elif launch:
         alive = process_alive(pid)
-        status = "starting" if alive else C.STATUS_FAILED
-        if not alive:
+        if alive:
+            status = "starting"
+        elif launch.get("cancelled"):
+            status, error = C.STATUS_CANCELLED, "cancelled before training started"
+        else:
+            status = C.STATUS_FAILED
             error = "the training process exited before it created the run (see the log)"
     prog = read_progress(run_dir, last=1)
     last = prog[-1] if prog else {}
@@ -121,8 +130,37 @@ def active_job(cfg: AppConfig) -> JobState | None:
     return None
 
 
+def launched_runs(root: Path) -> list[Path]:
+    """Run directories the app launched whose process never wrote a run.json (it failed or was
+    cancelled while starting, or is starting now), newest first: listed so they can be seen and
+    deleted."""
+    if not Path(root).is_dir():
+        return []
+    found = [
+        p
+        for p in Path(root).iterdir()
+        if p.is_dir() and (p / LAUNCH_FILE).is_file() and not (p / C.MANIFEST_FILE).exists()
+    ]
+    return sorted(found, key=lambda p: (p / LAUNCH_FILE).stat().st_mtime, reverse=True)
+
+
+def check_run_name(name: str) -> str:
+    """The run name as typed (stripped), or "" for none.
+
+    Raises:
+        JobError: the name is not a plain folder name (letters, digits, '.', '_', '-'; no '/').
+    """
+    name = (name or "").strip()
+    if name and not RUN_NAME.fullmatch(name):
+        raise JobError(
+            f"run name {name!r}: use letters, digits, '.', '_' and '-' only (no '/' or spaces), "
+            "starting with a letter or digit, at most 120 characters"
+        )
+    return name
+
+
 def new_run_dir(cfg: AppConfig, name: str = "") -> Path:
-    base = sanitize_name(name, default="") if name else ""
+    base = sanitize_name(check_run_name(name), default="") if name else ""
     base = base or time.strftime("run-%Y%m%d-%H%M%S")
     p = cfg.runs_root / base
     i = 2
@@ -132,21 +170,44 @@ def new_run_dir(cfg: AppConfig, name: str = "") -> Path:
     return p
 
 
+@contextlib.contextmanager
+def job_slot(cfg: AppConfig):
+    """Hold the exclusive lock on the app's one job slot (an ``flock`` on ``RUNS/.job-slot.lock``),
+    so two sessions pressing Start together cannot both see a free slot and both train."""
+    cfg.runs_root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cfg.runs_root / SLOT_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def start_job(cfg: AppConfig, spec: LaunchSpec, name: str = "") -> JobState:
     """Start ``traceprop train`` in its own process group, logging to RUN/train.log.
 
+    The check for a running job and everything written for the new one happen under
+    :func:`job_slot`, so of concurrent starts exactly one trains.
+
     Raises:
-        JobError: another job is running, or the spec is invalid.
+        JobError: another job is running, the run name is not a plain folder name, or the spec
+            is invalid.
     """
-    running = active_job(cfg)
-    if running is not None:
-        raise JobError(
-            f"a training job is already running ({running.run_dir.name}); wait for it or cancel it first"
-        )
+    check_run_name(name)
     errs = spec.errors()
     if errs:
         raise JobError("; ".join(errs))
-    run_dir = new_run_dir(cfg, name)
+    with job_slot(cfg):
+        running = active_job(cfg)
+        if running is not None:
+            raise JobError(
+                f"a training job is already running ({running.run_dir.name}); "
+                "wait for it or cancel it first"
+            )
+        return _spawn(spec, new_run_dir(cfg, name))
+
+
+def _spawn(spec: LaunchSpec, run_dir: Path) -> JobState:
     run_dir.mkdir(parents=True)
     cmd = spec.command(run_dir)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "1"}
@@ -175,11 +236,25 @@ def cancel_job(run_dir: str | os.PathLike) -> bool:
     s = job_state(run_dir)
     if not s.running or not s.pid:
         return False
+    if s.status == "starting":  # no run.json yet to say so: the launch record does
+        _mark_cancelled(Path(run_dir))
     try:
         os.killpg(os.getpgid(s.pid), signal.SIGTERM)
     except ProcessLookupError:
         return False
     return True
+
+
+def _mark_cancelled(run_dir: Path) -> None:
+    p = run_dir / LAUNCH_FILE
+    try:
+        launch = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        launch = {}
+    launch["cancelled"] = time.time()
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(launch, indent=2))
+    os.replace(tmp, p)
 
 
 def wait_job(run_dir: str | os.PathLike, timeout_s: float = 120.0, poll_s: float = 0.2) -> JobState:

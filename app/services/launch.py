@@ -168,3 +168,38 @@ def assess_configuration(spec: LaunchSpec) -> str:
     if hit["dominated_by"]:
         text += ". Dominated by: " + ", ".join(hit["dominated_by"])
     return text
+
+
+DATA_LABELS = {
+    "facts": "the bundled generated facts set",
+    "classification": "the bundled generated classification set",
+    "upload": "the uploaded files",
+    "path": "the data path",
+}
+
+
+def choose_data(kind: str, uploaded: list[str], path_typed: str = "") -> tuple[str, str]:
+    """Which data the Launch form trains on, and a sentence saying so (shown when it starts).
+
+    Uploaded files are never ignored: with a bundled set chosen they are used instead (a user who
+    uploads files means them) and the sentence says so.
+
+    Raises:
+        ConfigError: files were uploaded and a data path was chosen too (say which one).
+    """
+    if uploaded and kind == "path":
+        raise ConfigError(
+            f"{len(uploaded)} file(s) uploaded and 'A path' chosen with {path_typed!r}: "
+            "choose 'Upload files' to train on the uploads, or remove them to use the path"
+        )
+    if uploaded and kind != "upload":
+        names = ", ".join(uploaded[:3]) + (", …" if len(uploaded) > 3 else "")
+        return "upload", (
+            f"Training on the {len(uploaded)} uploaded file(s) ({names}), "
+            f"not on {DATA_LABELS.get(kind, kind)}: uploaded files are always used"
+        )
+    if kind == "upload":
+        return kind, f"Training on the {len(uploaded)} uploaded file(s)"
+    return kind, f"Training on {DATA_LABELS.get(kind, kind)}" + (
+        f" {path_typed!r}" if kind == "path" else ""
+    )

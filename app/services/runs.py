@@ -14,13 +14,14 @@ from traceprop_engine.errors import TracepropError
 from traceprop_engine.run import RunManifest, list_runs, read_progress
 
 from .config import AppConfig, PathError, is_sample, is_under
-from .jobs import JobError, job_state
+from .jobs import LAUNCH_FILE, JobError, job_state, launched_runs
 from .text import fmt_bytes
 
 
 def all_runs(cfg: AppConfig) -> list[Path]:
-    """Sample runs first (the bundled ones are what a fresh checkout opens on), then user runs."""
-    return list_runs(cfg.sample_runs) + list_runs(cfg.runs_root)
+    """Sample runs first (the bundled ones are what a fresh checkout opens on), then user runs,
+    then launched runs that never wrote a run.json (cancelled or failed while starting)."""
+    return list_runs(cfg.sample_runs) + list_runs(cfg.runs_root) + launched_runs(cfg.runs_root)
 
 
 def ensure_active_run(cfg: AppConfig, state) -> Path | None:
@@ -37,9 +38,17 @@ def ensure_active_run(cfg: AppConfig, state) -> Path | None:
 
 
 # -- run summaries ---------------------------------------------------------------------------
-def run_summary(cfg: AppConfig, run_dir: Path, bench: list[dict] | None = None) -> dict:
-    """One row of the Runs table (never raises: an unreadable run becomes a row saying so)."""
+def run_summary(cfg: AppConfig, run_dir: Path) -> dict:
+    """One row of the Runs table (never raises: an unreadable run becomes a row saying so).
+
+    No "overhead %" column: a run does not measure its own overhead (that needs an untracked
+    twin), and a benchmark of another model is not this run's figure; the Overhead page shows
+    the benchmarks as such.
+    """
     kind = "sample" if is_sample(cfg, run_dir) else "user"
+    if not (run_dir / C.MANIFEST_FILE).exists() and (run_dir / LAUNCH_FILE).exists():
+        s = job_state(run_dir)  # launched, but its process never wrote a run.json
+        return {"run": run_dir.name, "path": str(run_dir), "kind": kind, "status": s.status}
     try:
         m = RunManifest.load(run_dir)
     except TracepropError as e:
@@ -52,12 +61,7 @@ def run_summary(cfg: AppConfig, run_dir: Path, bench: list[dict] | None = None) 
         }
     tr = m.tracking
     store = run_dir / C.STORE_FILE
-    overhead = None
-    for b in bench or []:
-        bc = b.get("config", {})
-        if all(bc.get(k) == tr.settings.get(k) for k in ("k_in", "k_out", "sketch")):
-            overhead = b.get("overhead_pct")  # the user's own bench folder comes first
-            break
+    median = median_step_ms(step_times(run_dir))
     return {
         "run": run_dir.name,
         "kind": kind,
@@ -71,8 +75,7 @@ def run_summary(cfg: AppConfig, run_dir: Path, bench: list[dict] | None = None) 
         else f"dense {tr.dense_k}",
         "store": fmt_bytes(store.stat().st_size) if store.exists() else "—",
         "records": m.store.n_records,
-        "median step ms": round(m.timings.median_step_ms, 2) if m.timings.median_step_ms else None,
-        "overhead %": None if overhead is None else round(float(overhead), 2),
+        "median step ms": None if median is None else round(median, 2),
         "created": m.created,
         "path": str(run_dir),
         "error": m.error,
@@ -80,8 +83,7 @@ def run_summary(cfg: AppConfig, run_dir: Path, bench: list[dict] | None = None) 
 
 
 def runs_table(cfg: AppConfig) -> pl.DataFrame:
-    bench = [b for _, b in read_bench(cfg)]
-    rows = [run_summary(cfg, p, bench) for p in all_runs(cfg)]
+    rows = [run_summary(cfg, p) for p in all_runs(cfg)]
     return pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
 
 
@@ -95,11 +97,18 @@ def delete_run(cfg: AppConfig, run_dir: str | os.PathLike) -> None:
     p = Path(run_dir).resolve()
     if is_sample(cfg, p):
         raise PathError("the bundled sample run cannot be deleted")
-    if not is_under(p, cfg.runs_root) or p == cfg.runs_root or not (p / C.MANIFEST_FILE).exists():
+    is_run = (p / C.MANIFEST_FILE).exists() or (p / LAUNCH_FILE).exists()
+    if not is_under(p, cfg.runs_root) or p == cfg.runs_root or not is_run:
         raise PathError(f"{p} is not a run under {cfg.runs_root}")
     if job_state(p).running:
         raise JobError(f"{p.name} is still training: cancel it first")
     shutil.rmtree(p)
+
+
+def median_step_ms(steps: pl.DataFrame) -> float | None:
+    """THE median step time of a run, on the Runs page and the Overhead page alike: the median of
+    :func:`step_times` (the per-step series the Overhead page plots)."""
+    return float(steps["step_ms"].median()) if steps.height else None
 
 
 def step_times(run_dir: Path) -> pl.DataFrame:

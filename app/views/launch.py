@@ -62,7 +62,8 @@ if running is not None:
 
 for note in st.session_state.pop("launch_prefill_notes", []):  # "Re-launch" on the Runs page
     st.info(text.md_escape("Prefilled from the run: " + note))
-with st.form("launch_form"):
+# enter_to_submit=False: Enter in a field does not start training; only the Start button does
+with st.form("launch_form", enter_to_submit=False):
     st.markdown("**Data**")
     data_kind = st.radio(
         "Training data",
@@ -72,7 +73,8 @@ with st.form("launch_form"):
         horizontal=True,
     )
     uploads = st.file_uploader(
-        "Data files (.jsonl .json .csv .parquet .txt) — used when 'Upload files' is chosen",
+        "Data files (.jsonl .json .csv .parquet .txt) — when given, these are trained on "
+        "(instead of a bundled set)",
         accept_multiple_files=True,
         key="launch_uploads",
     )
@@ -132,7 +134,11 @@ with st.form("launch_form"):
     if submitted:
         errors: list[str] = []
         data = eval_data = None
+        data_note = ""
         try:
+            data_kind, data_note = launch.choose_data(
+                data_kind, [f.name for f in uploads or []], data_path
+            )
             if data_kind in ("facts", "classification"):
                 data, eval_data = config.sample_dataset(cfg, data_kind)
             elif data_kind == "upload":
@@ -183,7 +189,7 @@ with st.form("launch_form"):
                     errors.append(str(e))
                 else:
                     st.session_state["launch_run"] = str(job.run_dir)
-                    st.success(text.md_escape(f"Started {job.run_dir.name}"))
+                    st.success(text.md_escape(f"Started {job.run_dir.name}. {data_note}."))
                     note = launch.assess_configuration(spec)
                     (st.warning if "Dominated by" in note else st.info)(text.md_escape(note))
         for e in errors:

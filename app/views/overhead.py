@@ -27,7 +27,8 @@ else:
         )
         st.plotly_chart(fig, key="overhead_steps")
         st.caption(
-            f"{steps.height} steps from the {steps['from'][0]}; median {steps['step_ms'].median():.2f} ms"
+            f"{steps.height} steps from the {steps['from'][0]}; "
+            f"median {runs.median_step_ms(steps):.2f} ms (the Runs page's 'median step ms')"
         )
 
 table = runs.runs_table(cfg)

@@ -119,14 +119,15 @@ def test_overhead_from_real_timings(at):
     steps = charts["overhead_steps"]["data"][0]
     np.testing.assert_allclose(_decode(steps["y"]), want, rtol=1e-6)
     np.testing.assert_array_equal(_decode(steps["x"]), np.arange(1, len(want) + 1))
-    caption = f"{len(want)} steps from the store; median {np.median(want):.2f} ms"
+    caption = (
+        f"{len(want)} steps from the store; median {np.median(want):.2f} ms "
+        "(the Runs page's 'median step ms')"
+    )
     assert caption in [c.value for c in at.caption]
-    manifest = json.loads((REPO / "sample_runs" / "facts" / "run.json").read_text())
+    # one median step time per run, the same on both pages: that of the plotted series
     runs = charts["overhead_runs"]["data"][0]
     assert list(runs["x"]) == ["facts"]
-    assert float(_decode(runs["y"])[0]) == pytest.approx(
-        round(manifest["timings"]["median_step_ms"], 2)
-    )
+    assert float(_decode(runs["y"])[0]) == pytest.approx(round(float(np.median(want)), 2))
     assert any("traceprop bench overhead" in i.value for i in at.info)
 
 
@@ -163,9 +164,8 @@ def test_overhead_reads_bench_json(app_env):
     at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
     at.run()
     _goto(at, "runs")
-    assert at.dataframe[0].value["overhead %"].iloc[0] == pytest.approx(
-        4.2
-    )  # matched by k and sketch
+    # a benchmark of another model is not the run's overhead: the Runs table shows none
+    assert "overhead %" not in at.dataframe[0].value.columns
     _goto(at, "overhead")
     specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     steps = next(s for s in specs if {t.get("name") for t in s["data"]} == {"plain", "tracked"})
