@@ -202,3 +202,41 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes(data, tmp_path):
     with Store(out / "store.h5") as s:
         assert s.n_records == 84 * 8
         assert sorted(set(s.records()["step"].tolist())) == list(range(84))
+
+
+def test_resume_refuses_changed_data_and_a_run_of_another_host(data, tmp_path):
+    import shutil
+
+    from traceprop_engine.training.loop import StopFlag
+
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    out = tmp_path / "run"
+    stop = StopFlag()
+
+    def at_step(line):  # a caller's stop request after step 3: cancelled, with a checkpoint
+        if line["step"] == 3:
+            stop.requested, stop.reason = True, "test"
+
+    train(fast_settings(copy, out, checkpoint_every=100), on_progress=at_step, stop=stop)
+    assert read_manifest(out)["status"] == "cancelled" and checkpoint.load(out).step == 3
+
+    m = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**m, "status": "running", "host": "elsewhere"}))
+    with pytest.raises(RunError, match="being trained on elsewhere"):
+        resume(out)
+    (out / "run.json").write_text(json.dumps(m))
+
+    first = sorted((copy / "train").iterdir())[0]
+    original = first.read_bytes()
+    first.write_bytes(original + b"\n")
+    with pytest.raises(RunError, match="the data changed since this run began"):
+        resume(out)
+    assert read_manifest(out)["status"] == "failed"  # the refused resume says so
+    first.write_bytes(original)
+    resume(out)  # the same data again: it finishes
+    m = read_manifest(out)
+    assert m["status"] == "completed" and [r["from_step"] for r in m["resumed"]] == [3, 3]
+    with Store(out / "store.h5") as s:
+        assert s.n_records == m["store"]["n_records"] == 7 * 8
+        assert s.verify_content()["status"] == "ok"

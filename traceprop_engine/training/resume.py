@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import ConfigError, RunError
-from ..run import library_versions, now, process_gone
+from ..run import library_versions, now
 from ..settings import TrackSettings, TrainSettings
 from . import checkpoint, distributed
 from .prepare import Job
@@ -83,10 +83,13 @@ def _check_resumable(run_dir: Path) -> tuple[dict, checkpoint.Checkpoint]:
     status = manifest.get("status")
     if status == C.STATUS_COMPLETED:
         raise RunError(f"{run_dir} holds a completed run: there is nothing to resume")
-    if status == C.STATUS_RUNNING and not process_gone(manifest):
+    # on this host the lock we hold says no process trains it; another host's run may still be
+    # alive (a lock on a network filesystem proves nothing there)
+    host = manifest.get("host")
+    if status == C.STATUS_RUNNING and host and host != platform.node():
         raise RunError(
-            f"{run_dir} is still being trained (process {manifest.get('pid')} on "
-            f"{manifest.get('host')}); stop it before resuming"
+            f"{run_dir} says it is being trained on {host} (process {manifest.get('pid')}); "
+            "resume it there once that process has ended"
         )
     if manifest.get("distributed"):
         raise RunError(
@@ -120,7 +123,7 @@ def _mark_resumed(job: Job, ckpt: checkpoint.Checkpoint) -> None:
             "previous_error": m.get("error") or m.get("cancel_reason"),
         }
     )
-    for key in ("error", "cancel_reason", "metrics", "timings", "store"):
+    for key in ("error", "cancel_reason", "metrics", "timings"):
         m.pop(key, None)
     m["model"] = {
         k: v for k, v in (m.get("model") or {}).items() if k not in ("fingerprint", "saved")
@@ -162,6 +165,7 @@ def check_same_data(job: Job) -> None:
                 for k in set(before[key]) | set(now_.get(key) or {})
                 if before[key].get(k) != (now_.get(key) or {}).get(k)
             )
+            job.manifest["data"] = before  # run.json keeps what the run was trained on
             raise RunError(
                 f"the data changed since this run began ({', '.join(changed[:5])}): a resumed "
                 "run must train on the same files; train a new run instead"
