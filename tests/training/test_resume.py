@@ -86,14 +86,16 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(data, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (ref / checkpoint.CHECKPOINT_DIR).exists()  # a completed run keeps none
 
-    # checkpoints after steps 5, 7, 10, 14, 15, 20, 21: killed at 17 or a little later, the
-    # store holds the records of step 16 at least, past the checkpoint of step 15
-    _kill_after(train_argv(_flags(data, killed)), killed, 17)
+    # checkpoints after steps 5, 7, 10, 14, 15, 20, 21: killed at 18 or a little later, the
+    # store holds the records of step 16 (usually: the writer thread may lag), past the
+    # checkpoint of step 15; they are dropped on resume (test_reopen_truncates_to_the_checkpoint
+    # checks the truncation on its own)
+    _kill_after(train_argv(_flags(data, killed)), killed, 18)
     assert read_manifest(killed)["status"] == "failed"  # its process is gone
     ckpt = checkpoint.load(killed)
     assert ckpt is not None and ckpt.step >= 15
     with Store(killed / "store.h5") as s:
-        assert s.n_records > ckpt.n_records  # records after the checkpoint: dropped on resume
+        assert s.n_records >= ckpt.n_records == ckpt.step * 8
     kill_step = read_progress(killed, last=1)[0]["step"]
 
     r = _run_cli([sys.executable, "-m", "traceprop_engine", "train", "--resume", str(killed)])
@@ -240,3 +242,27 @@ def test_resume_refuses_changed_data_and_a_run_of_another_host(data, tmp_path):
     with Store(out / "store.h5") as s:
         assert s.n_records == m["store"]["n_records"] == 7 * 8
         assert s.verify_content()["status"] == "ok"
+
+
+def test_reopen_truncates_to_the_checkpoint(data, tmp_path):
+    """The store of a resumed run keeps exactly the checkpoint's records and appends after them."""
+    from traceprop_engine.errors import StoreError
+    from traceprop_engine.store.writer import StoreWriter
+
+    run = train(fast_settings(data, tmp_path / "r"))
+    with Store(run / "store.h5") as s:
+        full, sk = s.records(), [s.sketches(i) for i in range(len(s.layers))]
+    norms = [float(i + 1) for i in range(len(sk))]
+    w = StoreWriter.reopen(run / "store.h5", 24, norms)
+    w.close("cancelled")
+    with Store(run / "store.h5") as s:
+        assert s.n_records == 24 and s.status == "cancelled"
+        for name, col in s.records().items():
+            np.testing.assert_array_equal(col, full[name][:24], err_msg=name)
+        for i in range(len(sk)):
+            np.testing.assert_array_equal(s.sketches(i), sk[i][:24])
+            assert s.sq_norm_sum(i) == norms[i]
+            assert s._f[f"layers/{i:03d}/U"].shape[0] == 24  # the datasets are cut, not masked
+        assert s.verify_content()["status"] == "ok"  # the digest is written again on close
+    with pytest.raises(StoreError, match="holds 24 complete records, the checkpoint counts 25"):
+        StoreWriter.reopen(run / "store.h5", 25, norms)
