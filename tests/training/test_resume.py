@@ -33,7 +33,7 @@ def data(tmp_path_factory):
 # what the resumed run must match the uninterrupted one to: exactly (same operations in the same
 # order on the same CPU thread), so the tolerance is zero
 TOL = 0.0
-EVERY = 5  # --checkpoint-every (and at every epoch end: 7 steps)
+EVERY = 5  # --checkpoint-every
 
 
 def _flags(data, out) -> dict:
@@ -86,7 +86,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(data, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (ref / checkpoint.CHECKPOINT_DIR).exists()  # a completed run keeps none
 
-    # checkpoints after steps 5, 7, 10, 14, 15, 20, 21: killed at 18 or a little later, the
+    # checkpoints after steps 5, 10, 15, 20: killed at 18 or a little later, the
     # store holds the records of step 16 (usually: the writer thread may lag), past the
     # checkpoint of step 15; they are dropped on resume (test_reopen_truncates_to_the_checkpoint
     # checks the truncation on its own)

@@ -127,8 +127,8 @@ def add_train_arguments(p) -> None:
         "--checkpoint-every",
         type=int,
         default=d["checkpoint_every"],
-        help="steps between checkpoints that --resume continues from (also at each epoch end "
-        "and on SIGTERM/Ctrl-C; 0 = none; single-process runs only)",
+        help="steps between checkpoints that --resume continues from (also on SIGTERM/Ctrl-C; "
+        "0 = none; single-process runs only)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing (finished) run in --out"

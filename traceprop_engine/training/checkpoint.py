@@ -1,7 +1,7 @@
 """Checkpoints of ``traceprop train`` runs, from which ``traceprop train --resume RUN`` continues.
 
-Every ``TrainSettings.checkpoint_every`` steps, at the end of every epoch and when a run is
-stopped (SIGTERM, Ctrl-C), the loop writes ``RUN/checkpoint/``:
+Every ``TrainSettings.checkpoint_every`` steps and when a run is stopped (SIGTERM, Ctrl-C),
+the loop writes ``RUN/checkpoint/``:
 
 ``state.pt``
     the model's and the optimiser's state dicts, torch's RNG states (CPU and CUDA) and the
@@ -15,8 +15,9 @@ stopped (SIGTERM, Ctrl-C), the loop writes ``RUN/checkpoint/``:
 Before the checkpoint is written the tracker's buffer is flushed and the writer thread drained,
 so the store holds exactly ``n_records`` complete records on disk. The folder is written as
 ``RUN/.checkpoint.tmp`` and renamed into place (the previous one moves to
-``RUN/.checkpoint.old`` for the moment of the swap): a kill at any point leaves one whole
-checkpoint. The data order needs no state: it is the seeded permutation of each epoch, drawn
+``RUN/.checkpoint.old`` for the moment of the swap): a killed process (SIGKILL, the OOM killer)
+at any point leaves one whole checkpoint. Like the store, it is not fsync'ed: a power loss may
+lose what the operating system had not yet written. The data order needs no state: it is the seeded permutation of each epoch, drawn
 again on resume. A completed run's checkpoint is removed. Single process only: runs under
 torchrun (DDP, FSDP) write none.
 """
@@ -67,9 +68,10 @@ class Checkpoint:
             raise RunError(f"cannot read the checkpoint {self.folder / STATE_FILE} ({e})") from None
 
 
-def due(every: int, step: int, end_of_epoch: bool, total_steps: int) -> bool:
-    """Whether a checkpoint is written after ``step`` (never after the last step: the run ends)."""
-    return bool(every) and step < total_steps and (step % every == 0 or end_of_epoch)
+def due(every: int, step: int, total_steps: int, stopping: bool = False) -> bool:
+    """Whether a checkpoint is written after ``step``: every ``every`` steps and when the run is
+    stopping early (never after the last step: the run ends)."""
+    return bool(every) and step < total_steps and (step % every == 0 or stopping)
 
 
 def save(run_dir: Path, model, opt, tracker, step: int, epoch: int) -> None:
@@ -104,7 +106,6 @@ def save(run_dir: Path, model, opt, tracker, step: int, epoch: int) -> None:
     tmp.mkdir()
     torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps(meta))
-    _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -211,10 +212,3 @@ def _python_state() -> list:
 
 def _python_from(s: list) -> tuple:
     return (s[0], tuple(s[1]), s[2])
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Flush the checkpoint's files to disk before the rename makes them the checkpoint."""
-    for p in folder.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())

@@ -99,13 +99,13 @@ def train_steps(
                 bar.set_postfix(loss=f"{last_loss:.4f}", epoch=epoch)
                 if on_progress is not None:
                     on_progress(line)
-                if checkpoint.due(every, step, s == steps_per_epoch - 1, total_steps):
+                if checkpoint.due(every, step, total_steps):
                     checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)
             if stop.requested or step >= total_steps:
                 break
     finally:
         bar.close()
-    if stop.requested and checkpoint.due(every, step, True, total_steps) and step > start:
+    if stop.requested and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
         checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)  # resume here
     if step > start:
         _check_finite(float(losses.detach().mean()), step, lr)
