@@ -183,6 +183,7 @@ class TrainSettings:
     device: str = "auto"
     max_steps: int = 0
     parallel: str = "ddp"  # several processes (torchrun): "ddp" or "fsdp" (FSDP2 fully_shard)
+    checkpoint_every: int = 50  # steps between checkpoints for --resume (0 = none; single process)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))
@@ -198,6 +199,7 @@ class TrainSettings:
             "tiny_vocab": self.tiny_vocab >= 300,
             "max_steps": self.max_steps >= 0,
             "parallel": self.parallel in ("ddp", "fsdp"),
+            "checkpoint_every": self.checkpoint_every >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -206,7 +208,7 @@ class TrainSettings:
                 f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
                 "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_layers >= 1, "
                 "tiny_width >= 8 and a multiple of 4, tiny_vocab >= 300, max_steps >= 0, "
-                "parallel ddp or fsdp)"
+                "parallel ddp or fsdp, checkpoint_every >= 0)"
             )
 
     def to_dict(self) -> dict:

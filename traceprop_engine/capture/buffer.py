@@ -249,11 +249,18 @@ class BackgroundSink:
                     self._writer.append(*item)
                 except BaseException as e:  # surfaced to the training thread
                     self._error = e
+            self._q.task_done()
 
     def __call__(self, arrays, meta) -> None:
         if self._error is not None:
             raise StoreError(f"writing the store failed: {self._error}") from self._error
         self._q.put((arrays, meta))
+
+    def drain(self) -> None:
+        """Wait until every chunk handed over so far is written (a checkpoint's store is whole)."""
+        self._q.join()
+        if self._error is not None:
+            raise StoreError(f"writing the store failed: {self._error}") from self._error
 
     def close(self) -> None:
         self._q.put(None)

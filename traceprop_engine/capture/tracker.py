@@ -72,6 +72,7 @@ class Tracker:
         settings: what to record.
         manifest: JSON-serialisable run description kept in the store.
         background: write HDF5 chunks from a background thread.
+        writer: append to this (reopened) store instead of creating ``store_path``.
 
     A record is ``lr × raw per-example gradient`` (sketched): gradient clipping and the
     optimizer's own preconditioning (Adam's moments, momentum, weight decay) are not reflected.
@@ -89,6 +90,7 @@ class Tracker:
         settings: TrackSettings | None = None,
         manifest: dict | None = None,
         background: bool = True,
+        writer: StoreWriter | None = None,
     ) -> None:
         if Path(store_path).is_dir():
             raise ConfigError(
@@ -100,7 +102,8 @@ class Tracker:
         self.settings = settings or TrackSettings()
         self.layers = build_layers(model, self.settings)
         self.capture = Capture(model, self.layers, covariance=self.settings.covariance)
-        self.writer = StoreWriter(
+        # ``writer``: an existing store reopened to append to (a resumed run)
+        self.writer = writer or StoreWriter(
             store_path, self.layers, manifest or {}, sketch=self.settings.sketch.value
         )
         self._sink = BackgroundSink(self.writer) if background else self.writer.append
@@ -157,6 +160,13 @@ class Tracker:
             )
         finally:
             self.writer.close(status)
+
+    def sync(self) -> None:
+        """Write every committed record to the store now (and wait for it): a checkpoint's
+        record count is then durable."""
+        self.buffer.flush()
+        if isinstance(self._sink, BackgroundSink):
+            self._sink.drain()
 
     # -- data -------------------------------------------------------------------------------
     def write_examples(

@@ -29,8 +29,8 @@ def add_train_arguments(p) -> None:
 
     d = field_defaults(TrainSettings)
     t = field_defaults(TrackSettings)
-    p.add_argument("--data", required=True, help="training data file or directory")
-    p.add_argument("--out", required=True, help="run directory to create")
+    p.add_argument("--data", help="training data file or directory (required unless --resume)")
+    p.add_argument("--out", help="run directory to create (required unless --resume)")
     p.add_argument(
         "--eval-data", help="separate eval data (otherwise --eval-fraction of --data is held out)"
     )
@@ -124,6 +124,13 @@ def add_train_arguments(p) -> None:
         help="under torchrun: DistributedDataParallel, or FSDP2 fully_shard (docs/scaling.md)",
     )
     p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d["checkpoint_every"],
+        help="steps between checkpoints that --resume continues from (also on SIGTERM/Ctrl-C; "
+        "0 = none; single-process runs only)",
+    )
+    p.add_argument(
         "--overwrite", action="store_true", help="replace an existing (finished) run in --out"
     )
 
@@ -138,7 +145,13 @@ def add_train(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_train_arguments(p)
-    p.set_defaults(func=_cmd_train)
+    p.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="continue the killed, failed or cancelled run RUN from its last checkpoint with "
+        "its own settings (no other flags); single-process runs only",
+    )
+    p.set_defaults(func=_cmd_train, parser=p)
 
 
 def train_settings(a):
@@ -184,14 +197,26 @@ def train_settings(a):
         tiny_width=a.tiny_width,
         tiny_vocab=a.tiny_vocab,
         parallel=a.parallel,
+        checkpoint_every=a.checkpoint_every,
     )
 
 
 def _cmd_train(a) -> int:
     from ..run import RunManifest
-    from ..training.loop import train
+    from ..training.loop import resume, train
 
-    run_dir = train(train_settings(a), overwrite=a.overwrite)
+    if a.resume is not None:
+        given = _flags_given(a)
+        if given:
+            a.parser.error(
+                f"--resume continues RUN with the settings in RUN/run.json; drop {', '.join(given)}"
+            )
+        run_dir = resume(a.resume)
+    else:
+        missing = [f"--{n}" for n in ("data", "out") if getattr(a, n) is None]
+        if missing:
+            a.parser.error(f"the following arguments are required: {', '.join(missing)}")
+        run_dir = train(train_settings(a), overwrite=a.overwrite)
     m = RunManifest.load(run_dir)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if m.completed else 130
@@ -199,6 +224,15 @@ def _cmd_train(a) -> int:
         f"{m.status}: {run_dir}  ({m.store.n_records or 0} records, eval loss {m.metrics.get('eval_loss')})"
     )
     return 0 if m.completed else 130
+
+
+def _flags_given(a) -> list[str]:
+    """The ``traceprop train`` flags whose value differs from their default (given by the user)."""
+    return [
+        action.option_strings[0]
+        for dest, action in _train_flags().items()
+        if getattr(a, dest, action.default) != action.default
+    ]
 
 
 # -- the argv of a `traceprop train` child process -------------------------------------------------

@@ -87,6 +87,66 @@ class StoreWriter:
         self._lock = threading.Lock()
         self.n_records = 0
 
+    @classmethod
+    def reopen(
+        cls, path: str | os.PathLike, n_records: int, sq_norm: Sequence[float]
+    ) -> StoreWriter:
+        """Reopen an existing store to append to it (``traceprop train --resume``).
+
+        Records past ``n_records`` (written after the checkpoint being resumed) are dropped, the
+        per-layer stored norms are set to ``sq_norm`` (their value at ``n_records``), and the
+        store is marked running again (its content digest and ``finished`` removed).
+
+        Raises:
+            StoreError: the store holds fewer than ``n_records`` complete records.
+        """
+        from ..errors import StoreError
+
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        try:
+            self._f = h5py.File(self.path, "r+", libver=("earliest", "v110"))
+        except OSError as e:
+            raise StoreError(f"cannot reopen the store {self.path} to append ({e})") from None
+        f = self._f
+        have = int(f.attrs.get("n_records", 0))
+        if have < n_records:
+            f.close()
+            raise StoreError(
+                f"{self.path} holds {have} complete records, the checkpoint counts {n_records}: "
+                "the store lost records the checkpoint relies on; the run cannot be resumed"
+            )
+        for name in f[C.G_RECORDS]:
+            f[C.G_RECORDS][name].resize(n_records, axis=0)
+        self._sketch_ds = []
+        for i, key in enumerate(sorted(f[C.G_LAYERS])):
+            g = f[C.G_LAYERS][key]
+            if int(g.attrs.get(C.L_RANK, 0)):
+                pair = [g[C.L_U], g[C.L_V]] + ([g[C.L_SCALE]] if C.L_SCALE in g else [])
+                ds = (pair, int(g.attrs["k_out"]), str(g.attrs[C.L_FACTOR_DTYPE]))
+            else:
+                pair, ds = [g[C.L_SKETCH]], g[C.L_SKETCH]
+            for d in pair:
+                d.resize(n_records, axis=0)
+            g.attrs[C.L_SQNORM] = float(sq_norm[i])
+            self._sketch_ds.append(ds)
+        self._sq_norm = np.asarray(sq_norm, dtype=np.float64)
+        for attr in (DIGEST_ATTR, "finished"):
+            if attr in f.attrs:
+                del f.attrs[attr]
+        f.attrs["n_records"] = n_records
+        f.attrs["status"] = C.STATUS_RUNNING
+        f.flush()
+        self._lock = threading.Lock()
+        self.n_records = n_records
+        return self
+
+    @property
+    def sq_norms(self) -> list[float]:
+        """Per layer the running ``Σ ||record||²`` of the records written so far."""
+        with self._lock:
+            return [float(x) for x in self._sq_norm]
+
     @staticmethod
     def _create_layer(g: h5py.Group, layer, sketch: str, compression: str | None):
         """One layer's attributes, its empty resizable record datasets and its projections.

@@ -28,8 +28,9 @@ from .. import constants as C
 from ..errors import ConfigError, RunError, TracepropError
 from ..run import now
 from ..settings import TrainSettings
-from . import distributed, fsdp
+from . import checkpoint, distributed, fsdp
 from .prepare import Job, Prepared, load_data, new_manifest, prepare_model, start_tracker
+from .resume import check_same_data, open_resume
 from .run_dir import disk_full, lock_run_dir, prepare_dir, save_model_atomically
 from .steps import eval_loss, train_steps
 
@@ -109,13 +110,44 @@ def train(
     # WORLD_SIZE > 1 (torchrun): join the process group; rank 0 owns the run directory
     dist_ctx, dist_device = distributed.setup(resolve_device(settings.device), settings.parallel)
     lock_fd = _open_run_dir(run_dir, overwrite, dist_ctx)
-    stop = stop or StopFlag()
     job = Job(settings, run_dir, dist_ctx, new_manifest(settings, dist_ctx), lock_fd)
+    return _run(job, dist_device, on_progress, stop)
+
+
+def resume(
+    run_dir: str | os.PathLike,
+    *,
+    on_progress: ProgressFn | None = None,
+    stop: StopFlag | None = None,
+) -> Path:
+    """Continue a killed, failed or cancelled run from its last checkpoint (``train --resume``).
+
+    The run's own settings (run.json) are used; its store keeps the checkpoint's records and
+    gets the rest appended, so the finished run equals one that was never interrupted.
+
+    Raises:
+        RunError: the run cannot be resumed (completed, in use, no checkpoint, DDP/FSDP, its
+            data changed); ConfigError: launched under torchrun.
+    """
+    job = open_resume(Path(run_dir))
+    try:
+        device = resolve_device(job.settings.device)
+    except BaseException:
+        _close_run(job, C.STATUS_FAILED)
+        raise
+    return _run(job, device, on_progress, stop)
+
+
+# long: the run's lifecycle: every exit path marks run.json (cancelled, failed, disk full) once
+def _run(job: Job, device: torch.device, on_progress: ProgressFn | None, stop: StopFlag | None):
+    """Train ``job`` (a new or a resumed run) and close it; returns the run directory."""
+    run_dir, dist_ctx = job.run_dir, job.dist
+    stop = stop or StopFlag()
     try:
         job.write_run_json()
     except BaseException as e:
-        if lock_fd is not None:
-            os.close(lock_fd)
+        if job.lock_fd is not None:
+            os.close(job.lock_fd)
         if isinstance(e, OSError):
             raise RunError(f"cannot write {run_dir / C.MANIFEST_FILE} ({e})") from None
         raise
@@ -128,7 +160,10 @@ def train(
                 progress_path if dist_ctx.is_main else os.devnull, "a", buffering=1
             ) as progress_file,
         ):
-            prep = prepare_model(job, *load_data(job), dist_device)
+            data = load_data(job)
+            if job.checkpoint is not None:
+                check_same_data(job)
+            prep = prepare_model(job, *data, device)
             start_tracker(job, prep)
             job.write_run_json()
             last_loss = train_steps(job, prep, stop, progress_file, on_progress)
@@ -229,6 +264,8 @@ def _close_run(job: Job, status: str) -> None:
                 "n_records": int(sum(counts)),
                 "n_records_per_shard": counts,
             }
+    if status == C.STATUS_COMPLETED and dist_ctx.is_main:
+        checkpoint.remove(job.run_dir)  # a completed run is not resumed
     manifest["status"] = status
     manifest["updated"] = now()
     manifest["pid"] = None

@@ -18,10 +18,12 @@ import torch
 
 from .. import constants as C
 from ..capture.tracker import Tracker
-from ..errors import ConfigError
+from ..errors import ConfigError, RunError
 from ..run import library_versions, new_run_id, now, write_manifest
 from ..settings import TrainSettings
+from ..store.writer import StoreWriter
 from . import distributed
+from .checkpoint import Checkpoint
 from .data import hash_files, load_examples, split_eval
 from .examples import Example
 from .models import apply_lora, build_model, count_parameters, encode_example
@@ -39,6 +41,8 @@ class Job:
     manifest: dict
     lock_fd: int | None = None  # held by rank 0 for the whole run
     tracker: Tracker | None = None
+    checkpoint: Checkpoint | None = None  # the checkpoint a resumed run continues from
+    previous_data: dict | None = None  # a resumed run's recorded data files (checked again)
 
     def write_run_json(self) -> None:
         if self.dist.is_main:
@@ -184,12 +188,17 @@ def start_tracker(job: Job, prep: Prepared) -> None:
     settings, dist_ctx = job.settings, job.dist
     if settings.track is None:
         return
+    path = job.run_dir / dist_ctx.store_file
+    ckpt, writer = job.checkpoint, None
+    if ckpt is not None:  # resumed: append to the store, from the checkpoint's record count
+        writer = StoreWriter.reopen(path, ckpt.n_records, ckpt.meta["sq_norm"])
     # hooks on the underlying module (not the DDP wrapper): the same layer names
-    tracker = Tracker(
-        prep.model, job.run_dir / dist_ctx.store_file, settings.track, manifest=job.manifest
-    )
+    tracker = Tracker(prep.model, path, settings.track, manifest=job.manifest, writer=writer)
     job.tracker = tracker
-    if dist_ctx.is_main:  # the example table lives in shard 0 only
+    if ckpt is not None:
+        tracker.buffer.n_flushed = ckpt.n_records  # the records already in the store
+        _check_projections(tracker)
+    elif dist_ctx.is_main:  # the example table lives in shard 0 only
         n_eval = len(prep.examples) - prep.n_train
         tracker.write_examples(
             _example_table(prep.examples, [C.SPLIT_TRAIN] * prep.n_train + [C.SPLIT_EVAL] * n_eval),
@@ -198,3 +207,18 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         )
     tracker.capture.attach()
     job.manifest["tracking"] = tracker.tracking_manifest()
+
+
+def _check_projections(tracker: Tracker) -> None:
+    """A resumed run's rebuilt projections must be the ones its store recorded with."""
+    import numpy as np
+
+    f = tracker.writer._f
+    for i, layer in enumerate(tracker.layers):
+        g = f[f"{C.G_LAYERS}/{i:03d}"]
+        for name, p in ((C.L_P_IN, layer.P_in), (C.L_P_OUT, layer.P_out)):
+            if p is not None and (name not in g or not np.array_equal(g[name][()], p.numpy())):
+                raise RunError(
+                    f"layer {layer.name}: the store's {name} differs from the rebuilt projection; "
+                    "this run cannot be resumed exactly"
+                )

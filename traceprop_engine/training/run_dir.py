@@ -17,6 +17,7 @@ from .. import constants as C
 from ..errors import RunError
 from ..run import RunManifest
 from . import distributed
+from .checkpoint import CHECKPOINT_DIR, CHECKPOINT_OLD, CHECKPOINT_TMP
 from .models import save_model
 
 LOCK_FILE = ".traceprop.lock"  # flock'ed by the training process for the whole run
@@ -31,6 +32,9 @@ _RUN_ENTRIES = (
     C.MANIFEST_FILE + ".tmp",
     C.STORE_FILE + ".tmp",
     _MODEL_TMP,
+    CHECKPOINT_DIR,
+    CHECKPOINT_TMP,
+    CHECKPOINT_OLD,
 )
 
 

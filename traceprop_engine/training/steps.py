@@ -19,6 +19,7 @@ import torch
 from ..errors import RunError
 from ..run import now
 from ..settings import TrainSettings
+from . import checkpoint
 from .losses import example_losses
 from .models import collate, model_inputs
 from .prepare import Job, Prepared
@@ -41,24 +42,24 @@ def train_steps(
     forward = dist_ctx.wrap(prep.model, device)
     params = [p for p in prep.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    steps_per_epoch = (
-        dist_ctx.steps_per_epoch(prep.n_train, settings.batch_size)
-        if dist_ctx.enabled
-        else math.ceil(prep.n_train / settings.batch_size)
-    )
-    total_steps = steps_per_epoch * settings.epochs
-    if settings.max_steps:
-        total_steps = min(total_steps, settings.max_steps)
-    rng = np.random.default_rng(settings.seed)
+    steps_per_epoch, total_steps = _step_counts(job, prep.n_train)
+    rng = np.random.default_rng(settings.seed)  # each epoch's order: drawn again on resume
     step_ms: list[float] = []
+    # a resumed run: model, optimiser, capture and RNG states of its checkpoint, then on from there
+    start = 0
+    if job.checkpoint is not None:
+        start = checkpoint.restore(job.checkpoint, prep.model, opt, job.tracker, device)
+    every = 0 if dist_ctx.enabled else settings.checkpoint_every  # single process only
     t_start = time.perf_counter()
-    step = 0
+    step = start
     last_loss = float("nan")
-    bar = _progress_bar(total_steps, disable=not dist_ctx.is_main)
+    bar = _progress_bar(total_steps, disable=not dist_ctx.is_main, initial=start)
     try:
         for epoch in range(settings.epochs):
             order = rng.permutation(prep.n_train)
             for s in range(steps_per_epoch):
+                if epoch * steps_per_epoch + s < start:
+                    continue  # done before the checkpoint this run resumed from
                 if dist_ctx.any_true(stop.requested) and not stop.requested:
                     stop.requested, stop.reason = True, "another rank stopped"
                 if stop.requested or step >= total_steps:
@@ -90,17 +91,23 @@ def train_steps(
                     # the loop does not synchronise with the device on every step
                     last_loss = float(losses.detach().mean())
                     _check_finite(last_loss, step, lr)
-                line = _progress_line(job, step, total_steps, epoch, last_loss, lr, t_start)
+                line = _progress_line(
+                    job, (start, step, total_steps), epoch, last_loss, lr, t_start
+                )
                 progress_file.write(json.dumps(line) + "\n")
                 bar.update(1)
                 bar.set_postfix(loss=f"{last_loss:.4f}", epoch=epoch)
                 if on_progress is not None:
                     on_progress(line)
+                if checkpoint.due(every, step, total_steps):
+                    checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)
             if stop.requested or step >= total_steps:
                 break
     finally:
         bar.close()
-    if step:
+    if stop.requested and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
+        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)  # resume here
+    if step > start:
         _check_finite(float(losses.detach().mean()), step, lr)
     job.manifest["timings"] = {
         "n_steps": step,
@@ -108,6 +115,20 @@ def train_steps(
         "median_step_ms": float(np.median(step_ms)) if step_ms else None,
     }
     return last_loss
+
+
+def _step_counts(job: Job, n_train: int) -> tuple[int, int]:
+    """Steps per epoch and in all (``max_steps`` caps the total)."""
+    settings, dist_ctx = job.settings, job.dist
+    steps_per_epoch = (
+        dist_ctx.steps_per_epoch(n_train, settings.batch_size)
+        if dist_ctx.enabled
+        else math.ceil(n_train / settings.batch_size)
+    )
+    total_steps = steps_per_epoch * settings.epochs
+    if settings.max_steps:
+        total_steps = min(total_steps, settings.max_steps)
+    return steps_per_epoch, total_steps
 
 
 def _lr_at(settings: TrainSettings, step: int, total_steps: int) -> float:
@@ -162,9 +183,11 @@ def _backward(job: Job, prep: Prepared, forward, batch, idx, global_b, step, epo
 
 
 def _progress_line(
-    job: Job, step: int, total_steps: int, epoch: int, loss: float, lr: float, t_start: float
+    job: Job, steps: tuple[int, int, int], epoch: int, loss: float, lr: float, t_start: float
 ) -> dict:
-    """One line of progress.jsonl (also what ``on_progress`` receives)."""
+    """One line of progress.jsonl (also what ``on_progress`` receives); ``steps``: the step this
+    process started at (a resumed run's checkpoint), the current one and the total."""
+    start, step, total_steps = steps
     elapsed = time.perf_counter() - t_start
     return {
         "step": step,
@@ -172,9 +195,11 @@ def _progress_line(
         "epoch": epoch,
         "loss": round(loss, 5),
         "lr": lr,
-        "examples_per_s": round(step * job.settings.batch_size * job.dist.world_size / elapsed, 2),
+        "examples_per_s": round(
+            (step - start) * job.settings.batch_size * job.dist.world_size / elapsed, 2
+        ),
         "elapsed_s": round(elapsed, 2),
-        "eta_s": round(elapsed / step * (total_steps - step), 1),
+        "eta_s": round(elapsed / (step - start) * (total_steps - step), 1),
         "time": now(),
     }
 
@@ -198,9 +223,15 @@ def eval_loss(model, encoded, pad_id, task, device, batch_size) -> float | None:
     return total / len(encoded)
 
 
-def _progress_bar(total: int, disable: bool = False):
+def _progress_bar(total: int, disable: bool = False, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(
-        total=total, desc="train", unit="step", dynamic_ncols=True, leave=True, disable=disable
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        leave=True,
+        disable=disable,
     )

@@ -1,0 +1,214 @@
+"""Checkpoints of ``traceprop train`` runs, from which ``traceprop train --resume RUN`` continues.
+
+Every ``TrainSettings.checkpoint_every`` steps and when a run is stopped (SIGTERM, Ctrl-C),
+the loop writes ``RUN/checkpoint/``:
+
+``state.pt``
+    the model's and the optimiser's state dicts, torch's RNG states (CPU and CUDA) and the
+    capture's running K-FAC sums (``A``, ``S``, token counts) per tracked layer; loaded with
+    ``torch.load(weights_only=True)`` (tensors and plain containers only, no pickled code).
+``checkpoint.json``
+    the step and epoch reached, the store's record count and per-layer stored norms at that
+    step, numpy's and Python's global RNG states, the capture's batch counter and the
+    tracker's step timings.
+
+Before the checkpoint is written the tracker's buffer is flushed and the writer thread drained,
+so the store holds exactly ``n_records`` complete records on disk. The folder is written as
+``RUN/.checkpoint.tmp`` and renamed into place (the previous one moves to
+``RUN/.checkpoint.old`` for the moment of the swap): a killed process (SIGKILL, the OOM killer)
+at any point leaves one whole checkpoint. Like the store, it is not fsync'ed: a power loss may
+lose what the operating system had not yet written. The data order needs no state: it is the seeded permutation of each epoch, drawn
+again on resume. A completed run's checkpoint is removed. Single process only: runs under
+torchrun (DDP, FSDP) write none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import RunError
+from ..run import now
+
+CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_TMP = ".checkpoint.tmp"
+CHECKPOINT_OLD = ".checkpoint.old"
+STATE_FILE = "state.pt"
+META_FILE = "checkpoint.json"
+FORMAT = 1
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back: its ``checkpoint.json`` and the folder holding ``state.pt``."""
+
+    folder: Path
+    meta: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def n_records(self) -> int | None:
+        n = self.meta.get("n_records")
+        return None if n is None else int(n)
+
+    def state(self, device: torch.device) -> dict:
+        try:
+            return torch.load(self.folder / STATE_FILE, map_location=device, weights_only=True)
+        except Exception as e:  # a damaged or foreign file: say which
+            raise RunError(f"cannot read the checkpoint {self.folder / STATE_FILE} ({e})") from None
+
+
+def due(every: int, step: int, total_steps: int, stopping: bool = False) -> bool:
+    """Whether a checkpoint is written after ``step``: every ``every`` steps and when the run is
+    stopping early (never after the last step: the run ends)."""
+    return bool(every) and step < total_steps and (step % every == 0 or stopping)
+
+
+def save(run_dir: Path, model, opt, tracker, step: int, epoch: int) -> None:
+    """Write ``RUN/checkpoint`` for the state after ``step`` (atomically, see the module doc)."""
+    meta: dict = {
+        "format": FORMAT,
+        "step": step,
+        "epoch": epoch,
+        "time": now(),
+        "n_records": None,
+        "numpy_rng": _numpy_state(),
+        "python_rng": _python_state(),
+    }
+    state: dict = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    if tracker is not None:
+        tracker.sync()  # every committed record on disk: n_records below is durable
+        meta["n_records"] = tracker.writer.n_records
+        meta["sq_norm"] = tracker.writer.sq_norms
+        meta["step_ms"] = [round(x, 4) for x in tracker.step_ms]
+        meta["capture"], state["covariance"] = _capture_state(tracker.capture)
+    tmp, final, old = run_dir / CHECKPOINT_TMP, run_dir / CHECKPOINT_DIR, run_dir / CHECKPOINT_OLD
+    for p in (tmp, final, old):
+        if p.is_symlink():
+            raise RunError(f"{p} is a symbolic link; Traceprop does not write through links")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / META_FILE).write_text(json.dumps(meta))
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load(run_dir: Path) -> Checkpoint | None:
+    """The run's last whole checkpoint, or None when it has none."""
+    for name in (CHECKPOINT_DIR, CHECKPOINT_OLD):  # .old: killed during the swap
+        folder = run_dir / name
+        if folder.is_symlink() or not (folder / META_FILE).is_file():
+            continue
+        if not (folder / STATE_FILE).is_file():
+            continue
+        try:
+            meta = json.loads((folder / META_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise RunError(f"cannot read the checkpoint {folder / META_FILE} ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or "step" not in meta:
+            raise RunError(
+                f"{folder / META_FILE} is not a checkpoint this version of Traceprop can resume"
+            )
+        return Checkpoint(folder, meta)
+    return None
+
+
+def remove(run_dir: Path) -> None:
+    """Delete the run's checkpoints (a completed run cannot be resumed)."""
+    for name in (CHECKPOINT_DIR, CHECKPOINT_OLD, CHECKPOINT_TMP):
+        p = run_dir / name
+        if p.is_symlink():
+            continue  # never follow a link; leave it for the user
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def restore(ckpt: Checkpoint, model, opt, tracker, device: torch.device) -> int:
+    """Load the model, optimiser, capture and RNG states of ``ckpt``; returns its step.
+
+    Called right before the first resumed step (after the model, optimiser and tracker exist),
+    so the RNG streams continue exactly where the checkpoint left them.
+    """
+    state = ckpt.state(device)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    if tracker is not None:
+        _restore_capture(tracker, ckpt.meta, state.get("covariance"))
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+    np.random.set_state(_numpy_from(ckpt.meta["numpy_rng"]))
+    random.setstate(_python_from(ckpt.meta["python_rng"]))
+    return ckpt.step
+
+
+# -- the capture's running state --------------------------------------------------------------------
+def _capture_state(capture) -> tuple[dict, list]:
+    """JSON part (batch counter, host token counts) and tensors (``A``, ``S``, token sums)."""
+    meta = {
+        # rotates the covariance token offset and picks every cov_stride-th batch
+        "batches": int(capture._batches),
+        "a_rows": [int(layer.a_rows) for layer in capture.layers],
+    }
+    tensors = [
+        None
+        if layer.A is None
+        else {
+            "A": layer.A.detach().clone(),
+            "S": layer.S.detach().clone(),
+            "a_tokens": layer.a_tokens,
+        }
+        for layer in capture.layers
+    ]
+    return meta, tensors
+
+
+def _restore_capture(tracker, meta: dict, tensors: list | None) -> None:
+    capture = tracker.capture
+    cap = meta.get("capture") or {}
+    capture._batches = int(cap.get("batches", 0))
+    for layer, rows, t in zip(capture.layers, cap.get("a_rows", []), tensors or [], strict=False):
+        layer.a_rows = int(rows)
+        if t is not None and layer.A is not None:
+            layer.A.copy_(t["A"])
+            layer.S.copy_(t["S"])
+            layer.a_tokens.copy_(t["a_tokens"])
+    tracker.step_ms[:] = list(meta.get("step_ms", []))
+
+
+# -- RNG states as JSON -------------------------------------------------------------------------------
+def _numpy_state() -> list:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def _numpy_from(s: list) -> tuple:
+    return (s[0], np.asarray(s[1], dtype=np.uint32), s[2], s[3], s[4])
+
+
+def _python_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _python_from(s: list) -> tuple:
+    return (s[0], tuple(s[1]), s[2])
