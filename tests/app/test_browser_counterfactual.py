@@ -107,7 +107,7 @@ def test_per_token_view_and_counterfactual_check(server):
         page = ctx.new_page()
         page.set_default_timeout(TIMEOUT_MS)
         page.goto(server["url"])
-        expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+        expect(page.get_by_role("heading", name="Traceprop").first).to_be_visible()  # landing page
         _nav(page, "Influencers")
         page.get_by_text("Type a prompt").click()
         page.get_by_label("Prompt", exact=True).fill(PROMPT)

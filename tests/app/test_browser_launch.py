@@ -22,7 +22,7 @@ SMALL = (
 
 def _open(page, server, name: str) -> None:  # noqa: F811
     page.goto(server["url"])
-    page.get_by_role("heading", name="Runs").wait_for()
+    page.get_by_role("heading", name="Traceprop").first.wait_for()  # the landing page
     _nav(page, name)
 
 
@@ -92,7 +92,7 @@ def test_a_failed_lazy_import_reloads_the_tab(page, server):  # noqa: F811
     from playwright.sync_api import expect
 
     page.goto(server["url"])
-    page.get_by_role("heading", name="Runs").wait_for()
+    page.get_by_role("heading", name="Traceprop").first.wait_for()  # the landing page
     page.wait_for_timeout(1500)
     expect(page.locator("#traceprop-stale-hint")).to_have_count(0)
     seen = {r for r in page.evaluate("performance.getEntriesByType('resource').map(e => e.name)")}
