@@ -11,7 +11,6 @@ from __future__ import annotations
 import html
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 from traceprop_engine.errors import TracepropError
 from traceprop_engine.evaluate import counterfactual as cf
 
-from .config import REPO
+from .jobs import spawn_logged
 from .queries import cached_tokenizer, open_cached
 
 
@@ -89,17 +88,7 @@ def start(run_dir: str | os.PathLike, spec: cf.CounterfactualSpec) -> dict:
     cf.plan(run_dir, spec)  # refuse too-big runs before starting anything
     out = Path(run_dir) / cf.CF_DIR
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
-    with open(out / f"{spec.key()}.log", "wb") as log:
-        proc = subprocess.Popen(
-            command(run_dir, spec),
-            cwd=str(REPO),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
+    proc = spawn_logged(command(run_dir, spec), out / f"{spec.key()}.log", {"TQDM_DISABLE": "1"})
     # the child rewrites this file as soon as it starts; until then it says "starting"
     path = cf.progress_path(run_dir, spec)
     if not path.exists() or cf.job_state(run_dir, spec)["status"] != "running":

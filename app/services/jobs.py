@@ -210,17 +210,7 @@ def start_job(cfg: AppConfig, spec: LaunchSpec, name: str = "") -> JobState:
 def _spawn(spec: LaunchSpec, run_dir: Path) -> JobState:
     run_dir.mkdir(parents=True)
     cmd = spec.command(run_dir)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "1"}
-    with open(run_dir / C.LOG_FILE, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=str(REPO),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
+    proc = spawn_logged(cmd, run_dir / C.LOG_FILE, {"TQDM_MININTERVAL": "1"})
     (run_dir / LAUNCH_FILE).write_text(
         json.dumps({"pid": proc.pid, "command": cmd, "started": time.time()}, indent=2)
     )
@@ -265,3 +255,19 @@ def wait_job(run_dir: str | os.PathLike, timeout_s: float = 120.0, poll_s: float
         time.sleep(poll_s)
         s = job_state(run_dir)
     return s
+
+
+def spawn_logged(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start a background job of the app (a training run, a counterfactual check) in its own
+    session (so Cancel can signal its whole process group), output to ``log_path``, unbuffered."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            cmd,
+            cwd=str(REPO),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=full_env,
+        )
