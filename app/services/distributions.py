@@ -26,18 +26,13 @@ RANK_HELP = {
 
 def all_scores(run_dir: str | os.PathLike, result, preconditioner: str) -> pl.DataFrame:
     """``example_id, source, row, score`` of every indexed training example for the query of
-    ``result`` (the exact scores the ranking and the by-source totals come from)."""
+    ``result`` (:meth:`~traceprop_engine.attribution.query.AttributionRun.example_scores`); the
+    Influencers page gets the same table from its query (``run_query_and_scores``)."""
     from traceprop_engine.settings import IndexSettings
 
     run, lock = open_cached(run_dir)
-    s = IndexSettings(preconditioner=preconditioner)
     with lock:
-        _, ids, _ = run.index(s)
-        scores = run.all_scores(result.sketches, s)
-        ex = run.examples()
-    ex = ex.select("example_id", "source", "row")
-    df = pl.DataFrame({"example_id": ids.astype("int64"), "score": scores.astype("float64")})
-    return df.join(ex, on="example_id", how="left").select("example_id", "source", "row", "score")
+        return run.example_scores(result, IndexSettings(preconditioner=preconditioner))
 
 
 def rank_by(run_dir: str | os.PathLike, by: str, preconditioner: str) -> pl.DataFrame:

@@ -75,7 +75,14 @@ def cached_step_times(run_dir: str, mtime: float) -> pl.DataFrame:
     return step_times(Path(run_dir))
 
 
-def run_query(
+def run_query(run_dir: str | os.PathLike, **query):
+    """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run);
+    ``query``: the keywords of :func:`run_query_and_scores`."""
+    res, by_source, _ = run_query_and_scores(run_dir, **query)
+    return res, by_source
+
+
+def run_query_and_scores(
     run_dir: str | os.PathLike,
     *,
     prompt=None,
@@ -85,7 +92,9 @@ def run_query(
     top_k: int = 10,
     preconditioner: str = C.DEFAULT_PRECONDITIONER,
 ):
-    """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run)."""
+    """``(QueryResult, influence by source, every example's score)`` of one query: the by-source
+    totals and the score histogram come from one pass over the store, made here once."""
+    from traceprop_engine.attribution.ranking import source_influence
     from traceprop_engine.settings import IndexSettings
 
     run, lock = open_cached(run_dir)
@@ -94,8 +103,9 @@ def run_query(
         res = run.query(
             prompt, completion, eval_example=eval_example, label=label, top_k=top_k, settings=s
         )
-        by_source = run.influence_by_source(res, s)
-    return res, by_source
+        table = run.example_scores(res, s)
+    by_source = source_influence(table["score"].to_numpy(), table["source"].to_numpy())
+    return res, by_source, table
 
 
 def layer_scores_table(layer_scores: str) -> pl.DataFrame:

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import streamlit as st
-from services import charts, distributions, text
-
-from traceprop_engine.errors import TracepropError
+from services import charts, distributions
 
 
-def render(run_dir, result, preconditioner: str, key: str = "dist") -> None:
-    """A histogram of the exact scores of every training example, proponents and opponents."""
+def render(scores, key: str = "dist") -> None:
+    """A histogram of the exact scores of every training example (``scores``: the query's
+    ``example_id, source, row, score`` table, made with the query), proponents and opponents."""
     st.subheader("Score distribution (all training examples)")
-    try:
-        scores = distributions.all_scores(run_dir, result, preconditioner)
-    except TracepropError as e:
-        st.error(text.md_escape(f"no score distribution: {e}"))
-        return
     bins = st.slider("Bins", 5, 100, 40, key=f"{key}_bins")
     hist = distributions.score_histogram(scores["score"].to_numpy(), bins)
     n_pos = int((scores["score"] > 0).sum())

@@ -102,7 +102,7 @@ clicked = st.button("Find influencers", type="primary", key="infl_go")
 if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's sample question
     try:
         with st.spinner("Scoring every training example…"):
-            res, by_source = queries.run_query(
+            res, by_source, scores = queries.run_query_and_scores(
                 active,
                 prompt=prompt,
                 completion=completion,
@@ -125,6 +125,7 @@ if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's
             "run": str(active),
             "result": res,
             "by_source": by_source,
+            "scores": scores,
             "answer": ans,
         }
 
@@ -206,7 +207,7 @@ cf_sections.render_counterfactual(active, res)
 
 st.subheader("Influence by source file (all training examples)")
 st.plotly_chart(charts.by_source_figure(by_source), key="infl_by_source")
-distribution_panel.render(active, res, q.get("preconditioner") or pre, key="infl_dist")
+distribution_panel.render(saved["scores"], key="infl_dist")
 
 c1, c2 = st.columns(2)
 c1.download_button(

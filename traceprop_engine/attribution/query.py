@@ -367,6 +367,14 @@ class AttributionRun:
         self, result: QueryResult, settings: IndexSettings | None = None
     ) -> pl.DataFrame:
         """Total, positive and negative influence of every source file on the query (all examples)."""
+        table = self.example_scores(result, settings)
+        return source_influence(table["score"].to_numpy(), table["source"].to_numpy())
+
+    def example_scores(
+        self, result: QueryResult, settings: IndexSettings | None = None
+    ) -> pl.DataFrame:
+        """``example_id, source, row, score``: the exact score of every indexed training example
+        for the query of ``result`` (what by-source totals and score histograms are made of)."""
         s = settings or IndexSettings()
         sk = result.sketches
         if sk is None:  # a result rebuilt from its description (e.g. an audit trail)
@@ -381,7 +389,11 @@ class AttributionRun:
             sk, _ = self.query_sketches(enc)
         _, ids, _ = self.index(s)
         scores = self.all_scores(sk, s)
-        return source_influence(scores, self.examples()["source"].to_numpy()[ids])
+        ex = self.examples().select("example_id", "source", "row")
+        df = pl.DataFrame({"example_id": ids.astype(np.int64), "score": scores.astype(np.float64)})
+        return df.join(ex, on="example_id", how="left").select(
+            "example_id", "source", "row", "score"
+        )
 
     # -- baselines for audits -------------------------------------------------------------------
     def self_influence(self, settings: IndexSettings | None = None) -> pl.DataFrame:

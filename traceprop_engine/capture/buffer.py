@@ -251,19 +251,20 @@ class BackgroundSink:
                     self._error = e
             self._q.task_done()
 
-    def __call__(self, arrays, meta) -> None:
+    def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise StoreError(f"writing the store failed: {self._error}") from self._error
+
+    def __call__(self, arrays, meta) -> None:
+        self._raise_if_failed()
         self._q.put((arrays, meta))
 
     def drain(self) -> None:
         """Wait until every chunk handed over so far is written (a checkpoint's store is whole)."""
         self._q.join()
-        if self._error is not None:
-            raise StoreError(f"writing the store failed: {self._error}") from self._error
+        self._raise_if_failed()
 
     def close(self) -> None:
         self._q.put(None)
         self._t.join()
-        if self._error is not None:
-            raise StoreError(f"writing the store failed: {self._error}") from self._error
+        self._raise_if_failed()
