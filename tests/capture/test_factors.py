@@ -222,3 +222,71 @@ def test_int8_factors_round_trip_within_quantisation(tmp_path):
         err_u = np.abs(u8 / sv[:, None, None] - u32)
         assert np.all(err_v <= 0.5 * sv[:, None, None] * (1 + 1e-5) + 1e-12)
         assert np.all(err_u <= 0.5 * step_u[:, None, None] * (1 + 1e-5) + 1e-12)
+
+
+def _half_step_reference(G: np.ndarray, sigma: np.ndarray, layer) -> np.ndarray:
+    """``P_out û ûᵀ G P_inᵀ`` with ``û = σ/‖σ‖``: the default record of one example."""
+    u = sigma / np.linalg.norm(sigma)
+    Pin = np.eye(layer.d_in) if layer.P_in is None else layer.P_in.double().numpy()
+    Pout = np.eye(layer.d_out) if layer.P_out is None else layer.P_out.double().numpy()
+    return Pout @ np.outer(u, u) @ G @ Pin.T
+
+
+@pytest.mark.parametrize("k", [6, 10_000])
+def test_default_half_step_record_matches_autograd(tmp_path, k):
+    """The default record (rank 1, half a step, projections batched after the backward):
+    ``U Vᵀ = P_out û ûᵀ G P_inᵀ`` with ``û`` the example's summed output gradient (seen by a
+    hook of its own on a one-example backward) and ``G`` its per-example autograd weight
+    gradient; projected (k = 6) and exact (k above every width)."""
+    model = tiny_neox()
+    settings = TrackSettings(k_in=k, k_out=k, factor_dtype="float32")
+    assert settings.rank == 1 and settings.power_iters == 0  # the default path
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
+    layers = build_layers(model, settings)
+    sigma: dict[str, np.ndarray] = {}
+
+    def keep_sigma(name):
+        def fwd(module, inputs, output):
+            output.register_hook(lambda g: sigma.__setitem__(name, g[0].sum(0).double().numpy()))
+
+        return fwd
+
+    handles = [layer.module.register_forward_hook(keep_sigma(layer.name)) for layer in layers]
+    try:
+        for b, loss_fn in enumerate(single_causal_losses(model, ids, labels, lengths)):
+            model.zero_grad()
+            loss_fn().backward()
+            for li, layer in enumerate(layers):
+                G = layer.module.weight.grad.double().numpy()
+                want = _half_step_reference(G, sigma[layer.name], layer)
+                assert_close_rel(store.sketches(li)[b], want, f"{layer.name} example {b}")
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad()
+
+
+def test_default_record_of_a_layer_used_twice_equals_the_unbatched_path(monkeypatch):
+    """A layer used twice in one backward under the default settings: the first use's record is
+    projected at once and factored together with the second's, exactly as the per-layer path
+    (projections inside the hook, ``full_factors``) does it."""
+    from test_capture import _Twice
+
+    from traceprop_engine.capture import hooks
+
+    def record():
+        model = _Twice()
+        layers = build_layers(
+            model, TrackSettings(k_in=4, k_out=5, scope=r"^lin$", factor_dtype="float32")
+        )
+        x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(6))
+        slots = [torch.full((4, 9, 1), float("nan"))]
+        with hooks.Capture(model, layers, covariance=False) as cap, cap.batch(slots, loss_scale=4):
+            model(x).mean().backward()
+        return torch.bmm(slots[0][:, :5], slots[0][:, 5:].transpose(1, 2)).double().numpy()
+
+    batched = record()
+    monkeypatch.setattr(hooks.DeferredFactors, "__bool__", lambda self: False)  # per-layer path
+    unbatched = record()
+    assert np.isfinite(batched).all()
+    np.testing.assert_allclose(batched, unbatched, rtol=0, atol=1e-5 * np.abs(unbatched).max())

@@ -38,6 +38,7 @@ from torch import nn
 from ..settings import SketchKind
 from ..store.format import Covariance
 from .layers import TrackedLayer
+from .project import DeferredFactors
 from .sketch import apply_sparse_jl, full_factors, top_factors
 
 
@@ -49,6 +50,22 @@ def _project_factor(x: torch.Tensor, p_t: torch.Tensor | None) -> torch.Tensor:
     b, d, r = x.shape
     y = torch.mm(x.transpose(1, 2).reshape(b * r, d), p_t)  # (B·r, k)
     return y.view(b, r, -1).transpose(1, 2)
+
+
+def _transposed(
+    p: torch.Tensor | None, cached: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``Pᵀ`` on ``device`` in ``dtype``, contiguous; ``cached`` when it already is that."""
+    if p is None:
+        return None
+    if (
+        cached is not None
+        and cached.device == device
+        and cached.dtype == dtype
+        and cached.shape == p.T.shape
+    ):
+        return cached
+    return p.T.to(device, dtype).contiguous()
 
 
 class Capture:
@@ -76,6 +93,7 @@ class Capture:
         self._scale = 1.0
         self._n_tokens: torch.Tensor | None = None
         self._batches = 0  # rotates the covariance token offset
+        self._deferred: DeferredFactors | None = None  # made on attach
 
     # -- lifetime -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -86,12 +104,10 @@ class Capture:
             # full-space factors are projected per example in fp32; the per-token sketch path
             # multiplies activations of the layer's own dtype
             dtype = torch.float32 if layer.full_factor else layer.module.weight.dtype
-            layer._P_in_T = (
-                None if layer.P_in is None else layer.P_in.T.to(device, dtype).contiguous()
-            )
-            layer._P_out_T = (
-                None if layer.P_out is None else layer.P_out.T.to(device, dtype).contiguous()
-            )
+            # made once per (device, dtype): a bench or a loop that detaches and re-attaches
+            # every step must not copy every projection every time
+            layer._P_in_T = _transposed(layer.P_in, layer._P_in_T, device, dtype)
+            layer._P_out_T = _transposed(layer.P_out, layer._P_out_T, device, dtype)
             if layer.dense_index is not None:
                 layer._dense_index = layer.dense_index.to(device)
                 layer._dense_sign = layer.dense_sign.to(device)
@@ -102,6 +118,8 @@ class Capture:
                 layer.S = torch.zeros(layer.k_out, layer.k_out, device=device)
                 layer.a_tokens = torch.zeros((), device=device, dtype=torch.float64)
             self._handles.append(layer.module.register_forward_hook(self._make_forward_hook(i)))
+        if self._deferred is None or self._deferred.device != device:
+            self._deferred = DeferredFactors(self.layers, device) or None
         return self
 
     def detach(self) -> None:
@@ -161,8 +179,12 @@ class Capture:
         self._active = True
         try:
             yield
+            if self._deferred is not None:
+                self._deferred.write(slots, self._scale)
         finally:
             self._active = False
+            if self._deferred is not None:
+                self._deferred.pending.clear()
             for layer, slot in zip(self.layers, slots, strict=True):
                 if not layer._fired:  # the layer took no part in this backward: a zero gradient
                     slot.zero_()
@@ -216,7 +238,6 @@ class Capture:
         """
         slots = self._slots
         a = layer._stack.pop()  # (B, T, d_in), the layer's raw input
-        g = g.detach()
         if g.dim() == 2:
             g = g.unsqueeze(1)
         if a.dtype != torch.float32:  # bf16/fp16 models: iterate in fp32
@@ -224,6 +245,19 @@ class Capture:
         if g.dtype != torch.float32:
             g = g.float()
         scale = self._scale
+        deferred = self._deferred
+        if deferred is not None and i in deferred.members:
+            if not layer._fired:  # the default: three ops here, the rest after the backward
+                b, t = g.shape[0], g.shape[1]
+                sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
+                torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
+                c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
+                torch.bmm(c, a, out=w)  # w = Gᵀ σ
+                deferred.pending.add(i)
+                layer._fired = True
+                self._covariance_if_due(layer, a, g, scale)
+                return
+            deferred.write(slots, scale, only={i})  # second use: the first one's record, then sum
         u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
         u, v = _project_factor(u, layer._P_out_T), _project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
@@ -237,9 +271,12 @@ class Capture:
             slot[:, :k_out].copy_(u.mul_(scale))
             slot[:, k_out:].copy_(v)
         layer._fired = True
-        # K-FAC statistics from every cov_stride-th batch (the first included): all of that
-        # batch's tokens, so sparse gradients (a classifier's one pooled token, a short
-        # completion) are seen as they are
+        self._covariance_if_due(layer, a, g, scale)
+
+    def _covariance_if_due(self, layer: TrackedLayer, a, g, scale: float) -> None:
+        """K-FAC statistics from every cov_stride-th batch (the first included): all of that
+        batch's tokens, so sparse gradients (a classifier's one pooled token, a short
+        completion) are seen as they are."""
         if layer.S is not None and self.covariance and (self._batches - 1) % layer.cov_stride == 0:
             self._covariance_projected(layer, a, g, scale)
 
