@@ -295,3 +295,23 @@ def test_gradient_checkpointing_records_each_example_once(tmp_path, reentrant):
     store, _ = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=4, k_out=6))
     _, mask, _, _ = causal_batch()
     assert store.covariance(0).n_tokens == int(mask.sum())  # A counted once, not per re-run
+
+
+def test_backward_with_create_graph_records_the_same_sketches():
+    """``backward(create_graph=True)`` (e.g. a gradient-penalty loss) runs the hooks with grad
+    mode on: they detach, build no graph and record what a plain backward records."""
+    model = tiny_neox()
+    layers = build_layers(model, TrackSettings(factor_dtype="float32"))
+    ids, mask, labels, _ = causal_batch()
+
+    def run(create_graph: bool):
+        slots = [torch.zeros(3, layer.k_out + layer.k_in, 1) for layer in layers]
+        with Capture(model, layers, covariance=False) as cap, cap.batch(slots, loss_scale=3):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            causal_lm_losses(logits, labels).mean().backward(create_graph=create_graph)
+        model.zero_grad(set_to_none=True)
+        return slots
+
+    for plain, graph in zip(run(False), run(True), strict=True):
+        assert not graph.requires_grad
+        torch.testing.assert_close(graph, plain, rtol=1e-5, atol=1e-7)

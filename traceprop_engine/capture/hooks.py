@@ -205,13 +205,14 @@ class Capture:
             # output.requires_grad is False under no_grad / inference_mode: no work at all
             if not self._active or not output.requires_grad:
                 return None
-            a = inputs[0].detach()
-            if a.dim() == 2:
-                a = a.unsqueeze(1)  # (B, 1, d_in): one "token" per example (classifier heads)
+            a = inputs[0]
             if layer.full_factor:  # the raw input: autograd keeps it for the weight grad anyway
-                stack.append(a)
+                stack.append(a)  # detached in the backward hook, only where grad mode is on
                 output.register_hook(backward_hook)
                 return None
+            a = a.detach()
+            if a.dim() == 2:
+                a = a.unsqueeze(1)  # (B, 1, d_in): one "token" per example (classifier heads)
             P = layer._P_in_T
             if P is not None:
                 if a.dtype != P.dtype:  # e.g. an fp32 input to a layer whose weights are bf16
@@ -238,6 +239,10 @@ class Capture:
         """
         slots = self._slots
         a = layer._stack.pop()  # (B, T, d_in), the layer's raw input
+        if torch.is_grad_enabled():  # backward(create_graph=True): build no graph from here
+            a, g = a.detach(), g.detach()
+        if a.dim() == 2:
+            a = a.unsqueeze(1)  # (B, 1, d_in): one "token" per example (classifier heads)
         if g.dim() == 2:
             g = g.unsqueeze(1)
         if a.dtype != torch.float32:  # bf16/fp16 models: iterate in fp32
@@ -248,9 +253,10 @@ class Capture:
         deferred = self._deferred
         if deferred is not None and i in deferred.members:
             if not layer._fired:  # the default: three ops here, the rest after the backward
-                b, t = g.shape[0], g.shape[1]
+                g0 = g[:, :: layer.start_stride] if layer.start_stride > 1 else g
+                b, t = g0.shape[0], g0.shape[1]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
-                torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
+                torch.bmm(deferred.ones(b, t), g0, out=sigma)  # σ = Σ_t g_t
                 c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
                 torch.bmm(c, a, out=w)  # w = Gᵀ σ
                 deferred.pending.add(i)
@@ -258,7 +264,9 @@ class Capture:
                 self._covariance_if_due(layer, a, g, scale)
                 return
             deferred.write(slots, scale, only={i})  # second use: the first one's record, then sum
-        u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
+        u, v = full_factors(
+            a, g, layer.rank, layer.power_iters, layer.start_stride
+        )  # (B, d_out, r), (B, d_in, r)
         u, v = _project_factor(u, layer._P_out_T), _project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out

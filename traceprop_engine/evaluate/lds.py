@@ -50,7 +50,7 @@ import numpy as np
 from .. import constants as C
 from ..errors import ConfigError, RunError
 from ..run import RunManifest, is_completed
-from ..settings import TrackSettings
+from ..settings import TrackSettings, TrainSettings
 from .lds_report import lds_scores, summarize, write_results
 from .lds_retrain import record, retrain_subsets, subset_losses, write_subsets
 from .lds_scoring import score_methods
@@ -87,13 +87,20 @@ class LdsResult:
     noise_ceiling: dict | None = None
 
 
+_TRAIN_DEFAULTS = {
+    k: v for k, v in TrainSettings(data="-", out="-").to_dict().items() if k not in ("data", "out")
+}
+
+
 def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> None:
     cfg_path = eval_dir / EVAL_FILE
     cfg = s.to_dict()
 
     def resume_part(d: dict) -> dict:
         d = {k: d.get(k) for k in RESUME_KEYS}
-        d["train"] = {k: v for k, v in (d["train"] or {}).items() if k != "track"}
+        # a training field added since the evaluation was made counts as its default
+        train = {**_TRAIN_DEFAULTS, **(d["train"] or {})}
+        d["train"] = {k: v for k, v in train.items() if k != "track"}
         return json.loads(json.dumps(d))
 
     if cfg_path.exists():
