@@ -89,9 +89,6 @@ class TrackSettings:
         covariance_stride: with ``factor_space='full'``, the K-FAC statistics ``A``, ``S`` are
             accumulated over every ``covariance_stride``-th batch (the first included, all its
             tokens), which keeps their per-token projections cheap; 1 = every batch.
-        start_stride: with ``factor_space='full'``, the power iteration's start ``Σ_t g_t``
-            sums every ``start_stride``-th token only (the start is a direction, not the
-            record: ``V = Gᵀ û`` still reads every token); 1 = all tokens.
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
@@ -108,7 +105,6 @@ class TrackSettings:
     factor_space: FactorSpace = FactorSpace.FULL
     power_iters: int = 0
     covariance_stride: int = 32
-    start_stride: int = 1
     seed: int = 0
     buffer_records: int = 2048
 
@@ -139,7 +135,6 @@ class TrackSettings:
             "dense_nnz",
             "buffer_records",
             "covariance_stride",
-            "start_stride",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -290,3 +290,23 @@ def test_default_record_of_a_layer_used_twice_equals_the_unbatched_path(monkeypa
     unbatched = record()
     assert np.isfinite(batched).all()
     np.testing.assert_allclose(batched, unbatched, rtol=0, atol=1e-5 * np.abs(unbatched).max())
+
+
+def test_example_without_gradient_keeps_a_finite_zero_record():
+    """An example whose loss does not reach a layer (here: weighted by 0) has σ = 0 there: its
+    default record is exactly zero, never NaN/inf (1/‖σ‖ times the loss scale must not
+    overflow), and the other examples' records are untouched."""
+    from traceprop_engine.capture.hooks import Capture
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    layers = build_layers(model, TrackSettings(k_in=3, k_out=3, factor_dtype="float32"))
+    x = torch.randn(4, 7, 6, generator=torch.Generator().manual_seed(2))
+    weight = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    slots = [torch.full((4, layer.k_out + layer.k_in, 1), float("nan")) for layer in layers]
+    with Capture(model, layers, covariance=False) as cap, cap.batch(slots, loss_scale=1e6):
+        ((model(x).squeeze(-1) ** 2).mean(1) * weight).mean().backward()
+    for slot in slots:
+        assert torch.isfinite(slot).all()
+        assert torch.all(slot[1] == 0)
+        assert torch.all(slot[[0, 2, 3]].abs().sum((1, 2)) > 0)

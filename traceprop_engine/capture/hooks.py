@@ -253,10 +253,9 @@ class Capture:
         deferred = self._deferred
         if deferred is not None and i in deferred.members:
             if not layer._fired:  # the default: three ops here, the rest after the backward
-                g0 = g[:, :: layer.start_stride] if layer.start_stride > 1 else g
-                b, t = g0.shape[0], g0.shape[1]
+                b, t = g.shape[0], g.shape[1]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
-                torch.bmm(deferred.ones(b, t), g0, out=sigma)  # σ = Σ_t g_t
+                torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
                 c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
                 torch.bmm(c, a, out=w)  # w = Gᵀ σ
                 deferred.pending.add(i)
@@ -264,9 +263,7 @@ class Capture:
                 self._covariance_if_due(layer, a, g, scale)
                 return
             deferred.write(slots, scale, only={i})  # second use: the first one's record, then sum
-        u, v = full_factors(
-            a, g, layer.rank, layer.power_iters, layer.start_stride
-        )  # (B, d_out, r), (B, d_in, r)
+        u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
         u, v = _project_factor(u, layer._P_out_T), _project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out

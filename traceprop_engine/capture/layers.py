@@ -41,7 +41,6 @@ class TrackedLayer:
     full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
     power_iters: int = 0
     cov_stride: int = 1  # K-FAC statistics over every cov_stride-th token (full_factor layers)
-    start_stride: int = 1  # the power iteration's start sums every n-th token (full_factor)
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
     P_out: torch.Tensor | None = None  # (k_out, d_out)
     dense_k: int = 0
@@ -181,7 +180,6 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
                 layer.factor_dtype = settings.factor_dtype.value
                 layer.full_factor = settings.factor_space is FactorSpace.FULL
                 layer.power_iters = settings.power_iters
-                layer.start_stride = settings.start_stride
                 layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
         layers.append(layer)
     return layers

@@ -29,6 +29,9 @@ import torch
 
 from .layers import TrackedLayer
 
+SIGMA_FLOOR = 1e-30
+"""Smallest ``‖σ‖`` divided by: ``1/‖σ‖ · s`` stays finite for any loss scale below 1e8."""
+
 
 def deferrable(layer: TrackedLayer) -> bool:
     """The layers whose factors :class:`DeferredFactors` projects: full-space, rank 1, half a step."""
@@ -133,14 +136,16 @@ class DeferredFactors:
 
     def _coefficients(self, groups: dict, scale: float) -> dict:
         """Per group ``(n, B, 1)``: ``s/‖σ‖`` on σ rows, ``1/‖σ‖`` on w rows (σ of the row's layer)."""
-        tiny = torch.finfo(torch.float32).tiny
         norms = torch.cat(
             [
                 groups[key].norm(dim=-1).index_select(0, self._sigma_rows[key])
                 for key in self._sigma_keys
             ]
         )
-        inv = norms.clamp_min_(tiny).reciprocal_()  # (members, B), in self._sigma_order
+        # an example without gradient at a layer (σ = 0, so w = 0) keeps a zero record: the floor
+        # stays far from float32's overflow even times the loss scale (1/tiny · s would be inf,
+        # and 0 · inf a NaN record)
+        inv = norms.clamp_min_(SIGMA_FLOOR).reciprocal_()  # (members, B), in self._sigma_order
         side = self._side_scale.get(scale)
         if side is None:
             side = self._side_scale[scale] = {

@@ -119,7 +119,7 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
 
 
 def full_factors(
-    a: torch.Tensor, g: torch.Tensor, rank: int, iters: int, start_stride: int = 1
+    a: torch.Tensor, g: torch.Tensor, rank: int, iters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``r`` factors of every per-example ``G_b = Σ_t g_bt a_btᵀ`` without forming it.
 
@@ -132,7 +132,6 @@ def full_factors(
 
     Args:
         a: (B, T, d_in) layer inputs; g: (B, T, d_out) output gradients (float32).
-        start_stride: the start sums (weights) every n-th token only.
         rank: ``r``; iters: iterations; ``0`` is half a step: ``u`` = the orthonormalised
             start, ``v = Gᵀ u`` (so ``u vᵀ = u uᵀ G``, the projection of ``G`` on the start's
             span; two batched products instead of four).
@@ -145,15 +144,14 @@ def full_factors(
     # Row-vector layout, (B, r, d) @ (B, d, T) and (B, r, T) @ (B, T, d): with the factors as
     # rows, MKL reads g and a along their contiguous dimension at ~2-4x the rate of the
     # (B, T, d) x (B, d, r) batched GEMV (measured on 8 x 128 tokens, widths 256-1024).
-    g0 = g[:, ::start_stride] if start_stride > 1 else g
-    b, t, _ = g0.shape
+    b, t, _ = g.shape
     if rank == 1:
-        ut = g0.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
+        ut = g.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
     else:
         gen = torch.Generator(device="cpu").manual_seed(0x5EED + t)
         w = torch.randn(t, rank, generator=gen)
         w[:, 0] = 1.0
-        ut = torch.matmul(w.T.to(g.device, g.dtype), g0)  # (B, r, d_out)
+        ut = torch.matmul(w.T.to(g.device, g.dtype), g)  # (B, r, d_out)
     gt, at = g.transpose(1, 2), a.transpose(1, 2)
     if iters == 0:  # half a step: project G on the start from the left, U Vᵀ = û ûᵀ G
         ut = _orthonormal(ut.transpose(1, 2)).transpose(1, 2)  # (B, r, d_out)
