@@ -1,7 +1,9 @@
 """Shared protocol for the peer benchmarks (same model and protocol as ``traceprop bench overhead``).
 
 Tiny GPT-NeoX ``tiny_config(1024, 256, 4, 128)``, batch 8 x 128 random tokens, AdamW(lr=1e-4),
-one torch thread, every trainable linear layer, factored sketch k_in = k_out = 8 (peers: rank 8).
+one torch thread, every trainable linear layer; Traceprop at its default ``TrackSettings()`` (rank-1
+int8 factors of the full per-example gradient, k = 126; ``CFG["k"]`` set: a k x k configuration),
+peers at rank 8.
 
 Arms run interleaved in ONE process: each round runs every arm once (``steps_per_arm`` training
 steps), the order cycles through all permutations of the arms, so load from other users of the
@@ -40,7 +42,11 @@ from traceprop_engine.training.models import tiny_config
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
-CFG = dict(vocab=1024, width=256, layers=4, batch=8, seq=128, k=8, lr=1e-4, threads=1, seed=0)
+# k=None: Traceprop's default TrackSettings (k = 126 rank-1 factors); an int: k_in = k_out = k.
+# peer_k: the peers' rank / projection size (8: their 8 x 8 = 64-number sketch per layer).
+CFG = dict(
+    vocab=1024, width=256, layers=4, batch=8, seq=128, k=None, peer_k=8, lr=1e-4, threads=1, seed=0
+)
 
 
 def bootstrap_ci(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -102,16 +108,15 @@ class PlainArm(Arm):
 
 
 class TraceArm(Arm):
-    """Traceprop inline: Tracker with covariance on (the default configuration), k = 8 x 8."""
+    """Traceprop inline: Tracker with covariance on, the default ``TrackSettings`` (or k x k)."""
 
     name = "traceprop"
 
     def __init__(self, model, batch, store: Path, covariance: bool = True, name: str | None = None):
         self.model, (self.ids, self.mask, self.labels) = model, batch
         self.name = name or self.name
-        s = TrackSettings(
-            covariance=covariance, scope="all", k_in=CFG["k"], k_out=CFG["k"], seed=CFG["seed"]
-        )
+        k = {} if CFG["k"] is None else {"k_in": CFG["k"], "k_out": CFG["k"]}
+        s = TrackSettings(covariance=covariance, scope="all", seed=CFG["seed"], **k)
         self.tr = Tracker(model, store, s)
         self.idx = np.arange(len(self.ids))
 

@@ -55,9 +55,8 @@ class TraceBaseArm(C.TraceArm):
         s = TrackSettings(
             covariance=True,
             scope=r"^gpt_neox\.",
-            k_in=C.CFG["k"],
-            k_out=C.CFG["k"],
             seed=C.CFG["seed"],
+            **({} if C.CFG["k"] is None else {"k_in": C.CFG["k"], "k_out": C.CFG["k"]}),
         )
         self.tr = Tracker(model, store, s)
         self.idx = np.arange(len(self.ids))
@@ -72,7 +71,7 @@ class BergsonArm(C.Arm):
         self.name = name
         self.model, self.opt, (self.ids, self.mask, self.labels) = model, opt, batch
         self.cb = GradientCollectorCallback(
-            path, projection_dim=C.CFG["k"], use_optimizer_state=use_optimizer_state
+            path, projection_dim=C.CFG["peer_k"], use_optimizer_state=use_optimizer_state
         )
         self.args = SimpleNamespace()
         self.args.__gradient_collection_enabled__ = True
@@ -131,7 +130,7 @@ def posthoc_build(model, n: int, path: Path, seed: int = 1) -> dict:
 
     ids, _, _ = C.make_batch(seed, n)
     b = C.CFG["batch"]
-    cfg = IndexConfig(run_path=str(path), projection_dim=C.CFG["k"], loss_reduction="mean")
+    cfg = IndexConfig(run_path=str(path), projection_dim=C.CFG["peer_k"], loss_reduction="mean")
     cfg.partial_run_path.mkdir(parents=True, exist_ok=True)
     data = Dataset.from_dict({"input_ids": ids.tolist(), "length": [ids.shape[1]] * n})
     batches = [list(range(s, min(s + b, n))) for s in range(0, n, b)]

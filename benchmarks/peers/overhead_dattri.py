@@ -59,7 +59,7 @@ class DattriArm(C.Arm):
             projection_kwargs={
                 "__default__": {
                     "style": "logra",
-                    "proj_dim": C.CFG["k"],
+                    "proj_dim": C.CFG["peer_k"],
                     "proj_max_batch_size": C.CFG["batch"],
                     "proj_type": "normal",
                     "proj_seed": 0,

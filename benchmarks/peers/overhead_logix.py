@@ -50,7 +50,7 @@ class LogixArm(C.Arm):
         os.chdir(workdir)  # LogIX writes under ./logix/<project>
         self.run = logix.LogIX(project=project)
         self.run.watch(model, type_filter=[torch.nn.Linear])
-        self.run.add_lora(lora_config=LoRAConfig(init="random", rank=C.CFG["k"]))
+        self.run.add_lora(lora_config=LoRAConfig(init="random", rank=C.CFG["peer_k"]))
         self.run.setup({"grad": ["log", "covariance"]})
         self.run.save(True)
         # LogIX's watch() turns requires_grad off for every untracked leaf (it is built for

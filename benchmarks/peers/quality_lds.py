@@ -156,7 +156,7 @@ def scores_logix(model, pad, train_encs, eval_encs, work: Path) -> dict[str, np.
     os.chdir(work)
     run = logix.LogIX(project="q")
     run.watch(model, type_filter=[torch.nn.Linear])
-    run.add_lora(lora_config=LoRAConfig(init="random", rank=C.CFG["k"]))
+    run.add_lora(lora_config=LoRAConfig(init="random", rank=C.CFG["peer_k"]))
     run.setup({"grad": ["log", "covariance"]})
     run.save(True)
     tb = padded(train_encs, pad)
@@ -208,7 +208,7 @@ def scores_bergson(model, pad, train_encs, eval_encs, work: Path) -> dict[str, n
             rows["input_ids"].append(b["input_ids"][i, :n].tolist())
             rows["labels"].append(b["labels"][i, :n].tolist())
             rows["length"].append(n)
-        cfg = IndexConfig(run_path=str(path), projection_dim=C.CFG["k"], loss_reduction="mean")
+        cfg = IndexConfig(run_path=str(path), projection_dim=C.CFG["peer_k"], loss_reduction="mean")
         cfg.partial_run_path.mkdir(parents=True, exist_ok=True)
         batches = [list(range(s, min(s + 8, len(encs)))) for s in range(0, len(encs), 8)]
         collect_gradients(model, Dataset.from_dict(rows), processor_for(cfg), cfg, batches=batches)
