@@ -70,6 +70,33 @@ def test_flipped_bytes_in_a_sketch_fail_verify_and_reads(run):
         s.sketches(0)
 
 
+def test_flipped_bytes_after_the_index_was_built_stop_the_query(run, capsys):
+    """The index was built before the damage and its fingerprint (which holds the recorded
+    digest) still matches: the query's exact re-rank reads the damaged chunk and stops with a
+    clear error instead of answering from damaged numbers; `index --rebuild` stops too."""
+    from traceprop_engine.attribution.query import open_run
+
+    first = open_run(run)
+    assert first.query("Where does Ada live?", " Paris", top_k=3).rows.height > 0
+    first.close()  # the index exists now
+    with h5py.File(run / "store.h5", "r") as f:
+        info = f["layers/000/U"].id.get_chunk_info(0)
+    with open(run / "store.h5", "r+b") as fh:
+        fh.seek(info.byte_offset + 8)
+        chunk = bytearray(fh.read(16))
+        fh.seek(info.byte_offset + 8)
+        fh.write(bytes(b ^ 0xFF for b in chunk))
+    again = open_run(run)
+    try:
+        with pytest.raises(StoreError, match="damaged"):
+            again.query("Where does Ada live?", " Paris", top_k=3)
+    finally:
+        again.close()
+    capsys.readouterr()
+    assert main(["index", str(run), "--rebuild"]) != 0
+    assert "damaged" in capsys.readouterr().err
+
+
 def test_a_rewritten_sketch_value_changes_the_digest(run):
     # written through HDF5 (so the chunk checksum is recomputed): only the digest can tell
     with h5py.File(run / "store.h5", "r+") as f:

@@ -317,3 +317,21 @@ def test_runs_lists_an_unreadable_run_and_goes_on(made, tmp_path, capsys):
     assert set(lines) == {"a-good", "b-list", "c-garbage"}
     assert "completed" in lines["a-good"]
     assert "unreadable" in lines["b-list"] and "unreadable" in lines["c-garbage"]
+
+
+def test_a_run_trained_at_lr_0_says_every_score_is_zero(data, tmp_path):
+    """--lr 0: the model learns nothing and every lr-weighted score is 0. The query says so
+    (run note + result note) instead of listing the same rows as proponents and opponents."""
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.attribution.ranking import ALL_ZERO_NOTE, ZERO_LR_NOTE
+
+    train(fast_settings(data, tmp_path / "lr0", lr=0.0, epochs=1))
+    run = open_run(tmp_path / "lr0")
+    res = run.query("Where does Ada live?", " Paris", top_k=5, opponents=True)
+    assert res.rows.height == 0
+    assert ZERO_LR_NOTE in res.notes and ALL_ZERO_NOTE in res.notes
+    # a run that learned keeps its rows and says neither
+    train(fast_settings(data, tmp_path / "lr1", epochs=1))
+    other = open_run(tmp_path / "lr1").query("Where does Ada live?", " Paris", top_k=5)
+    assert other.rows.height > 0
+    assert ZERO_LR_NOTE not in other.notes and ALL_ZERO_NOTE not in other.notes

@@ -34,7 +34,15 @@ from .encode import QueryEncoder, query_batch
 from .index import VectorIndex
 from .index_store import Progress, RunIndexes
 from .precondition import Preconditioner
-from .ranking import SIGN_NOTE, example_table, hit_rows, n_candidates, signed_hits, source_influence
+from .ranking import (
+    SIGN_NOTE,
+    ZERO_LR_NOTE,
+    example_table,
+    hit_rows,
+    n_candidates,
+    signed_hits,
+    source_influence,
+)
 from .vectors import fit_preconditioner, gradient_norms
 
 
@@ -89,6 +97,7 @@ class AttributionRun:
         )
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
+        self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
 
     # -- description --------------------------------------------------------------------------
     @property
@@ -104,6 +113,11 @@ class AttributionRun:
         out = []
         if self.store.is_partial:
             out.append(self.store.describe_partial())
+        if self._zero_lr is None:
+            lr = self.store.records()[C.REC_LR]
+            self._zero_lr = bool(len(lr)) and not np.any(lr)
+        if self._zero_lr:
+            out.append(ZERO_LR_NOTE)
         return out + self._notes_extra
 
     def examples(self) -> pl.DataFrame:

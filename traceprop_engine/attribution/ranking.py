@@ -42,6 +42,17 @@ def n_candidates(top_k: int, n: int) -> int:
     return min(max(CANDIDATES * top_k, MIN_CANDIDATES), n)
 
 
+ALL_ZERO_NOTE = (
+    "every training example scores exactly 0 for this query, so none supports or opposes it: "
+    "the query's loss has no gradient at the tracked layers, or the run's learning rate was 0 "
+    "(scores are weighted by the learning rate of each step)"
+)
+ZERO_LR_NOTE = (
+    "every step of this run was recorded with learning rate 0 (e.g. --lr 0): the model did not "
+    "learn from any example, and every learning-rate-weighted score is 0"
+)
+
+
 def signed_hits(
     cand: np.ndarray, per_layer: np.ndarray, top_k: int, opponents: bool
 ) -> tuple[list[tuple], list[str]]:
@@ -53,6 +64,8 @@ def signed_hits(
     ``top_k``.
     """
     exact = per_layer.sum(0)
+    if exact.size and not np.any(exact):
+        return [], [ALL_ZERO_NOTE]
     kinds = [("proponent", np.argsort(-exact, kind="stable"), 1.0, "positive")]
     if opponents:
         kinds.append(("opponent", np.argsort(exact, kind="stable"), -1.0, "negative"))
