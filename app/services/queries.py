@@ -144,7 +144,13 @@ def decode_tokens(run_dir: Path, ids, loss_mask) -> str:
 
 def example_tokens_text(run_dir: str | os.PathLike, example_id: int) -> str:
     """The tokens training example ``example_id`` was trained on, as :func:`decode_tokens` shows
-    them (read from the store under the run's lock)."""
+    them (read from the store under the run's lock; kept per run, manifest mtime and example:
+    every rerun of the Influencers page shows the same examples' tokens again)."""
+    return _example_tokens_text(str(Path(run_dir).resolve()), manifest_mtime(run_dir), example_id)
+
+
+@st.cache_data(max_entries=4096, show_spinner=False)
+def _example_tokens_text(run_dir: str, mtime: float, example_id: int) -> str:
     run, lock = open_cached(run_dir)
     with lock:
         ids, mask = overview.example_tokens(run, example_id)
