@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -52,7 +53,11 @@ def _open_run(run_dir: str, mtime: float):
 
 def open_cached(run_dir: str | os.PathLike):
     """``(AttributionRun, lock)`` cached per run path + manifest mtime; the lock serialises queries."""
-    return _open_run(str(Path(run_dir).resolve()), manifest_mtime(run_dir))
+    out = _open_run(str(Path(run_dir).resolve()), manifest_mtime(run_dir))
+    torch = sys.modules.get("torch")  # imported by the open; keep the app's thread count
+    if torch is not None and torch.get_num_threads() != (n := app_threads()):
+        torch.set_num_threads(n)
+    return out
 
 
 def query_overview(run_dir: str | os.PathLike) -> overview.RunOverview:
