@@ -61,6 +61,7 @@ with st.sidebar:
     st.html(APP_DIR / "stale_assets.html", unsafe_allow_javascript=True)
 
 try:
-    nav.run()
+    with warmup.page_running():  # the warm-up waits between its steps while a page runs
+        nav.run()
 finally:  # after the page is drawn (even one that stopped): the first query finds the model loaded
     warmup.start(active)

@@ -13,8 +13,14 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "docs" / "img"
 # generous: the goals are 3 s / 3 s / 1 s on an idle machine; these catch a regression to the
-# former 14-16 s first page (torch imported at start) without failing on a loaded 2-core box
-LIMITS = {"page_after_server_s": 20.0, "first_query_s": 45.0, "later_query_s": 15.0}
+# former 14-16 s first page (torch imported at start) without failing on a loaded 2-core box;
+# the Runs page: 5 s when it waited on the warm-up's torch import (it needs none)
+LIMITS = {
+    "page_after_server_s": 20.0,
+    "runs_page_s": 20.0,
+    "first_query_s": 45.0,
+    "later_query_s": 15.0,
+}
 
 
 def _bench():

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
 import torch
+
+from ..store.bf16 import bf16_bits, from_bf16_bits  # noqa: F401 - re-exported
 
 
 def layer_seed(base_seed: int, layer_name: str, side: str) -> int:
@@ -104,18 +105,6 @@ def top_factors(
         v = torch.bmm(s_t, torch.bmm(sketches, _orthonormal(v)))  # (n, k_in, r)
     v = _orthonormal(v)
     return torch.bmm(sketches, v), v  # U (n, k_out, r) with σ folded in, V (n, k_in, r)
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even (no torch needed)."""
-    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounding = ((b >> 16) & 1) + np.uint32(0x7FFF)
-    return ((b + rounding) >> 16).astype(np.uint16)
-
-
-def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def full_factors(

@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from .. import constants as C
-from ..capture.sketch import bf16_bits, from_bf16_bits
+from .bf16 import bf16_bits, from_bf16_bits
 
 
 @dataclass(frozen=True)
