@@ -149,7 +149,8 @@ def add_train(sub) -> None:
         "--resume",
         metavar="RUN",
         help="continue the killed, failed or cancelled run RUN from its last checkpoint with "
-        "its own settings (no other flags); single-process runs only",
+        "its own settings (no other flags); launch it as the run was launched: a DDP run under "
+        "'torchrun --nproc-per-node N' with its N (FSDP runs cannot be resumed yet)",
     )
     p.set_defaults(func=_cmd_train, parser=p)
 

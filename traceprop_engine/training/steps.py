@@ -48,10 +48,14 @@ def train_steps(
     # a resumed run: model, optimiser, capture and RNG states of its checkpoint, then on from there
     start = 0
     if job.checkpoint is not None:
-        start = checkpoint.restore(job.checkpoint, prep.model, opt, job.tracker, device)
-    every = 0 if dist_ctx.enabled else settings.checkpoint_every  # single process only
+        start = checkpoint.restore(
+            job.checkpoint, prep.model, opt, job.tracker, device, dist_ctx.rank
+        )
+    # FSDP's model and optimiser states are sharded: those runs write no checkpoint
+    every = 0 if dist_ctx.fsdp else settings.checkpoint_every
     t_start = time.perf_counter()
     step = start
+    halted = False  # the loop stopped on every rank together (a stop request)
     last_loss = float("nan")
     bar = _progress_bar(total_steps, disable=not dist_ctx.is_main, initial=start)
     try:
@@ -63,6 +67,7 @@ def train_steps(
                 if dist_ctx.any_true(stop.requested) and not stop.requested:
                     stop.requested, stop.reason = True, "another rank stopped"
                 if stop.requested or step >= total_steps:
+                    halted = True
                     break
                 if dist_ctx.enabled:
                     idx, global_b = dist_ctx.local_batch(order, s, settings.batch_size)
@@ -100,13 +105,18 @@ def train_steps(
                 if on_progress is not None:
                     on_progress(line)
                 if checkpoint.due(every, step, total_steps):
-                    checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)
-            if stop.requested or step >= total_steps:
+                    checkpoint.save(
+                        job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx
+                    )
+            # `halted`, not `stop.requested`: a request that reached one rank during an epoch's
+            # last step must not end the loop there on that rank alone (the ranks would part)
+            if halted or step >= total_steps:
                 break
     finally:
         bar.close()
-    if stop.requested and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
-        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)  # resume here
+    if halted and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
+        # resume here (`halted` is the same on every rank: the save is a collective under DDP)
+        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx)
     if step > start:
         _check_finite(float(losses.detach().mean()), step, lr)
     job.manifest["timings"] = {
