@@ -128,7 +128,7 @@ def add_train_arguments(p) -> None:
         type=int,
         default=d["checkpoint_every"],
         help="steps between checkpoints that --resume continues from (also on SIGTERM/Ctrl-C; "
-        "0 = none; single-process runs only)",
+        "0 = none; one-process and DDP runs, not FSDP)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing (finished) run in --out"
