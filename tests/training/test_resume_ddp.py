@@ -209,6 +209,43 @@ def test_a_killed_ddp_run_resumes_to_the_uninterrupted_result(runs):
     assert read_manifest(ref)["metrics"] == m["metrics"]
 
 
+def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_finishes(runs, tmp_path):
+    """SIGTERM to the launcher (as a scheduler sends it): torchrun passes it on, every rank stops
+    at the same step and writes the stop checkpoint; the resumed run equals the uninterrupted one
+    (whose checkpoints every 5 steps change nothing)."""
+    root, ref, _ = runs
+    out = tmp_path / "c"
+    p = subprocess.Popen(
+        train_argv({**_flags(root / "data", out), "checkpoint_every": 1000}, launcher=_launcher()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=ENV,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and len(read_progress(out)) < 3:
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGTERM)
+    p.wait(timeout=120)
+    m = read_manifest(out)
+    assert m["status"] == "cancelled", m.get("error")
+    stopped = m["timings"]["n_steps"]
+    ckpt = checkpoint.load(out)
+    assert (
+        ckpt.step == stopped and [r["n_records"] for r in ckpt.meta["ranks"]] == [stopped * 4] * 2
+    )
+    r = subprocess.run(_resume_argv(out), capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = read_manifest(out)
+    assert m["status"] == "completed" and m["resumed"][0]["from_step"] == stopped
+    for shard in SHARDS:
+        with Store(ref / shard) as a, Store(out / shard) as b:
+            assert b.n_records == a.n_records == STEPS * 4
+            for i in range(len(a.layers)):
+                np.testing.assert_allclose(b.sketches(i), a.sketches(i), rtol=0, atol=TOL)
+            assert b.attrs()["content_sha256"] == a.attrs()["content_sha256"]
+
+
 @pytest.fixture(scope="module")
 def killed_copy(runs):
     """A copy of the killed run taken before it was resumed (for the refusals)."""

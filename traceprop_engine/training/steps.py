@@ -64,9 +64,12 @@ def train_steps(
             for s in range(steps_per_epoch):
                 if epoch * steps_per_epoch + s < start:
                     continue  # done before the checkpoint this run resumed from
-                if dist_ctx.any_true(stop.requested) and not stop.requested:
+                # one read of the flag, agreed by all ranks: a signal landing after it must not
+                # stop this rank alone (it stops every rank at the next step)
+                stopping = dist_ctx.any_true(stop.requested)
+                if stopping and not stop.requested:
                     stop.requested, stop.reason = True, "another rank stopped"
-                if stop.requested or step >= total_steps:
+                if stopping or step >= total_steps:
                     halted = True
                     break
                 if dist_ctx.enabled:
