@@ -72,19 +72,7 @@ def train_steps(
                 if stopping or step >= total_steps:
                     halted = True
                     break
-                if dist_ctx.enabled:
-                    idx, global_b = dist_ctx.local_batch(order, s, settings.batch_size)
-                else:
-                    idx, global_b = (
-                        order[s * settings.batch_size : (s + 1) * settings.batch_size],
-                        0,
-                    )
-                batch = collate(
-                    [prep.encoded[i] for i in (idx if len(idx) else order[:1])],
-                    prep.pad_id,
-                    prep.task,
-                    device,
-                )
+                idx, global_b, batch = _batch(job, prep, order, s)
                 lr = _lr_at(settings, step, total_steps)
                 for g in opt.param_groups:
                     g["lr"] = lr
@@ -128,6 +116,23 @@ def train_steps(
         "median_step_ms": float(np.median(step_ms)) if step_ms else None,
     }
     return last_loss
+
+
+def _batch(job: Job, prep: Prepared, order: np.ndarray, s: int):
+    """This rank's example indices of step ``s`` of an epoch, the global batch size (0 in one
+    process) and the collated batch (a stand-in example when this rank has none)."""
+    bs = job.settings.batch_size
+    if job.dist.enabled:
+        idx, global_b = job.dist.local_batch(order, s, bs)
+    else:
+        idx, global_b = order[s * bs : (s + 1) * bs], 0
+    batch = collate(
+        [prep.encoded[i] for i in (idx if len(idx) else order[:1])],
+        prep.pad_id,
+        prep.task,
+        prep.device,
+    )
+    return idx, global_b, batch
 
 
 def _step_counts(job: Job, n_train: int) -> tuple[int, int]:
