@@ -183,7 +183,7 @@ class TrainSettings:
     device: str = "auto"
     max_steps: int = 0
     parallel: str = "ddp"  # several processes (torchrun): "ddp" or "fsdp" (FSDP2 fully_shard)
-    checkpoint_every: int = 50  # steps between checkpoints for --resume (0 = none; single process)
+    checkpoint_every: int = 50  # steps between checkpoints for --resume (0 = none; not FSDP)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))

@@ -128,7 +128,7 @@ def add_train_arguments(p) -> None:
         type=int,
         default=d["checkpoint_every"],
         help="steps between checkpoints that --resume continues from (also on SIGTERM/Ctrl-C; "
-        "0 = none; single-process runs only)",
+        "0 = none; one-process and DDP runs, not FSDP)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing (finished) run in --out"
@@ -149,7 +149,8 @@ def add_train(sub) -> None:
         "--resume",
         metavar="RUN",
         help="continue the killed, failed or cancelled run RUN from its last checkpoint with "
-        "its own settings (no other flags); single-process runs only",
+        "its own settings (no other flags); launch it as the run was launched: a DDP run under "
+        "'torchrun --nproc-per-node N' with its N (FSDP runs cannot be resumed yet)",
     )
     p.set_defaults(func=_cmd_train, parser=p)
 

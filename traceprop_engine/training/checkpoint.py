@@ -18,8 +18,16 @@ so the store holds exactly ``n_records`` complete records on disk. The folder is
 ``RUN/.checkpoint.old`` for the moment of the swap): a killed process (SIGKILL, the OOM killer)
 at any point leaves one whole checkpoint. Like the store, it is not fsync'ed: a power loss may
 lose what the operating system had not yet written. The data order needs no state: it is the seeded permutation of each epoch, drawn
-again on resume. A completed run's checkpoint is removed. Single process only: runs under
-torchrun (DDP, FSDP) write none.
+again on resume. A completed run's checkpoint is removed.
+
+Under DDP (torchrun, ``--parallel ddp``) the checkpoint is one folder written by all ranks
+together after the same step: rank 0 creates ``.checkpoint.tmp``; every rank flushes its store
+shard and writes ``rank{r}.pt`` (its RNG states and K-FAC sums); rank 0 writes ``state.pt``
+(model and optimiser: DDP keeps them equal on every rank); the ranks' JSON parts (record count of
+their shard, norms, RNG states) are gathered and, once every rank has written its files, rank 0
+writes ``checkpoint.json`` (with ``world_size`` and ``ranks``: one entry per rank) and renames
+the folder into place; a barrier then lets every rank go on. A kill at any point leaves the
+previous whole checkpoint. FSDP runs (sharded model and optimiser states) write none.
 """
 
 from __future__ import annotations
@@ -61,11 +69,26 @@ class Checkpoint:
         n = self.meta.get("n_records")
         return None if n is None else int(n)
 
-    def state(self, device: torch.device) -> dict:
+    @property
+    def world_size(self) -> int:
+        return int(self.meta.get("world_size", 1))
+
+    def rank_meta(self, rank: int) -> dict:
+        """``checkpoint.json`` as seen by ``rank``: its own record count, norms, RNG states."""
+        ranks = self.meta.get("ranks")
+        return self.meta if ranks is None else {**self.meta, **ranks[rank]}
+
+    def state(self, device: torch.device, name: str = STATE_FILE) -> dict:
         try:
-            return torch.load(self.folder / STATE_FILE, map_location=device, weights_only=True)
-        except Exception as e:  # a damaged or foreign file: say which
-            raise RunError(f"cannot read the checkpoint {self.folder / STATE_FILE} ({e})") from None
+            return torch.load(self.folder / name, map_location=device, weights_only=True)
+        except Exception as e:  # a damaged, missing or foreign file: say which
+            raise RunError(f"cannot read the checkpoint {self.folder / name} ({e})") from None
+
+    def rank_state(self, rank: int, device: torch.device, state: dict) -> dict:
+        """The RNG and K-FAC state of ``rank``: ``state`` (state.pt) itself in one process."""
+        if "ranks" not in self.meta:
+            return state
+        return self.state(device, rank_state_file(rank))
 
 
 def due(every: int, step: int, total_steps: int, stopping: bool = False) -> bool:
@@ -74,37 +97,62 @@ def due(every: int, step: int, total_steps: int, stopping: bool = False) -> bool
     return bool(every) and step < total_steps and (step % every == 0 or stopping)
 
 
-def save(run_dir: Path, model, opt, tracker, step: int, epoch: int) -> None:
-    """Write ``RUN/checkpoint`` for the state after ``step`` (atomically, see the module doc)."""
-    meta: dict = {
-        "format": FORMAT,
-        "step": step,
-        "epoch": epoch,
-        "time": now(),
+def save(run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=None) -> None:
+    """Write ``RUN/checkpoint`` for the state after ``step`` (atomically, see the module doc).
+
+    Under DDP (``dist_ctx`` with several ranks) a collective: every rank calls it after the same
+    step; see the module doc for who writes what.
+    """
+    own_meta: dict = {
         "n_records": None,
         "numpy_rng": _numpy_state(),
         "python_rng": _python_state(),
     }
-    state: dict = {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-    }
+    own_state: dict = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        own_state["cuda_rng"] = torch.cuda.get_rng_state_all()
     if tracker is not None:
         tracker.sync()  # every committed record on disk: n_records below is durable
-        meta["n_records"] = tracker.writer.n_records
-        meta["sq_norm"] = tracker.writer.sq_norms
-        meta["step_ms"] = [round(x, 4) for x in tracker.step_ms]
-        meta["capture"], state["covariance"] = _capture_state(tracker.capture)
+        own_meta["n_records"] = tracker.writer.n_records
+        own_meta["sq_norm"] = tracker.writer.sq_norms
+        own_meta["step_ms"] = [round(x, 4) for x in tracker.step_ms]
+        own_meta["capture"], own_state["covariance"] = _capture_state(tracker.capture)
     tmp, final, old = run_dir / CHECKPOINT_TMP, run_dir / CHECKPOINT_DIR, run_dir / CHECKPOINT_OLD
     for p in (tmp, final, old):
         if p.is_symlink():
             raise RunError(f"{p} is a symbolic link; Traceprop does not write through links")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
+    head = {"format": FORMAT, "step": step, "epoch": epoch, "time": now()}
+    model_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    if dist_ctx is None or not dist_ctx.enabled:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        torch.save({**model_state, **own_state}, tmp / STATE_FILE)
+        _publish(tmp, final, old, {**head, **own_meta})
+        return
+    import torch.distributed as dist
+
+    if dist_ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist_ctx.barrier()  # the folder exists before any rank writes into it
+    torch.save(own_state, tmp / rank_state_file(dist_ctx.rank))
+    if dist_ctx.is_main:  # DDP keeps the model and optimiser states equal on every rank
+        torch.save(model_state, tmp / STATE_FILE)
+    metas: list = [None] * dist_ctx.world_size
+    dist.all_gather_object(metas, own_meta)  # returns once every rank wrote its file
+    if dist_ctx.is_main:
+        head.update(world_size=dist_ctx.world_size, parallel=dist_ctx.parallel)
+        _publish(tmp, final, old, {**head, **metas[0], "ranks": metas})
+    dist_ctx.barrier()  # no rank goes on before the whole checkpoint is in place
+
+
+def rank_state_file(rank: int) -> str:
+    """A DDP checkpoint's file of one rank's own state (RNG, K-FAC sums)."""
+    return f"rank{rank}.pt"
+
+
+def _publish(tmp: Path, final: Path, old: Path, meta: dict) -> None:
+    """Write ``checkpoint.json`` last into ``tmp`` and swap ``tmp`` into place."""
     (tmp / META_FILE).write_text(json.dumps(meta))
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -142,8 +190,9 @@ def remove(run_dir: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def restore(ckpt: Checkpoint, model, opt, tracker, device: torch.device) -> int:
-    """Load the model, optimiser, capture and RNG states of ``ckpt``; returns its step.
+def restore(ckpt: Checkpoint, model, opt, tracker, device: torch.device, rank: int = 0) -> int:
+    """Load the model, optimiser, capture and RNG states of ``ckpt`` (those of ``rank`` under
+    DDP); returns its step.
 
     Called right before the first resumed step (after the model, optimiser and tracker exist),
     so the RNG streams continue exactly where the checkpoint left them.
@@ -151,13 +200,14 @@ def restore(ckpt: Checkpoint, model, opt, tracker, device: torch.device) -> int:
     state = ckpt.state(device)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    mine, meta = ckpt.rank_state(rank, device, state), ckpt.rank_meta(rank)
     if tracker is not None:
-        _restore_capture(tracker, ckpt.meta, state.get("covariance"))
-    torch.set_rng_state(state["torch_rng"].cpu())
-    if "cuda_rng" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-    np.random.set_state(_numpy_from(ckpt.meta["numpy_rng"]))
-    random.setstate(_python_from(ckpt.meta["python_rng"]))
+        _restore_capture(tracker, meta, mine.get("covariance"))
+    torch.set_rng_state(mine["torch_rng"].cpu())
+    if "cuda_rng" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in mine["cuda_rng"]])
+    np.random.set_state(_numpy_from(meta["numpy_rng"]))
+    random.setstate(_python_from(meta["python_rng"]))
     return ckpt.step
 
 

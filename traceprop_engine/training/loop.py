@@ -30,7 +30,7 @@ from ..run import now
 from ..settings import TrainSettings
 from . import checkpoint, distributed, fsdp
 from .prepare import Job, Prepared, load_data, new_manifest, prepare_model, start_tracker
-from .resume import check_same_data, open_resume
+from .resume import check_same_data, open_resume, resume_settings
 from .run_dir import disk_full, lock_run_dir, prepare_dir, save_model_atomically
 from .steps import eval_loss, train_steps
 
@@ -123,18 +123,17 @@ def resume(
     """Continue a killed, failed or cancelled run from its last checkpoint (``train --resume``).
 
     The run's own settings (run.json) are used; its store keeps the checkpoint's records and
-    gets the rest appended, so the finished run equals one that was never interrupted.
+    gets the rest appended, so the finished run equals one that was never interrupted. A DDP run
+    is resumed under torchrun with as many processes as it was trained by (every rank calls this).
 
     Raises:
-        RunError: the run cannot be resumed (completed, in use, no checkpoint, DDP/FSDP, its
-            data changed); ConfigError: launched under torchrun.
+        RunError: the run cannot be resumed (completed, in use, no checkpoint, another number
+            of processes, a missing or short store shard, FSDP, its data changed).
     """
-    job = open_resume(Path(run_dir))
-    try:
-        device = resolve_device(job.settings.device)
-    except BaseException:
-        _close_run(job, C.STATUS_FAILED)
-        raise
+    run_dir = Path(run_dir)
+    settings = resume_settings(run_dir)
+    dist_ctx, device = distributed.setup(resolve_device(settings.device), settings.parallel)
+    job = open_resume(run_dir, settings, dist_ctx)
     return _run(job, device, on_progress, stop)
 
 

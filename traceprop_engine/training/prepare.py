@@ -190,13 +190,15 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         return
     path = job.run_dir / dist_ctx.store_file
     ckpt, writer = job.checkpoint, None
-    if ckpt is not None:  # resumed: append to the store, from the checkpoint's record count
-        writer = StoreWriter.reopen(path, ckpt.n_records, ckpt.meta["sq_norm"])
+    if ckpt is not None:  # resumed: append to the store (this rank's shard), from the
+        # checkpoint's record count
+        mine = ckpt.rank_meta(dist_ctx.rank)
+        writer = StoreWriter.reopen(path, int(mine["n_records"]), mine["sq_norm"])
     # hooks on the underlying module (not the DDP wrapper): the same layer names
     tracker = Tracker(prep.model, path, settings.track, manifest=job.manifest, writer=writer)
     job.tracker = tracker
     if ckpt is not None:
-        tracker.buffer.n_flushed = ckpt.n_records  # the records already in the store
+        tracker.buffer.n_flushed = writer.n_records  # the records already in the store
         _check_projections(tracker)
     elif dist_ctx.is_main:  # the example table lives in shard 0 only
         n_eval = len(prep.examples) - prep.n_train

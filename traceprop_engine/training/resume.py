@@ -1,10 +1,15 @@
 """``traceprop train --resume RUN``: reopen a stopped run at its last checkpoint.
 
 What may be resumed: a run that was killed (its run.json still says running but its process is
-gone), failed or was cancelled, that has a checkpoint (:mod:`.checkpoint`) and was trained by a
-single process. Refused with a message: a completed run, a run another process is training (the
-run directory's lock), a directory that holds no run, a run without a checkpoint, a DDP/FSDP run
-(not supported yet), data files that changed since the run started.
+gone), failed or was cancelled, and has a checkpoint (:mod:`.checkpoint`). A single-process run
+is resumed by one process; a DDP run by the same number of processes it was trained by, launched
+the same way (``torchrun --nproc-per-node N -m traceprop_engine train --resume RUN``): every rank
+restores the checkpoint (its own RNG and K-FAC state) and appends to its own store shard, cut to
+the record count the checkpoint holds for that rank. Refused with a message: a completed run, a
+run another process is training (the run directory's lock), a directory that holds no run, a run
+without a checkpoint, another number of processes than the run's, a missing store shard or one
+shorter than its checkpoint count, an FSDP run (not supported yet), data files that changed
+since the run started.
 
 The settings are the run's own (run.json's ``config``); the manifest keeps its run id and gains
 a ``resumed`` entry per resume (when, from which step, how many records were kept).
@@ -17,9 +22,11 @@ import os
 import platform
 from pathlib import Path
 
+import h5py
+
 from .. import constants as C
 from ..errors import ConfigError, RunError
-from ..run import library_versions, now
+from ..run import library_versions, now, write_manifest
 from ..settings import TrackSettings, TrainSettings
 from . import checkpoint, distributed
 from .prepare import Job
@@ -44,42 +51,98 @@ def settings_from_config(config: dict, run_dir: Path) -> TrainSettings:
         ) from None
 
 
-def open_resume(run_dir: Path) -> Job:
-    """Lock ``run_dir``, check that it can be resumed and return its :class:`Job` (holding the
-    checkpoint); run.json says running again. The caller runs the job and releases the lock."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(
-            "--resume is single-process only: resuming under torchrun (DDP, FSDP) is not "
-            "supported yet"
-        )
-    if not (run_dir / C.MANIFEST_FILE).is_file():
+def resume_settings(run_dir: Path) -> TrainSettings:
+    """The settings to resume ``run_dir`` with, read before any process group or lock exists;
+    refuses a launch whose process count differs from the run's (and FSDP runs)."""
+    path = run_dir / C.MANIFEST_FILE
+    if not path.is_file():
         raise RunError(
             f"{run_dir} is not a Traceprop run (no {C.MANIFEST_FILE}); --resume takes the "
             "directory of a run made by 'traceprop train'"
         )
-    lock_fd = lock_run_dir(run_dir)
-    try:
-        manifest, ckpt = _check_resumable(run_dir)
-        settings = settings_from_config(manifest.get("config"), run_dir)
-        job = Job(settings, run_dir, distributed.DistContext(), manifest, lock_fd, checkpoint=ckpt)
-        job.previous_data = manifest.get("data")
-        _mark_resumed(job, ckpt)
-        _truncate_progress(run_dir, ckpt.step)
-        job.write_run_json()
-    except BaseException:
-        os.close(lock_fd)
-        raise
+    manifest = _read_manifest(path)
+    settings = settings_from_config(manifest.get("config"), run_dir)
+    _check_world(run_dir, manifest, distributed.env_world_size())
+    return settings
+
+
+def _check_world(run_dir: Path, manifest: dict, world: int) -> None:
+    dist_info = manifest.get("distributed") or {}
+    recorded = int(dist_info.get("world_size", 1)) if isinstance(dist_info, dict) else 1
+    if recorded > 1 and dist_info.get("parallel") == "fsdp":
+        raise RunError(
+            f"{run_dir} was trained with --parallel fsdp: resuming FSDP runs is not supported yet "
+            "(their model and optimizer states are sharded, so they write no checkpoint); "
+            "train it again"
+        )
+    if recorded == world:
+        return
+    if recorded == 1:
+        raise RunError(
+            f"{run_dir} was trained by one process, this launch has {world} (torchrun): resume "
+            "it with 'traceprop train --resume RUN', without torchrun"
+        )
+    raise RunError(
+        f"{run_dir} was trained by {recorded} processes (DDP) and must be resumed by as many "
+        f"(this launch has {world}): torchrun --nproc-per-node {recorded} -m traceprop_engine "
+        "train --resume RUN"
+    )
+
+
+def open_resume(
+    run_dir: Path, settings: TrainSettings, dist_ctx: distributed.DistContext | None = None
+) -> Job:
+    """Lock ``run_dir``, check that it can be resumed and return its :class:`Job` (holding the
+    checkpoint); run.json says running again. The caller runs the job and releases the lock.
+
+    Under DDP (``dist_ctx`` with several ranks, process group joined) rank 0 locks and checks
+    (the checkpoint, every rank's store shard) and marks the run; the others get its verdict and
+    manifest, so every rank raises the same error or goes on with the same run.json.
+    """
+    dist_ctx = dist_ctx or distributed.DistContext()
+    lock_fd, manifest, error = None, None, None
+    if dist_ctx.is_main:
+        try:
+            lock_fd = lock_run_dir(run_dir)
+            manifest, ckpt = _check_resumable(run_dir, dist_ctx.world_size)
+            _mark_resumed(manifest, ckpt)
+            _truncate_progress(run_dir, ckpt.step)
+            write_manifest(run_dir, manifest)
+        except BaseException as e:
+            error = e
+            if lock_fd is not None:
+                os.close(lock_fd)
+    if dist_ctx.enabled:
+        import torch.distributed as dist
+
+        box = [None if error is None else str(error), manifest]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            error = RunError(box[0])
+        manifest = box[1]
+    if error is not None:
+        dist_ctx.close()
+        raise error
+    ckpt = checkpoint.load(run_dir)  # rank 0 checked it; nothing writes it until the first step
+    if ckpt is None:  # removed between rank 0's check and here: not by Traceprop
+        raise RunError(f"{run_dir}: the checkpoint disappeared while resuming")
+    job = Job(settings, run_dir, dist_ctx, manifest, lock_fd, checkpoint=ckpt)
+    job.previous_data = manifest.get("data")
     return job
 
 
-def _check_resumable(run_dir: Path) -> tuple[dict, checkpoint.Checkpoint]:
-    path = run_dir / C.MANIFEST_FILE
+def _read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise RunError(f"cannot read {path} ({e}); the run cannot be resumed") from None
     if not isinstance(manifest, dict):
         raise RunError(f"{path} is not a run manifest; the run cannot be resumed")
+    return manifest
+
+
+def _check_resumable(run_dir: Path, world: int) -> tuple[dict, checkpoint.Checkpoint]:
+    manifest = _read_manifest(run_dir / C.MANIFEST_FILE)
     status = manifest.get("status")
     if status == C.STATUS_COMPLETED:
         raise RunError(f"{run_dir} holds a completed run: there is nothing to resume")
@@ -91,11 +154,7 @@ def _check_resumable(run_dir: Path) -> tuple[dict, checkpoint.Checkpoint]:
             f"{run_dir} says it is being trained on {host} (process {manifest.get('pid')}); "
             "resume it there once that process has ended"
         )
-    if manifest.get("distributed"):
-        raise RunError(
-            f"{run_dir} was trained by several processes (torchrun); resuming DDP/FSDP runs "
-            "is not supported yet: train it again"
-        )
+    _check_world(run_dir, manifest, world)  # again, under the lock
     ckpt = checkpoint.load(run_dir)
     if ckpt is None:
         every = (manifest.get("config") or {}).get("checkpoint_every")
@@ -104,20 +163,58 @@ def _check_resumable(run_dir: Path) -> tuple[dict, checkpoint.Checkpoint]:
             "before its first checkpoint, or checkpoints were off): train it again with "
             "--overwrite"
         )
+    if ckpt.world_size != world:
+        raise RunError(
+            f"{ckpt.folder} was written by {ckpt.world_size} process(es), the run has {world}: "
+            "it is not this run's checkpoint"
+        )
     if manifest.get("tracked", True) and (manifest.get("config") or {}).get("track"):
-        store = run_dir / C.STORE_FILE
-        if ckpt.n_records is None or not store.is_file():
-            raise RunError(f"{run_dir}: the checkpoint or {C.STORE_FILE} is missing the records")
+        if world > 1:
+            check_shards(run_dir, manifest, ckpt)
+        else:
+            store = run_dir / C.STORE_FILE
+            if ckpt.n_records is None or not store.is_file():
+                raise RunError(
+                    f"{run_dir}: the checkpoint or {C.STORE_FILE} is missing the records"
+                )
     return manifest, ckpt
 
 
-def _mark_resumed(job: Job, ckpt: checkpoint.Checkpoint) -> None:
-    m = job.manifest
+def check_shards(run_dir: Path, manifest: dict, ckpt: checkpoint.Checkpoint) -> None:
+    """Every rank's store shard is there and holds at least the records its checkpoint counts."""
+    ranks = ckpt.meta.get("ranks") or []
+    shards = manifest.get("shards") or [distributed.shard_file(r) for r in range(len(ranks))]
+    if len(ranks) != len(shards):
+        raise RunError(
+            f"{run_dir}: the checkpoint has {len(ranks)} ranks, run.json lists {len(shards)} "
+            "store shards; the run cannot be resumed"
+        )
+    for r, (name, mine) in enumerate(zip(shards, ranks, strict=True)):
+        path = run_dir / name
+        if path.is_symlink() or not path.is_file():
+            raise RunError(
+                f"{run_dir}: the store shard {name} of rank {r} is missing; every rank appends to "
+                "its own shard, so the run cannot be resumed"
+            )
+        try:
+            with h5py.File(path, "r", locking=False) as f:
+                have = int(f.attrs.get("n_records", 0))
+        except (OSError, ValueError) as e:
+            raise RunError(f"cannot read the store shard {path} ({e})") from None
+        need = mine.get("n_records")
+        if need is None or have < int(need):
+            raise RunError(
+                f"{path} holds {have} complete records, the checkpoint counts {need} for rank "
+                f"{r}: the shard lost records the checkpoint relies on; the run cannot be resumed"
+            )
+
+
+def _mark_resumed(m: dict, ckpt: checkpoint.Checkpoint) -> None:
     m.setdefault("resumed", []).append(
         {
             "time": now(),
             "from_step": ckpt.step,
-            "n_records_kept": ckpt.n_records,
+            "n_records_kept": _kept(ckpt),
             # a run still marked running here was killed (its process is gone)
             "previous_status": "killed" if m.get("status") == C.STATUS_RUNNING else m.get("status"),
             "previous_error": m.get("error") or m.get("cancel_reason"),
@@ -135,6 +232,14 @@ def _mark_resumed(job: Job, ckpt: checkpoint.Checkpoint) -> None:
         host=platform.node(),
         versions=library_versions(),
     )
+
+
+def _kept(ckpt: checkpoint.Checkpoint) -> int | None:
+    """The records the checkpoint keeps (summed over the shards of a DDP run)."""
+    ranks = ckpt.meta.get("ranks")
+    if ranks is None or any(r.get("n_records") is None for r in ranks):
+        return ckpt.n_records
+    return int(sum(int(r["n_records"]) for r in ranks))
 
 
 def _truncate_progress(run_dir: Path, step: int) -> None:

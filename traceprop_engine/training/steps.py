@@ -48,10 +48,14 @@ def train_steps(
     # a resumed run: model, optimiser, capture and RNG states of its checkpoint, then on from there
     start = 0
     if job.checkpoint is not None:
-        start = checkpoint.restore(job.checkpoint, prep.model, opt, job.tracker, device)
-    every = 0 if dist_ctx.enabled else settings.checkpoint_every  # single process only
+        start = checkpoint.restore(
+            job.checkpoint, prep.model, opt, job.tracker, device, dist_ctx.rank
+        )
+    # FSDP's model and optimiser states are sharded: those runs write no checkpoint
+    every = 0 if dist_ctx.fsdp else settings.checkpoint_every
     t_start = time.perf_counter()
     step = start
+    halted = False  # the loop stopped on every rank together (a stop request)
     last_loss = float("nan")
     bar = _progress_bar(total_steps, disable=not dist_ctx.is_main, initial=start)
     try:
@@ -60,23 +64,15 @@ def train_steps(
             for s in range(steps_per_epoch):
                 if epoch * steps_per_epoch + s < start:
                     continue  # done before the checkpoint this run resumed from
-                if dist_ctx.any_true(stop.requested) and not stop.requested:
+                # one read of the flag, agreed by all ranks: a signal landing after it must not
+                # stop this rank alone (it stops every rank at the next step)
+                stopping = dist_ctx.any_true(stop.requested)
+                if stopping and not stop.requested:
                     stop.requested, stop.reason = True, "another rank stopped"
-                if stop.requested or step >= total_steps:
+                if stopping or step >= total_steps:
+                    halted = True
                     break
-                if dist_ctx.enabled:
-                    idx, global_b = dist_ctx.local_batch(order, s, settings.batch_size)
-                else:
-                    idx, global_b = (
-                        order[s * settings.batch_size : (s + 1) * settings.batch_size],
-                        0,
-                    )
-                batch = collate(
-                    [prep.encoded[i] for i in (idx if len(idx) else order[:1])],
-                    prep.pad_id,
-                    prep.task,
-                    device,
-                )
+                idx, global_b, batch = _batch(job, prep, order, s)
                 lr = _lr_at(settings, step, total_steps)
                 for g in opt.param_groups:
                     g["lr"] = lr
@@ -100,13 +96,18 @@ def train_steps(
                 if on_progress is not None:
                     on_progress(line)
                 if checkpoint.due(every, step, total_steps):
-                    checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)
-            if stop.requested or step >= total_steps:
+                    checkpoint.save(
+                        job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx
+                    )
+            # `halted`, not `stop.requested`: a request that reached one rank during an epoch's
+            # last step must not end the loop there on that rank alone (the ranks would part)
+            if halted or step >= total_steps:
                 break
     finally:
         bar.close()
-    if stop.requested and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
-        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch)  # resume here
+    if halted and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
+        # resume here (`halted` is the same on every rank: the save is a collective under DDP)
+        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx)
     if step > start:
         _check_finite(float(losses.detach().mean()), step, lr)
     job.manifest["timings"] = {
@@ -115,6 +116,23 @@ def train_steps(
         "median_step_ms": float(np.median(step_ms)) if step_ms else None,
     }
     return last_loss
+
+
+def _batch(job: Job, prep: Prepared, order: np.ndarray, s: int):
+    """This rank's example indices of step ``s`` of an epoch, the global batch size (0 in one
+    process) and the collated batch (a stand-in example when this rank has none)."""
+    bs = job.settings.batch_size
+    if job.dist.enabled:
+        idx, global_b = job.dist.local_batch(order, s, bs)
+    else:
+        idx, global_b = order[s * bs : (s + 1) * bs], 0
+    batch = collate(
+        [prep.encoded[i] for i in (idx if len(idx) else order[:1])],
+        prep.pad_id,
+        prep.task,
+        prep.device,
+    )
+    return idx, global_b, batch
 
 
 def _step_counts(job: Job, n_train: int) -> tuple[int, int]:
