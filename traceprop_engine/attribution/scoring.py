@@ -25,6 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .. import constants as C
+from .index_projection import transformed_factors
 from .precondition import Preconditioner
 
 CHUNK = 4096  # records per streamed chunk
@@ -152,10 +153,11 @@ class ExactScorer:
     def example_sq_norms(self) -> np.ndarray | None:
         """``‖H^{-1/2} Σ_r w_r X_r‖²`` of every row (self-influence, cosine), or None when the
         per-row accumulation would exceed :data:`NORM_BUFFER_BYTES` (then callers fall back to
-        the index vectors' norms, an unbiased estimate). With identity preconditioning of
-        factor-stored layers and a record cache the norms are exact at any size (:meth:`_gram_sq_norms`)."""
+        the index vectors' norms, an estimate). With a record cache, factor-stored layers and a
+        matrix-product preconditioner (identity, K-FAC) they are exact at any size
+        (:meth:`_gram_sq_norms`)."""
         if self.cache is not None and all(
-            info.rank and lp.left is None and lp.right is None and lp.scale is None
+            info.rank and lp.scale is None
             for info, lp in zip(self.store.layers, self.pre.layers, strict=True)
         ):
             return self._gram_sq_norms()
@@ -176,7 +178,8 @@ class ExactScorer:
     def _gram_sq_norms(self, block: int = 32_768) -> np.ndarray:
         """``‖Σ_r w_r U_r V_rᵀ‖²`` of every row from the factors alone:
         ``Σ_{r,s} w_r w_s Σ_ab (U_rᵀU_s)_ab (V_rᵀV_s)_ab`` over the pairs of records of a row
-        (identity preconditioner; read from the record cache, never materialising a sketch)."""
+        with ``U, V`` the factors of ``L X R`` (identity or K-FAC preconditioner; read from the
+        record cache, never materialising a sketch)."""
         out = np.zeros(self.n_rows)
         counts = np.diff(self._row_start)  # records per row (records sorted by row: _by_row)
         pairs = np.concatenate([[0], np.cumsum(counts.astype(np.int64) ** 2)])
@@ -195,8 +198,7 @@ class ExactScorer:
             w = self.rec_weight[recs]
             ww = w[i] * w[j]
             for li in range(len(self.store.layers)):
-                u, v = self.cache.factors_at(li, recs)
-                u, v = u.astype(np.float64), v.astype(np.float64)
+                u, v = transformed_factors(self.pre.layers[li], *self.cache.factors_at(li, recs))
                 gu = np.einsum("pka,pkb->pab", u[i], u[j])
                 gv = np.einsum("pka,pkb->pab", v[i], v[j])
                 val = ww * (gu * gv).sum(axis=(1, 2))

@@ -18,6 +18,7 @@ import polars as pl
 from .. import constants as C
 from ..errors import StoreError
 from ..settings import IndexSettings, SketchKind
+from .index_projection import fit_index_projection
 from .overview import usable_preconditioners
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 
@@ -63,7 +64,9 @@ def fit_preconditioner(
                 moments=moments,
             )
         )
-    return Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+    pre = Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+    # the index projection: the records' principal directions instead of random ones
+    return fit_index_projection(store, pre) if s.index_side and store.n_records else pre
 
 
 def vector_ids(store, per_record: bool) -> np.ndarray:
