@@ -139,10 +139,14 @@ def _recall(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def measure(
-    run_dir: str | os.PathLike, queries: list[list[np.ndarray]], s: IndexSettings | None = None
+    run_dir: str | os.PathLike,
+    queries: list[list[np.ndarray]],
+    s: IndexSettings | None = None,
+    recall_queries: int | None = None,
 ) -> dict:
-    """Build the index of ``run_dir``, time :meth:`AttributionRun.rank` per query, and compare its
-    top 10 with brute force."""
+    """Build the index of ``run_dir``, time :meth:`AttributionRun.rank` per query, and compare the
+    top 10 of the first ``recall_queries`` (default all) with brute force (one pass over the
+    store per 16 queries: ``2 · n · L · k²`` flops a query)."""
     from ..attribution.query import AttributionRun
 
     s = s or IndexSettings()
@@ -171,11 +175,12 @@ def measure(
             lat.append(time.perf_counter() - t)
             rows.append(r)
         rec_p, rec_o, max_err = [], [], 0.0
-        for i in range(0, len(queries), 8):  # brute force, 8 queries per pass over the store
-            batch = queries[i : i + 8]
+        n_rec = len(queries) if recall_queries is None else min(recall_queries, len(queries))
+        for i in range(0, n_rec, 16):  # brute force, 16 queries per pass over the store
+            batch = queries[i : min(i + 16, n_rec)]
             sk = [np.concatenate([q[li] for q in batch]) for li in range(len(batch[0]))]
             exact = run.exact_scores(sk, s)  # (q, n) in row order = example order here
-            for j, r in enumerate(rows[i : i + 8]):
+            for j, r in enumerate(rows[i : i + len(batch)]):
                 sc = exact[j]
                 ref_p = np.argsort(-sc, kind="stable")[:_K]
                 ref_o = np.argsort(sc, kind="stable")[:_K]
@@ -201,6 +206,7 @@ def measure(
             "opponent_recall_at_10": round(float(np.mean(rec_o)), 4),
             "max_abs_score_error": max_err,
             "n_queries": len(queries),
+            "n_recall_queries": n_rec,
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         }
     finally:
@@ -215,6 +221,7 @@ def run_end_to_end(
     seed: int = 0,
     noise: float = 0.5,
     progress: Callable[[str], None] | None = None,
+    recall_queries: int | None = None,
 ) -> list[dict]:
     """One row per size (see :func:`measure`); each synthetic run is deleted after it is measured."""
     queries = real_queries(base_dir, n_queries)
@@ -229,7 +236,7 @@ def run_end_to_end(
             write_s = time.perf_counter() - t
             if progress:
                 progress(f"building the index and querying ({n} examples)")
-            row = measure(d, queries)
+            row = measure(d, queries, recall_queries=recall_queries)
             row.update(
                 store_write_s=round(write_s, 1),
                 base_run=str(base_dir),

@@ -68,6 +68,12 @@ def add_bench(sub) -> None:
         "records) on synthetic stores resampled from --run's records, with its real queries",
     )
     q.add_argument("--work-dir", default=None, help="--end-to-end: where the stores are written")
+    q.add_argument(
+        "--recall-queries",
+        type=int,
+        default=None,
+        help="--end-to-end: queries checked against brute force (default: all)",
+    )
     q.set_defaults(func=_cmd_bench_query)
 
 
@@ -122,6 +128,7 @@ def _cmd_bench_query(a) -> int:
                 work,
                 n_queries=a.queries,  # the base run's examples, eval first
                 progress=lambda m: print(m, flush=True),
+                recall_queries=a.recall_queries,
             )
     else:
         base = run_base_vectors(a.run or default_root() / "facts")
