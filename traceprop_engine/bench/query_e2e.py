@@ -245,6 +245,8 @@ def run_end_to_end(
                 store_mb=round((d / C.STORE_FILE).stat().st_size / 2**20, 1),
             )
             rows.append(row)
+            if progress:
+                progress(json.dumps(row))
         finally:
             shutil.rmtree(d, ignore_errors=True)
     return rows
