@@ -1,8 +1,9 @@
 """The persisted indexes of one run: build, load, staleness, and what each query reuses.
 
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
-(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, the
-FAISS index and ``index.json``, which records the digest of every file. Its fingerprint (the
+(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, a
+memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), the FAISS index and
+``index.json``, which records the digest of every file. Its fingerprint (the
 store's fingerprint + the settings) makes an index built from other records stale; a stale,
 half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).
 """
