@@ -1,8 +1,9 @@
 """The persisted indexes of one run: build, load, staleness, and what each query reuses.
 
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
-(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, the
-FAISS index and ``index.json``, which records the digest of every file. Its fingerprint (the
+(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, a
+memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), the FAISS index and
+``index.json``, which records the digest of every file. Its fingerprint (the
 store's fingerprint + the settings) makes an index built from other records stale; a stale,
 half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).
 """
@@ -27,6 +28,7 @@ from .index import INDEX_META_FILE, VectorIndex
 from .index_build import build_index
 from .index_files import index_lock, publish_dir
 from .precondition import Preconditioner
+from .record_cache import RecordCache, write_record_cache
 from .scoring import ExactScorer
 from .vectors import fit_preconditioner, write_vectors
 
@@ -40,7 +42,7 @@ BUILD_FILE = "build.json"
 _READ_ROWS = 65536  # vectors read from the memory map at a time
 
 Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``, stage one of "preconditioner", "vectors", "index"."""
+"""``progress(stage, done, total)``, stage one of "preconditioner", "vectors", "records", "index"."""
 
 
 class RunIndexes:
@@ -141,10 +143,15 @@ class RunIndexes:
             )
             np.save(out / IDS_FILE, ids)
             vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
+            # the records again, memory-mapped: the re-rank reads scattered candidates from it
+            cache_names = write_record_cache(
+                self.store, out, progress and (lambda d, n: progress("records", d, n))
+            )
             scorer = ExactScorer(self.store, pre, ids, s.per_record)
+            scorer.cache = RecordCache(out, self.store)
             norms = scorer.example_sq_norms()
             scorer.row_sq_norms = norms  # None: too large, read from the index vectors
-            files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE)
+            files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE, *cache_names)
             if norms is not None:  # exact self-influence and cosine denominators
                 np.save(out / NORMS_FILE, norms)
                 files += (NORMS_FILE,)
@@ -174,7 +181,7 @@ class RunIndexes:
             (out / BUILD_FILE).write_text(json.dumps(meta, indent=2))
             # index.json last: it records the digests of everything written before it
             index.save(out, fp, files=files)
-            publish_dir(out, final)  # the memory map stays valid: same file, new folder name
+            publish_dir(out, final)  # the memory maps stay valid: same files, new folder name
         finally:
             if out.exists():
                 shutil.rmtree(out, ignore_errors=True)
@@ -228,6 +235,10 @@ class RunIndexes:
         hit = self._scorers.get(s.name)
         if hit is None or hit.pre is not pre:
             hit = self._scorers[s.name] = ExactScorer(self.store, pre, ids, s.per_record)
+            try:  # an index built before the record cache existed reads the store instead
+                hit.cache = RecordCache.open(self.dir(s), self.store)
+            except (OSError, ValueError) as e:
+                log.warning("record cache of %s unusable (%s); reading the store", s.name, e)
         return hit
 
     def row_sq_norms(self, s: IndexSettings) -> np.ndarray:

@@ -257,19 +257,9 @@ class AttributionRun:
                 "loss_mask": enc.loss_mask.tolist(),
             }
         sk, qloss = self.query_sketches(enc)
-        index, ids, pre = self.index(s)
-        qv = pre.apply(sk)  # (1, D) index vector: picks candidates
-        res = index.search_both(qv, n_candidates(top_k, index.n))
-        cand = np.unique(
-            np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
-        ).astype(np.int64)
-        cand = cand[cand >= 0]
-        # exact scores of the candidates (the re-rank), split by layer for the rows
-        per_layer = self.exact_scores(sk, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
-        rows, sign_notes = signed_hits(cand, per_layer, top_k, opponents)
+        rows, sign_notes = self.rank(sk, s, top_k, opponents)
         notes += sign_notes
-        rec = self.store.records() if s.per_record else None
-        rows = hit_rows(rows, ids, pre, self.examples(), rec)
+        index, _, pre = self.index(s)
         q = {
             **desc,
             "run_id": self.run_id,
@@ -286,6 +276,24 @@ class AttributionRun:
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             sketches=sk,
         )
+
+    def rank(
+        self, sketches: list[np.ndarray], s: IndexSettings, top_k: int = 10, opponents: bool = True
+    ) -> tuple[pl.DataFrame, list[str]]:
+        """The ranked rows of a query's sketches (``query_sketches``) and the sign notes: FAISS
+        proposes candidates from both ends, every returned score is recomputed exactly."""
+        index, ids, pre = self.index(s)
+        qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
+        res = index.search_both(qv, n_candidates(top_k, index.n))
+        cand = np.unique(
+            np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
+        ).astype(np.int64)
+        cand = cand[cand >= 0]
+        # exact scores of the candidates (the re-rank), split by layer for the rows
+        per_layer = self.exact_scores(sketches, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
+        hits, notes = signed_hits(cand, per_layer, top_k, opponents)
+        rec = self.store.records() if s.per_record else None
+        return hit_rows(hits, ids, pre, self.examples(), rec), notes
 
     def exact_scores(
         self,

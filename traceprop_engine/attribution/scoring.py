@@ -25,6 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .. import constants as C
+from .index_projection import transformed_factors
 from .precondition import Preconditioner
 
 CHUNK = 4096  # records per streamed chunk
@@ -45,6 +46,8 @@ class ExactScorer:
         self.store = store
         self.pre = pre
         self.row_sq_norms: np.ndarray | None = None  # set by the query path (norms.npy)
+        # a RecordCache (memory-mapped records of the index) for scattered reads, or None
+        self.cache = None
         self.ids = np.asarray(ids)
         rec = store.records()
         n_rec = store.n_records
@@ -133,17 +136,31 @@ class ExactScorer:
 
     def _record_scores(self, li: int, t: np.ndarray, where) -> np.ndarray:
         info = self.store.layers[li]
+        # scattered records (the re-rank's candidates) from the memory-mapped copy when there is one
+        src = self.store if self.cache is None or isinstance(where, slice) else self.cache
         if info.rank:
-            u, v = _read(self.store, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
-            tv = np.matmul(t[:, None], v[None].astype(np.float64))  # (q, n, k_out, r)
-            return np.einsum("qnor,nor->qn", tv, u.astype(np.float64))
-        x = _read(self.store, "sketches", li, where)
+            u, v = _read(src, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
+            n, (q, ko, ki) = len(u), t.shape
+            tt = np.ascontiguousarray(t.transpose(2, 0, 1)).reshape(ki, q * ko)
+            out = np.zeros((q, n))
+            for c in range(info.rank):  # Σ_c u_cᵀ T' v_c, one GEMM over all queries per c
+                tv = (v[:, :, c].astype(np.float64) @ tt).reshape(n, q, ko)
+                out += np.einsum("nqo,no->qn", tv, u[:, :, c].astype(np.float64))
+            return out
+        x = _read(src, "sketches", li, where)
         return t.reshape(len(t), -1) @ x.reshape(len(x), -1).astype(np.float64).T
 
     def example_sq_norms(self) -> np.ndarray | None:
         """``‖H^{-1/2} Σ_r w_r X_r‖²`` of every row (self-influence, cosine), or None when the
         per-row accumulation would exceed :data:`NORM_BUFFER_BYTES` (then callers fall back to
-        the index vectors' norms, an unbiased estimate)."""
+        the index vectors' norms, an estimate). With a record cache, factor-stored layers and a
+        matrix-product preconditioner (identity, K-FAC) they are exact at any size
+        (:meth:`_gram_sq_norms`)."""
+        if self.cache is not None and all(
+            info.rank and lp.scale is None
+            for info, lp in zip(self.store.layers, self.pre.layers, strict=True)
+        ):
+            return self._gram_sq_norms()
         out = np.zeros(self.n_rows)
         for li, lp in enumerate(self.pre.layers):
             exact = dataclasses.replace(lp, index_left=None, index_right=None)
@@ -156,6 +173,37 @@ class ExactScorer:
                 w = self.rec_weight[start:stop].astype(np.float32)[:, None]
                 np.add.at(acc, self.rec_row[start:stop], x * w)
             out += np.einsum("ij,ij->i", acc, acc, dtype=np.float64)
+        return out
+
+    def _gram_sq_norms(self, block: int = 32_768) -> np.ndarray:
+        """``‖Σ_r w_r U_r V_rᵀ‖²`` of every row from the factors alone:
+        ``Σ_{r,s} w_r w_s Σ_ab (U_rᵀU_s)_ab (V_rᵀV_s)_ab`` over the pairs of records of a row
+        with ``U, V`` the factors of ``L X R`` (identity or K-FAC preconditioner; read from the
+        record cache, never materialising a sketch)."""
+        out = np.zeros(self.n_rows)
+        counts = np.diff(self._row_start)  # records per row (records sorted by row: _by_row)
+        pairs = np.concatenate([[0], np.cumsum(counts.astype(np.int64) ** 2)])
+        r0 = 0
+        while r0 < self.n_rows:  # blocks of rows with at most `block` record pairs
+            r1 = int(np.searchsorted(pairs, pairs[r0] + block, "right")) - 1
+            r1 = min(max(r1, r0 + 1), self.n_rows)
+            lo, hi = int(self._row_start[r0]), int(self._row_start[r1])
+            recs = self._by_row[lo:hi]
+            lens = np.repeat(counts[r0:r1], counts[r0:r1])  # per record: records of its row
+            start = np.repeat(self._row_start[r0:r1] - lo, counts[r0:r1])
+            i = np.repeat(np.arange(hi - lo), lens)
+            j = np.repeat(start, lens) + (
+                np.arange(len(i)) - np.repeat(np.cumsum(lens) - lens, lens)
+            )
+            w = self.rec_weight[recs]
+            ww = w[i] * w[j]
+            for li in range(len(self.store.layers)):
+                u, v = transformed_factors(self.pre.layers[li], *self.cache.factors_at(li, recs))
+                gu = np.einsum("pka,pkb->pab", u[i], u[j])
+                gv = np.einsum("pka,pkb->pab", v[i], v[j])
+                val = ww * (gu * gv).sum(axis=(1, 2))
+                out[r0:r1] += np.bincount(self.rec_row[recs][i] - r0, val, minlength=r1 - r0)
+            r0 = r1
         return out
 
 

@@ -18,6 +18,7 @@ import polars as pl
 from .. import constants as C
 from ..errors import StoreError
 from ..settings import IndexSettings, SketchKind
+from .index_projection import fit_index_projection
 from .overview import usable_preconditioners
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 
@@ -63,7 +64,9 @@ def fit_preconditioner(
                 moments=moments,
             )
         )
-    return Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+    pre = Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+    # the index projection: the records' principal directions instead of random ones
+    return fit_index_projection(store, pre) if s.index_side and store.n_records else pre
 
 
 def vector_ids(store, per_record: bool) -> np.ndarray:
@@ -92,7 +95,7 @@ def write_vectors(
     row_of = {int(e): i for i, e in enumerate(ids)} if not s.per_record else None
     for start in range(0, n_rec, CHUNK):
         stop = min(start + CHUNK, n_rec)
-        vec = pre.apply([store.sketches(li, start, stop) for li in range(len(store.layers))])
+        vec = _vectors(store, pre, start, stop)
         if s.per_record:
             mm[start:stop] = vec
         else:
@@ -105,6 +108,27 @@ def write_vectors(
             progress(stop, n_rec)
     mm.flush()
     return ids
+
+
+def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
+    """``pre.apply`` of records ``start:stop``; a factor-stored layer whose preconditioner is a
+    product of matrices (identity, K-FAC; not EK-FAC's elementwise scale) is projected through
+    its factors, ``L (U Vᵀ) R = (L U)(Rᵀ V)ᵀ``, never rebuilding the k_out × k_in sketch."""
+    out = np.empty((stop - start, pre.dim), np.float32)
+    for li, (info, lp) in enumerate(zip(store.layers, pre.layers, strict=True)):
+        cols = pre.layer_slices[lp.name]
+        if not info.rank or lp.scale is not None:
+            out[:, cols] = lp.apply(store.sketches(li, start, stop))
+            continue
+        u, v = store.factors(li, start, stop)  # (n, k_out, r), (n, k_in, r)
+        if lp.left is not None:
+            u = np.matmul(lp.left.astype(np.float32), u)
+            v = np.matmul(lp.right.T.astype(np.float32), v)
+        if lp.index_left is not None:
+            u = np.matmul(lp.index_left.astype(np.float32), u)
+            v = np.matmul(lp.index_right.astype(np.float32), v)
+        out[:, cols] = np.matmul(u, v.transpose(0, 2, 1)).reshape(len(u), -1)
+    return out
 
 
 def gradient_norms(store) -> pl.DataFrame:

@@ -61,6 +61,19 @@ def add_bench(sub) -> None:
         "--run",
         help="a run whose preconditioned vectors seed the generator (default: the sample run)",
     )
+    q.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="measure the whole ranking path (FAISS candidates + exact re-rank from the stored "
+        "records) on synthetic stores resampled from --run's records, with its real queries",
+    )
+    q.add_argument("--work-dir", default=None, help="--end-to-end: where the stores are written")
+    q.add_argument(
+        "--recall-queries",
+        type=int,
+        default=None,
+        help="--end-to-end: queries checked against brute force (default: all)",
+    )
     q.set_defaults(func=_cmd_bench_query)
 
 
@@ -102,9 +115,24 @@ def _cmd_bench_query(a) -> int:
     from ..bench.query import run_base_vectors, run_query_bench
     from ..samples.run import default_root
 
-    base = run_base_vectors(a.run or default_root() / "facts")
     sizes = tuple(int(x) for x in a.sizes.split(","))
-    rows = run_query_bench(sizes=sizes, dim=a.dim, n_queries=a.queries, base_vectors=base)
+    if a.end_to_end:
+        import tempfile
+
+        from ..bench.query_e2e import run_end_to_end
+
+        with tempfile.TemporaryDirectory(dir=a.work_dir, prefix="traceprop-e2e-") as work:
+            rows = run_end_to_end(
+                a.run or default_root() / "facts",
+                sizes,
+                work,
+                n_queries=a.queries,  # the base run's examples, eval first
+                progress=lambda m: print(m, flush=True),
+                recall_queries=a.recall_queries,
+            )
+    else:
+        base = run_base_vectors(a.run or default_root() / "facts")
+        rows = run_query_bench(sizes=sizes, dim=a.dim, n_queries=a.queries, base_vectors=base)
     for r in rows:
         print(json.dumps(r))
     if a.json:

@@ -1,0 +1,169 @@
+"""The re-rank's record cache, exact Gram norms, factor-path vectors and the fitted index
+projection, against brute force from full sketches; the end-to-end query bench's exactness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from traceprop_engine import constants as C
+from traceprop_engine.attribution.index_store import RunIndexes
+from traceprop_engine.attribution.record_cache import RecordCache
+from traceprop_engine.attribution.vectors import _vectors
+from traceprop_engine.settings import IndexSettings
+from traceprop_engine.store.format import Covariance
+from traceprop_engine.store.reader import Store
+from traceprop_engine.store.writer import StoreWriter
+
+SHAPES = [(20, 12), (12, 20), (16, 16)]  # (k_out, k_in): every layer gets an 8 x 8 projection
+N_EX, EPOCHS = 150, 3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
+    rng = np.random.default_rng(1)
+    layers = [
+        SimpleNamespace(
+            name=f"blk.{i}",
+            kind="linear",
+            d_in=32,
+            d_out=32,
+            k_in=ki,
+            k_out=ko,
+            rank=rank,
+            factor_dtype=dtype,
+            P_in=None,
+            P_out=None,
+            record_shape=(ko, ki),
+        )  # fmt: skip
+        for i, (ko, ki) in enumerate(SHAPES)
+    ]
+    w = StoreWriter(path, layers, {"run_id": "cache-test"}, "factored")
+    ex = np.concatenate([rng.permutation(N_EX) for _ in range(EPOCHS)])
+    n = len(ex)
+    base = [(rng.normal(size=(5, ko, rank)), rng.normal(size=(5, ki, rank))) for ko, ki in SHAPES]
+    arrays = []
+    for (bu, bv), (ko, ki) in zip(base, SHAPES, strict=True):  # clustered, like real gradients
+        c = rng.integers(0, 5, n)
+        u = bu[c] + 0.3 * rng.normal(size=(n, ko, rank))
+        v = bv[c] + 0.3 * rng.normal(size=(n, ki, rank))
+        arrays.append(np.concatenate([u, v], axis=1).astype(np.float32))
+    meta = {
+        C.REC_EXAMPLE: ex,
+        C.REC_STEP: np.arange(n) // 8,
+        C.REC_EPOCH: np.arange(n) // N_EX,
+        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
+        C.REC_LOSS: rng.random(n).astype(np.float32),
+    }
+    for s0 in range(0, n, 64):
+        w.append([a[s0 : s0 + 64] for a in arrays], {k: v[s0 : s0 + 64] for k, v in meta.items()})
+    cov = []
+    for ko, ki in SHAPES:
+        a, g = rng.normal(size=(300, ki)), rng.normal(size=(300, ko))
+        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
+    w.write_covariance(cov)
+    w.close(C.STATUS_COMPLETED)
+    return Store(path)
+
+
+def _brute(store, pre, ids, tests):
+    """Exact per-example vectors from full sketches (float64, no index projection), their
+    squared norms and the cosine scores of ``tests``."""
+    rec = store.records()
+    row = np.searchsorted(ids, rec[C.REC_EXAMPLE])
+    parts = []
+    for li, lp in enumerate(pre.layers):
+        u, v = (f.astype(np.float64) for f in store.factors(li))
+        x = u @ v.transpose(0, 2, 1)  # the full sketches, in float64
+        if lp.left is not None:
+            x = lp.left @ x @ lp.right
+        acc = np.zeros((len(ids), x[0].size))
+        np.add.at(acc, row, x.reshape(len(x), -1) * rec[C.REC_LR].astype(np.float64)[:, None])
+        parts.append(acc)
+    vec = np.concatenate(parts, axis=1)
+    tv = []
+    for lp, t in zip(pre.layers, tests, strict=True):
+        t = t.astype(np.float64)
+        if lp.left is not None:
+            t = lp.left @ t @ lp.right
+        tv.append(t.reshape(len(t), -1))
+    tv = np.concatenate(tv, axis=1)
+    sq = (vec**2).sum(1)
+    cos = (tv @ vec.T) / np.linalg.norm(tv, axis=1)[:, None] / np.sqrt(sq)
+    return sq, cos
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "rank"), [("identity", "int8", 1), ("kfac", "float32", 2)]
+)
+def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, rank):
+    store = _store(tmp_path / "store.h5", dtype, rank)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(preconditioner=kind)
+    ix.build(s)
+    _, ids, pre = ix.get(s)
+    scorer = ix.scorer(s)
+    assert isinstance(scorer.cache, RecordCache)
+    # the cache holds exactly what the store holds
+    recs = np.array([3, 40, 41, 200, len(ids) * EPOCHS - 1])
+    for li in range(len(SHAPES)):
+        for got, want in zip(
+            scorer.cache.factors_at(li, recs), store.factors_at(li, recs), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+    rng = np.random.default_rng(5)
+    tests = [rng.normal(size=(3, ko, ki)) for ko, ki in SHAPES]
+    sq, cos = _brute(store, pre, ids, tests)
+    np.testing.assert_allclose(ix.row_sq_norms(s), sq, rtol=1e-9)  # exact, from the factors
+    rows = rng.permutation(len(ids))[:40]  # scattered rows, unsorted: the re-rank's reads
+    from traceprop_engine.attribution.query import AttributionRun
+
+    run = AttributionRun.__new__(AttributionRun)
+    run.indexes = ix
+    got = run.exact_scores(tests, s, rows=rows)
+    np.testing.assert_allclose(got, cos[:, rows], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(run.exact_scores(tests, s), cos, rtol=1e-9, atol=1e-12)
+
+
+def test_factor_path_vectors_and_fitted_projection(tmp_path):
+    store = _store(tmp_path / "store.h5")
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings()
+    ix.build(s)
+    _, _, pre = ix.get(s)
+    for lp in pre.layers:  # principal directions: orthonormal rows
+        for p in (lp.index_left, lp.index_right):
+            assert p.shape[0] == 8
+            np.testing.assert_allclose(p @ p.T, np.eye(8), atol=1e-9)
+    sk = [store.sketches(li, 0, 100) for li in range(len(SHAPES))]
+    np.testing.assert_allclose(
+        _vectors(store, pre, 0, 100), pre.apply(sk, dtype=np.float64), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_old_index_without_cache_reads_the_store(tmp_path):
+    store = _store(tmp_path / "store.h5")
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings()
+    ix.build(s)
+    d = ix.dir(s)
+    assert RecordCache.open(d, store) is not None
+    (d / "records-000.npy").unlink()
+    assert RecordCache.open(d, store) is None
+
+
+@pytest.mark.skipif(not (ROOT / "sample_runs/facts/store.h5").exists(), reason="no sample run")
+def test_end_to_end_bench_returns_exact_scores(tmp_path):
+    from traceprop_engine.bench.query_e2e import measure, real_queries, write_synthetic_run
+
+    d = write_synthetic_run(ROOT / "sample_runs/facts", tmp_path / "run", 2000, noise=0.5)
+    store = Store(d / C.STORE_FILE)
+    assert store.n_records == 2000 and store.layers[0].factor_dtype == "int8"
+    store.close()
+    row = measure(d, real_queries(ROOT / "sample_runs/facts", 6))
+    assert row["n"] == 2000 and row["n_queries"] == 6
+    assert row["max_abs_score_error"] < 1e-9  # every returned score is the brute-force one
+    assert 0.5 <= row["recall_at_10"] <= 1.0
