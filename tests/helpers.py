@@ -9,6 +9,8 @@ them in ``sys.modules`` while collecting). ``conftest.py`` holds the fixtures bu
 
 from __future__ import annotations
 
+import socket
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -268,3 +270,22 @@ def assert_same_answers(single_run, other_run) -> None:
     assert b.height == a.height == 10
     assert b["example_id"].to_list() == a["example_id"].to_list()
     np.testing.assert_allclose(b["score"].to_numpy(), a["score"].to_numpy(), rtol=1e-2)
+
+
+def torchrun(world: int) -> list[str]:
+    """The ``torchrun`` command line of the multi-process tests: ``world`` local processes,
+    rendezvous on a free local port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(world),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]

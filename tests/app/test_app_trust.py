@@ -167,3 +167,26 @@ def test_uploads_win_over_a_bundled_set_and_conflict_with_a_path():
     assert services.launch.choose_data("path", [], "d/x.jsonl")[1].endswith("'d/x.jsonl'")
     with pytest.raises(ConfigError, match="choose 'Upload files'"):
         services.launch.choose_data("path", ["a.jsonl"], "d/x.jsonl")
+
+
+# -- item 4: the Audit page never vouches for a run that did not complete ----------------------
+def test_audit_page_does_not_vouch_for_a_failed_run(app_env):
+    """A copy of the sample run marked failed (a crash): Verify on the Audit page shows errors
+    ("cannot vouch"), no green "match" message (the page once said "All 0 data files and the
+    model match" for such a run)."""
+    import shutil
+
+    run = app_env["runs"] / "crashed"
+    shutil.copytree(REPO / "sample_runs" / "facts", run, ignore=shutil.ignore_patterns("index"))
+    shutil.copytree(REPO / "sample_runs" / "facts-data", app_env["runs"] / "facts-data")
+    m = json.loads((run / "run.json").read_text())
+    m["status"] = "failed"
+    (run / "run.json").write_text(json.dumps(m))
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.session_state["runs_active"] = str(run)
+    at.run()
+    at.switch_page("views/audit.py")
+    at.run()
+    at.button(key="audit_verify").click().run()
+    assert not at.success, [s.value for s in at.success]
+    assert any("vouch" in e.value for e in at.error), [e.value for e in at.error]

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, assert_same_answers, facts_data, fast_settings
+from helpers import FAST, assert_same_answers, facts_data, fast_settings, torchrun
 
 from traceprop_engine import Store
 from traceprop_engine.cli.train import train_argv
@@ -29,12 +27,6 @@ ATOL_REL = 1e-4
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
@@ -48,17 +40,7 @@ def runs(tmp_path_factory):
         )
     )
     ddp = root / "ddp"
-    launcher = (
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(WORLD),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-    )
+    launcher = tuple(torchrun(WORLD))
     flags = {
         "data": data / "train",
         "eval_data": data / "eval",

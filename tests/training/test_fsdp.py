@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, assert_same_answers, facts_data, fast_settings
+from helpers import FAST, assert_same_answers, facts_data, fast_settings, torchrun
 
 from traceprop_engine import Store
 from traceprop_engine.run import read_manifest
@@ -32,25 +31,8 @@ WORLD = 2
 TRACK = TrackSettings(k_in=4, k_out=4, rank=0, covariance_stride=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str]) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(WORLD),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        *args,
-    ]
+    cmd = [*torchrun(WORLD), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=240, env=env

@@ -80,6 +80,31 @@ def _records(store: Store) -> dict:
     return {name: recs[name] for name in ("example_index", "step", "epoch", "lr", "loss")}
 
 
+def assert_same_store(a: Store, b: Store, tol: float = TOL) -> None:
+    """Records, sketches, covariance, norms and content digest of ``b`` equal ``a``'s."""
+    ra, rb = _records(a), _records(b)
+    for name in ra:
+        np.testing.assert_allclose(rb[name], ra[name], rtol=0, atol=tol, err_msg=name)
+    for i in range(len(a.layers)):
+        np.testing.assert_allclose(b.sketches(i), a.sketches(i), rtol=0, atol=tol)
+        ca, cb = a.covariance(i), b.covariance(i)
+        assert ca is not None and cb is not None
+        np.testing.assert_allclose(cb.A, ca.A, rtol=0, atol=tol)
+        np.testing.assert_allclose(cb.S, ca.S, rtol=0, atol=tol)
+        assert cb.n_tokens == ca.n_tokens
+        assert b.sq_norm_sum(i) == a.sq_norm_sum(i)
+    assert b.attrs()["content_sha256"] == a.attrs()["content_sha256"]
+
+
+def assert_same_model(ref, other) -> None:
+    """The saved model of run ``other`` is bit-identical to run ``ref``'s."""
+    ma = load_file(ref / "model" / "model.safetensors")
+    mb = load_file(other / "model" / "model.safetensors")
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+
+
 def test_a_killed_run_resumes_to_the_uninterrupted_result(data, tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     r = _run_cli(train_argv(_flags(data, ref)))
@@ -114,23 +139,8 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(data, tmp_path):
 
     with Store(ref / "store.h5") as a, Store(killed / "store.h5") as b:
         assert b.status == "completed" and a.n_records == b.n_records == 84 * 8
-        ra, rb = _records(a), _records(b)
-        for name in ra:
-            np.testing.assert_allclose(rb[name], ra[name], rtol=0, atol=TOL, err_msg=name)
-        for i in range(len(a.layers)):
-            np.testing.assert_allclose(b.sketches(i), a.sketches(i), rtol=0, atol=TOL)
-            ca, cb = a.covariance(i), b.covariance(i)
-            assert ca is not None and cb is not None
-            np.testing.assert_allclose(cb.A, ca.A, rtol=0, atol=TOL)
-            np.testing.assert_allclose(cb.S, ca.S, rtol=0, atol=TOL)
-            assert cb.n_tokens == ca.n_tokens
-            assert b.sq_norm_sum(i) == a.sq_norm_sum(i)
-        assert b.attrs()["content_sha256"] == a.attrs()["content_sha256"]
-    ma = load_file(ref / "model" / "model.safetensors")
-    mb = load_file(killed / "model" / "model.safetensors")
-    assert ma.keys() == mb.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
+        assert_same_store(a, b)
+    assert_same_model(ref, killed)
     assert read_manifest(ref)["metrics"] == m["metrics"]
     assert read_manifest(ref)["model"]["fingerprint"] == m["model"]["fingerprint"]
 

@@ -10,19 +10,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-import torch
-from helpers import facts_data
-from safetensors.torch import load_file
-from test_resume import _records
+from helpers import facts_data, torchrun
+from test_resume import assert_same_model, assert_same_store
 
 from traceprop_engine import Store
 from traceprop_engine.cli.train import train_argv
@@ -42,20 +38,7 @@ SHARDS = [f"store.rank{r}.h5" for r in range(WORLD)]
 
 
 def _launcher() -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(WORLD),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(port),
-    ]
+    return torchrun(WORLD)
 
 
 def _flags(data, out) -> dict:
@@ -189,23 +172,8 @@ def test_a_killed_ddp_run_resumes_to_the_uninterrupted_result(runs):
     for shard in SHARDS:
         with Store(ref / shard) as a, Store(killed / shard) as b:
             assert b.status == "completed" and a.n_records == b.n_records == STEPS * 4
-            ra, rb = _records(a), _records(b)
-            for name in ra:
-                np.testing.assert_allclose(rb[name], ra[name], rtol=0, atol=TOL, err_msg=name)
-            for i in range(len(a.layers)):
-                np.testing.assert_allclose(b.sketches(i), a.sketches(i), rtol=0, atol=TOL)
-                ca, cb = a.covariance(i), b.covariance(i)
-                assert ca is not None and cb is not None
-                np.testing.assert_allclose(cb.A, ca.A, rtol=0, atol=TOL)
-                np.testing.assert_allclose(cb.S, ca.S, rtol=0, atol=TOL)
-                assert cb.n_tokens == ca.n_tokens
-                assert b.sq_norm_sum(i) == a.sq_norm_sum(i)
-            assert b.attrs()["content_sha256"] == a.attrs()["content_sha256"]
-    ma = load_file(ref / "model" / "model.safetensors")
-    mb = load_file(killed / "model" / "model.safetensors")
-    assert ma.keys() == mb.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
+            assert_same_store(a, b, TOL)
+    assert_same_model(ref, killed)
     assert read_manifest(ref)["metrics"] == m["metrics"]
 
 
