@@ -70,15 +70,17 @@ def test_flipped_bytes_in_a_sketch_fail_verify_and_reads(run):
         s.sketches(0)
 
 
-def test_flipped_bytes_after_the_index_was_built_stop_the_query(run, capsys):
+def test_flipped_bytes_after_the_index_was_built_never_reach_an_answer(run, capsys):
     """The index was built before the damage and its fingerprint (which holds the recorded
-    digest) still matches: the query's exact re-rank reads the damaged chunk and stops with a
-    clear error instead of answering from damaged numbers; `index --rebuild` stops too."""
+    digest) still matches. A query answers from the index's own copy of the records (made from
+    the intact store, checked against index.json's digests on load): the same scores as before
+    the damage, never damaged numbers. `verify` and `index --rebuild` stop with "damaged"."""
     from traceprop_engine.attribution.query import open_run
 
     first = open_run(run)
-    assert first.query("Where does Ada live?", " Paris", top_k=3).rows.height > 0
-    first.close()  # the index exists now
+    before = first.query("Where does Ada live?", " Paris", top_k=3)
+    first.close()
+    assert before.rows.height > 0  # the index and its record copy exist now
     with h5py.File(run / "store.h5", "r") as f:
         info = f["layers/000/U"].id.get_chunk_info(0)
     with open(run / "store.h5", "r+b") as fh:
@@ -88,10 +90,13 @@ def test_flipped_bytes_after_the_index_was_built_stop_the_query(run, capsys):
         fh.write(bytes(b ^ 0xFF for b in chunk))
     again = open_run(run)
     try:
-        with pytest.raises(StoreError, match="damaged"):
-            again.query("Where does Ada live?", " Paris", top_k=3)
+        after = again.query("Where does Ada live?", " Paris", top_k=3)
     finally:
         again.close()
+    assert after.rows["example_id"].to_list() == before.rows["example_id"].to_list()
+    np.testing.assert_array_equal(after.rows["score"].to_numpy(), before.rows["score"].to_numpy())
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "unreadable"
     capsys.readouterr()
     assert main(["index", str(run), "--rebuild"]) != 0
     assert "damaged" in capsys.readouterr().err
