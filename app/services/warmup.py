@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 _started: set[str] = set()
@@ -21,6 +22,11 @@ _guard = threading.Lock()
 _pages = threading.Condition()
 _running = 0  # page scripts running now, in every session of this process
 IDLE_WAIT_S = 30.0  # a warm-up step waits at most this long for the pages to finish
+FIRST_PAGE_GRACE_S = float(os.environ.get("TRACEPROP_WARMUP_GRACE_S", "1.0"))
+"""Seconds the warm-up waits before its first step: the server sends the first page and the
+browser draws it before torch's import takes the interpreter lock (measured with
+benchmarks/app_speed.py on 2 cores: first page 4.2 s with the warm-up starting at once, 3.2 s
+with none)."""
 log = logging.getLogger(__name__)
 
 
@@ -55,6 +61,7 @@ def warm(run_dir: str | os.PathLike) -> None:
     from .queries import cached_tokenizer, open_cached
 
     try:
+        time.sleep(FIRST_PAGE_GRACE_S)
         _wait_idle()
         import torch  # noqa: F401 - the first and longest step, on its own
 
