@@ -35,7 +35,7 @@ def _add_train_flags(p) -> None:
 # long: one add_argument per flag of eval lds and eval detect; a flat list reads best
 def register(sub) -> None:
     """Add ``eval`` with its ``lds`` and ``detect`` subcommands to an argparse subparsers object."""
-    from ..settings import Task, TrainSettings
+    from ..settings import Task, TrackSettings, TrainSettings
 
     train_defaults = field_defaults(TrainSettings)
     ev = sub.add_parser(
@@ -126,7 +126,12 @@ def register(sub) -> None:
         "--seeds", default="0,1,2", help="comma-separated seeds (one data set + run each)"
     )
     _add_train_flags(d)
-    d.add_argument("--k", type=int, default=8, help="k_in = k_out of the tracked runs")
+    d.add_argument(
+        "--k",
+        type=int,
+        default=TrackSettings().k_in,
+        help="k_in = k_out of the tracked runs (the other tracking settings are the defaults)",
+    )
     d.add_argument("--n-train", type=int, default=160, help="training examples per data set")
     d.add_argument("--n-planted", type=int, default=8, help="planted examples per data set")
     d.add_argument("--overwrite", action="store_true")

@@ -37,6 +37,7 @@ import numpy as np
 from .. import constants as C
 from ..errors import ConfigError, RunError
 from ..run import is_completed
+from ..settings import TrackSettings
 from .detection_data import (
     TARGET,
     generate_backdoor_data,
@@ -89,7 +90,7 @@ class DetectSettings:
     tiny_layers: int = 1
     tiny_width: int = 64
     tiny_vocab: int = 512
-    k: int = 8
+    k: int = TrackSettings().k_in  # the default tracking configuration's k (rank-1 factors)
     n_train: int = 160
     n_planted: int = 8
 
@@ -106,7 +107,7 @@ class DetectSettings:
 
 
 def _train(s: DetectSettings, data: Path, eval_data: Path, run_dir: Path, seed: int) -> Path:
-    from ..settings import TrackSettings, TrainSettings
+    from ..settings import TrainSettings
     from ..training.loop import train
 
     if is_completed(run_dir):
