@@ -251,7 +251,7 @@ class Capture:
             g = g.float()
         scale = self._scale
         deferred = self._deferred
-        if deferred is not None and i in deferred.members:
+        if deferred is not None and i in deferred.member_set:
             if not layer._fired:  # the default: three ops here, the rest after the backward
                 b, t = g.shape[0], g.shape[1]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows

@@ -49,6 +49,7 @@ class DeferredFactors:
 
     def __init__(self, layers: list[TrackedLayer], device: torch.device) -> None:
         self.members = [i for i, layer in enumerate(layers) if deferrable(layer)]
+        self.member_set = frozenset(self.members)  # the hooks ask "is layer i one?" every call
         self.layers = layers
         self.device = device
         # one group per (width, projection size or None for an exact side); each side of each
