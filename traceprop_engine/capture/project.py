@@ -146,9 +146,11 @@ class DeferredFactors:
         # an example without gradient at a layer (σ = 0, so w = 0) keeps a zero record: the floor
         # stays far from float32's overflow even times the loss scale (1/tiny · s would be inf,
         # and 0 · inf a NaN record)
-        inv = norms.clamp_min_(SIGMA_FLOOR).reciprocal_()  # (members, B), in self._sigma_order
+        inv = norms.clamp_min_(SIGMA_FLOOR).reciprocal_()  # (members, B), by group, then member
         side = self._side_scale.get(scale)
         if side is None:
+            if len(self._side_scale) > 8:  # a few loss scales recur (the last batch of an epoch)
+                self._side_scale.clear()
             side = self._side_scale[scale] = {
                 key: (1.0 + (scale - 1.0) * m).view(-1, 1, 1) for key, m in self._is_out.items()
             }
