@@ -286,6 +286,8 @@ class IndexSettings:
             parts.append("rec")
         if self.kind is not IndexKind.AUTO:
             parts.append(self.kind.value)
+        if self.index_side != INDEX_SIDE:  # another projection: its own folder and cache entry
+            parts.append(f"m{self.index_side}")
         return "-".join(parts)
 
     def to_dict(self) -> dict:

@@ -156,6 +156,26 @@ def test_damaged_index_is_detected_and_rebuilt(run_dir, damage, caplog):
     assert_index_correct(run_dir)
 
 
+def test_indexes_with_another_projection_side_keep_their_own_folder(run_dir, caplog):
+    """Two index projections of one run (IndexSettings.index_side) used to share a folder and a
+    cache entry: building one evicted the other and a query could read the other's vectors."""
+    small = IndexSettings(preconditioner="identity", cosine=False, index_side=2)
+    run = open_run(run_dir)
+    run.index(IDENTITY)
+    run.index(small)
+    assert run.indexes.dir(small) != run.indexes.dir(IDENTITY)
+    n_layers = len(run.store.layers)
+    assert (
+        run.indexes.vectors(small).shape[1] <= 4 * n_layers < run.indexes.vectors(IDENTITY).shape[1]
+    )
+    caplog.clear()
+    fresh = open_run(run_dir)  # both load from disk: neither was overwritten by the other
+    fresh.index(IDENTITY)
+    fresh.index(small)
+    assert "rebuilding" not in caplog.text
+    assert fresh.indexes.vectors(small).shape == run.indexes.vectors(small).shape
+
+
 def test_interrupted_rebuild_leaves_the_previous_index(run_dir, monkeypatch):
     d = run_dir / "index" / IDENTITY.name
     open_run(run_dir).index(IDENTITY, rebuild=True)

@@ -361,8 +361,9 @@ class VectorIndex:
             raise StoreError(f"{meta_path} is not a Traceprop index description; rebuild it")
         if expected_fingerprint is not None and meta.get("fingerprint") != expected_fingerprint:
             raise IndexStaleError(
-                f"the index in {d} was built from store fingerprint {meta.get('fingerprint')!r}, "
-                f"the store is now {expected_fingerprint!r}; rebuild it with "
+                f"the index in {d} was built from other records or settings (fingerprint "
+                f"{meta.get('fingerprint')!r}, the store and settings now give "
+                f"{expected_fingerprint!r}); rebuild it with "
                 "`traceprop index RUN --rebuild` (or let the caller rebuild it automatically)"
             )
         check_files(d, meta, required=INDEX_FILE)
