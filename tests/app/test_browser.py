@@ -171,6 +171,11 @@ def test_sample_run_is_active(page, server):
 
     page.goto(server["url"])
     expect(page.get_by_role("heading", name="Traceprop").first).to_be_visible()  # the landing page
+    # the landing page (no chart) has the chart and table code loaded for the next pages
+    page.wait_for_function(
+        "() => ['PlotlyChart.', 'DataFrame.'].every(n => performance.getEntriesByType('resource')"
+        ".some(e => e.name.includes('/static/js/' + n)))"
+    )
     _nav(page, "Runs")
     expect(page.get_by_test_id("stSidebar")).to_contain_text("facts")
     expect(page.get_by_label("Active run")).to_have_value("facts · sample · completed")
