@@ -12,7 +12,7 @@ for p in (APP_DIR, APP_DIR.parent):  # `import services` and the engine, from an
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from services import config, jobs, runs, warmup  # noqa: E402
+from services import config, jobs, preload, runs, warmup  # noqa: E402
 
 st.set_page_config(page_title="Traceprop", page_icon="🧭", layout="wide")
 
@@ -59,6 +59,7 @@ with st.sidebar:
     # "Failed to fetch dynamically imported module" after a server restart: reload the tab once
     # (a browser keeps a failed lazy import for the page's life), or say to (app/stale_assets.html)
     st.html(APP_DIR / "stale_assets.html", unsafe_allow_javascript=True)
+    st.html(preload.script(), unsafe_allow_javascript=True)  # chart and table code, once
 
 try:
     with warmup.page_running():  # the warm-up waits between its steps while a page runs

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import streamlit as st
-from services import answers, charts, config, exports, find, jobs, queries, runs, text
+from services import answers, config, exports, find, jobs, queries, runs, text
 from views import counterfactual as cf_sections
-from views import distribution_panel, find_panel
+from views import example_details, find_panel, result_charts
 
 from traceprop_engine.errors import TracepropError
 
@@ -177,37 +175,12 @@ for kind, title in (
     )
 
 found, page_rows = find_panel.render(rows, key="infl_find")
-st.subheader("Examples on this page")
-for r in page_rows.iter_rows(named=True):
-    with st.expander(
-        f"{r['kind']} #{r['rank']} · {r['score']:+.4g} · {text.md_escape(r['location'])}"
-    ):
-        st.text(r["text"])
-        st.caption("Tokens (trained-on tokens in ⟦brackets⟧)")
-        st.code(queries.example_tokens_text(active, int(r["example_id"])), language=None)
-        st.caption("Lineage")
-        st.code(
-            json.dumps(
-                {
-                    "example_id": r["example_id"],
-                    "source": r["source"],
-                    "row": r["row"],
-                    "sha256": r["sha256"],
-                },
-                indent=1,
-            ),
-            language=None,
-        )
-        st.caption("Per-layer partial scores")
-        # a plain table: 2 × top-k interactive grids made every query's page slow to draw
-        st.table(queries.layer_scores_table(r["layer_scores"]))
+example_details.render(active, page_rows)
 
 cf_sections.render_tokens(active, res, rows)
 cf_sections.render_counterfactual(active, res)
 
-st.subheader("Influence by source file (all training examples)")
-st.plotly_chart(charts.by_source_figure(by_source), key="infl_by_source")
-distribution_panel.render(saved["scores"], key="infl_dist")
+result_charts.render(by_source, saved["scores"])
 
 c1, c2 = st.columns(2)
 c1.download_button(

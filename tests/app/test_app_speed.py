@@ -77,6 +77,9 @@ def test_queries_run_torch_with_the_app_thread_count(app_env, monkeypatch):
 
 
 def test_rerun_does_not_read_tokens_again(app_env, monkeypatch):
+    from services import exports
+    from views.example_details import expander_key
+
     from traceprop_engine.attribution import overview
 
     calls = []
@@ -93,8 +96,12 @@ def test_rerun_does_not_read_tokens_again(app_env, monkeypatch):
     at.switch_page("views/influencers.py").run()
     at.button(key="infl_go").click().run()
     assert not at.exception
+    assert calls == []  # the examples' expanders are closed: no tokens read
+    rows = exports.shown_rows(at.session_state["infl_result"]["result"])
+    at.session_state[expander_key(next(rows.iter_rows(named=True)))] = True  # open the first
+    at.run()
     first = len(calls)
-    assert first >= 1
+    assert first == 1  # only the open example's tokens
     shown = [c.value for c in at.code]
     at.slider(key="infl_topk").set_value(10).run()  # a rerun that changes nothing shown
     assert not at.exception

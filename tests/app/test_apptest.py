@@ -65,11 +65,23 @@ def test_influencers_typed_prompt(at):
     assert not at.exception and not at.error
     assert len(at.dataframe[0].value) == 5
     assert len(at.expander) >= 5
+    _open_first_example(at)
     codes = [c.value for c in at.code]
     assert any("⟦" in c for c in codes)  # tokens with the trained-on ones marked
     assert any('"sha256"' in c for c in codes)  # lineage
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert {t["name"] for t in fig["data"]} == {"positive", "negative", "total"}
+
+
+def _open_first_example(at):
+    """Open the first example's expander (its details are drawn only while it is open)."""
+    from services import exports
+    from views.example_details import expander_key
+
+    rows = exports.shown_rows(at.session_state["infl_result"]["result"])
+    at.session_state[expander_key(next(rows.iter_rows(named=True)))] = True
+    at.run()
+    assert not at.exception
 
 
 def test_influencers_empty_prompt_is_an_error(at):

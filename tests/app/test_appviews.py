@@ -206,6 +206,9 @@ def test_influencers_score_histogram_is_the_engines(at, engine):
     _, ids, _ = engine.index(IndexSettings())
     scores = engine.scores(eval_example=ev)[ids]  # the training examples (eval ones score 0)
     want = score_histogram(scores, 40)
+    assert set(_charts(at)) == {"infl_by_source"}  # the histogram's tab is not open yet
+    at.session_state["infl_charts"] = "Score distribution"
+    at.run()
     fig = _charts(at)["infl_dist_hist"]
     traces = {t["name"]: t for t in fig["data"]}
     assert set(traces) == {"proponents", "opponents"}

@@ -171,6 +171,11 @@ def test_sample_run_is_active(page, server):
 
     page.goto(server["url"])
     expect(page.get_by_role("heading", name="Traceprop").first).to_be_visible()  # the landing page
+    # the landing page (no chart) has the chart and table code loaded for the next pages
+    page.wait_for_function(
+        "() => ['PlotlyChart.', 'DataFrame.'].every(n => performance.getEntriesByType('resource')"
+        ".some(e => e.name.includes('/static/js/' + n)))"
+    )
     _nav(page, "Runs")
     expect(page.get_by_test_id("stSidebar")).to_contain_text("facts")
     expect(page.get_by_label("Active run")).to_have_value("facts · sample · completed")
@@ -311,13 +316,15 @@ def test_find_distribution_compare_and_rankings(page, server):
     expect(matched).to_be_visible()
     n = int(matched.inner_text().split()[0])
     assert 0 < n < 154
+    page.get_by_role("tab", name="Score distribution").click()  # drawn when its tab opens
     # while a rerun paints, the old elements stay beside the new ones: wait for one
     expect(page.get_by_text("Score distribution (all training examples)")).to_have_count(1)
+    expect(page.get_by_test_id("stPlotlyChart")).to_have_count(1)  # the by-source one is gone
     page.wait_for_timeout(800)  # the table canvas and the charts paint
     page.get_by_text("Find", exact=True).scroll_into_view_if_needed()
     DOCS_IMG.mkdir(exist_ok=True)
     page.screenshot(path=str(DOCS_IMG / "influencers-find.png"), full_page=True)
-    page.get_by_test_id("stPlotlyChart").nth(1).screenshot(
+    page.get_by_test_id("stPlotlyChart").first.screenshot(
         path=str(DOCS_IMG / "influencers-score-histogram.png")
     )
     with page.expect_download() as dl:

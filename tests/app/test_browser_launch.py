@@ -91,6 +91,9 @@ def test_a_failed_lazy_import_reloads_the_tab(page, server):  # noqa: F811
     once here; the app's watcher reloads the tab and the page renders."""
     from playwright.sync_api import expect
 
+    # the landing page's background preload (services/preload.py) would load the chart's code
+    # before the failure starts: mark it done so that the Overhead page's chart needs its chunk
+    page.add_init_script("window.__tracepropPreload = true")
     page.goto(server["url"])
     page.get_by_role("heading", name="Traceprop").first.wait_for()  # the landing page
     page.wait_for_timeout(1500)
