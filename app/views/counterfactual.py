@@ -7,6 +7,8 @@ Not a page of its own: ``influencers.py`` calls :func:`render_tokens` and
 
 from __future__ import annotations
 
+import json
+
 import plotly.graph_objects as go
 import streamlit as st
 from services import counterfactual as cf
@@ -27,7 +29,9 @@ def render_tokens(active, res, rows) -> None:
         for r in rows.iter_rows(named=True)
     }
     eid = st.selectbox("Influencer", list(labels), key="tok_pick", format_func=lambda i: labels[i])
-    key = (str(active), res.query.get("run_id"), repr(res.query.get("prompt")), int(eid))
+    # the whole query (prompt, completion, preconditioner, cosine, ...): a view computed for
+    # another completion or preconditioner is never shown for this one
+    key = (str(active), json.dumps(res.query, sort_keys=True, default=str), int(eid))
     cache = st.session_state.setdefault("tok_cache", {})
     if key not in cache:
         try:

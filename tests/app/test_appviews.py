@@ -280,3 +280,23 @@ def test_rankings_page_is_traceprop_rank(at, engine):
     shown = _table(at, "rank_table")
     assert shown["example_id"].tolist() == wl["example_id"].head(25).to_list()
     assert (np.diff(shown["loss"].to_numpy()) <= 0).all()
+
+
+def test_per_token_view_follows_the_preconditioner(at):
+    """The per-token view is cached per query: switching the preconditioner (same prompt, same
+    influencer) used to show the previous preconditioner's token shares."""
+
+    def token_sum() -> str:
+        return next(c.value for c in at.caption if c.value.startswith("Sum over tokens"))
+
+    _goto(at, "influencers")
+    at.button(key="infl_go").click().run()
+    assert not at.exception and not at.error
+    first = token_sum()
+    at.selectbox(key="infl_pre").set_value("kfac")
+    at.button(key="infl_go").click().run()
+    assert not at.exception and not at.error
+    assert token_sum() != first
+    at.selectbox(key="infl_pre").set_value("identity")
+    at.button(key="infl_go").click().run()
+    assert token_sum() == first
