@@ -132,6 +132,14 @@ def test_errors_and_small_n():
     idx = build_index(x, 8, 5)
     s, i = idx.search(x[0], 8)  # k > n pads with -1 / -inf
     assert (i[0, 5:] == -1).all() and np.isneginf(s[0, 5:]).all()
+    both = idx.search_both(x[:2], 8)  # both ends, k > n: every row once per end, then padding
+    ref = x[:2].astype(np.float64) @ x.astype(np.float64).T
+    for r in range(2):
+        np.testing.assert_array_equal(both.proponent_ids[r, :5], np.argsort(-ref[r]))
+        np.testing.assert_array_equal(both.opponent_ids[r, :5], np.argsort(ref[r]))
+    assert (both.proponent_ids[:, 5:] == -1).all() and (both.opponent_ids[:, 5:] == -1).all()
+    assert np.isneginf(both.proponent_scores[:, 5:]).all()
+    assert np.isposinf(both.opponent_scores[:, 5:]).all()
     with pytest.raises(ConfigError, match="dimension"):
         idx.search(np.zeros((1, 9)), 3)
     with pytest.raises(ConfigError, match="index kind must be one of"):

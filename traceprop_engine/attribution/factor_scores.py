@@ -114,10 +114,17 @@ def _factored_inner(t: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 LOWRANK_RTOL = 1e-9
 """Singular values of ``T'`` below this fraction of the largest are treated as zero (round-off)."""
+GRAM_RTOL = 1e-7
+"""From this cut up, the factorisation comes from ``eigh(TᵀT)`` (its eigenvalues carry an absolute
+error ≈ eps·σ_max², so it resolves singular values down to ≈ 1e-8 σ_max); below it, the SVD."""
+FLOAT32_RTOL = 1e-6
+"""The same for a test sketch computed in float32 (a query's, from the model): its own rounding
+(eps 1.2e-7 per entry, ‖E‖₂ ≈ eps·√k·‖T‖ ≈ 1e-6 ‖T‖ at k = 126) puts ≈ all k singular values
+above 1e-9, so the cut sits at the rounding level: the query's rank (≤ its tokens) survives."""
 
 
 @dataclass(frozen=True)
-class _LowRankTest:
+class LowRankTest:
     """``T'_q = A_q B_qᵀ`` for all queries of one layer, stacked: A (k_out, Σt), B (k_in, Σt)."""
 
     a: np.ndarray
@@ -125,11 +132,21 @@ class _LowRankTest:
     owner: np.ndarray  # (Σt,) query index of each column
 
     @classmethod
-    def maybe(cls, t: np.ndarray, dtype) -> _LowRankTest | None:
-        """The exact (numerical-rank) factorisation of ``T'`` when it beats the GEMM route."""
+    def maybe(cls, t: np.ndarray, dtype, rtol: float = LOWRANK_RTOL) -> LowRankTest | None:
+        """The exact (numerical-rank) factorisation of ``T'`` when it beats the GEMM route:
+        singular values below ``rtol`` times the largest are dropped."""
         q, ko, ki = t.shape
+        if rtol >= GRAM_RTOL:  # eigh of TᵀT: a third of the SVD's time, resolves σ ≥ 1e-8 σ_max
+            w, vecs = np.linalg.eigh(np.swapaxes(t, 1, 2) @ t)  # ascending (q, ki), (q, ki, ki)
+            keep = w > rtol**2 * np.maximum(w[:, -1:], 1e-300)
+            if int(keep.sum()) * (ko + ki) >= q * ko * ki:
+                return None
+            b = np.concatenate([vecs[i][:, keep[i]] for i in range(q)], axis=1)  # (ki, Σt)
+            a = np.concatenate([t[i] @ vecs[i][:, keep[i]] for i in range(q)], axis=1)
+            owner = np.repeat(np.arange(q), keep.sum(1))
+            return cls(a.astype(dtype), b.astype(dtype), owner)
         u, s, vt = np.linalg.svd(t, full_matrices=False)  # (q,ko,r), (q,r), (q,r,ki)
-        keep = s > LOWRANK_RTOL * np.maximum(s[:, :1], 1e-300)
+        keep = s > rtol * np.maximum(s[:, :1], 1e-300)
         if int(keep.sum()) * (ko + ki) >= q * ko * ki:  # full-rank T' (e.g. EK-FAC): use the GEMM
             return None
         a = np.concatenate([u[i][:, keep[i]] * s[i][keep[i]] for i in range(q)], axis=1)
@@ -142,9 +159,9 @@ class _LowRankTest:
         au = np.tensordot(u, self.a, axes=([1], [0]))  # (m, c, Σt)
         bv = np.tensordot(v, self.b, axes=([1], [0]))  # (m, c, Σt)
         per_col = np.einsum("mct,mct->tm", au, bv)  # (Σt, m)
-        out = np.zeros((q, u.shape[0]), dtype=per_col.dtype)
-        np.add.at(out, self.owner, per_col)
-        return out
+        owner = np.zeros((q, len(self.owner)), dtype=per_col.dtype)  # one-hot: query of a column
+        owner[self.owner, np.arange(len(self.owner))] = 1.0
+        return owner @ per_col
 
 
 def factor_scores(
@@ -190,7 +207,7 @@ def factor_scores(
     ts_d = [t.astype(dtype) for t in ts]
     # a per-example test gradient has rank ≤ its number of target tokens and K-FAC keeps that
     # rank: then ⟨T', UVᵀ⟩ costs O((k_out + k_in) c t) per record instead of O(k_out k_in c)
-    low = [_LowRankTest.maybe(t, dtype) for t in ts]
+    low = [LowRankTest.maybe(t, dtype) for t in ts]
     for start in range(0, factors.n_records, chunk):
         stop = min(start + chunk, factors.n_records)
         rec_scores = np.zeros((q, stop - start))

@@ -230,9 +230,28 @@ class VectorIndex:
     def search_both(self, queries: np.ndarray, k: int) -> SearchResult:
         """Top-k proponents and the k most negative (opponents), via the negated query."""
         q = self._prep(queries)
+        if self.kind is IndexKind.FLAT and not self.extra_dims and self.n > 0 and k >= 1:
+            return self._flat_both(q, k)
         ps, pi = self._search_prepped(q, k)
         ns, ni = self._search_prepped(-q, k)
         return SearchResult(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
+
+    def _flat_both(self, q: np.ndarray, k: int) -> SearchResult:
+        """Both ends of an exact (flat) index from one pass over its vectors: FAISS searches
+        each end with its own pass and keeps a k-heap per query, which at the re-rank's
+        thousands of candidates costs several times the inner products themselves."""
+        n, d = self.n, self.index.d
+        xb = faiss.rev_swig_ptr(self.index.get_xb(), n * d).reshape(n, d)  # no copy
+        k_eff = min(k, n)
+        out = [np.full((len(q), k), fill, np.float32) for fill in (-np.inf, np.inf)]
+        ids = [np.full((len(q), k), -1, np.int64) for _ in range(2)]
+        for r in range(len(q)):
+            s = xb @ q[r]
+            for side, sign in enumerate((1.0, -1.0)):
+                top = np.argpartition(-sign * s, k_eff - 1)[:k_eff] if k_eff < n else np.arange(n)
+                top = top[np.argsort(-sign * s[top], kind="stable")]
+                out[side][r, :k_eff], ids[side][r, :k_eff] = s[top], top
+        return SearchResult(out[0], ids[0], out[1], ids[1])
 
     def tune_nprobe(
         self,

@@ -81,7 +81,7 @@ def signed_hits(
         kinds.append(("opponent", np.argsort(exact, kind="stable"), -1.0, "negative"))
     hits, notes = [], []
     for kind, order, sign, word in kinds:
-        keep = [int(j) for j in order if sign * exact[j] > 0][:top_k]
+        keep = [int(j) for j in order[sign * exact[order] > 0][:top_k]]
         hits += [
             (kind, rank, int(cand[j]), float(exact[j]), per_layer[:, j])
             for rank, j in enumerate(keep, start=1)

@@ -25,6 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .. import constants as C
+from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
 from .index_projection import transformed_factors
 from .precondition import Preconditioner
 
@@ -102,6 +103,19 @@ class ExactScorer:
         pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
         q = len(pb[0])
         n_layers = len(pb)
+        # T' of one query has rank ≤ its tokens: ⟨T', U Vᵀ⟩ then costs O((k_out + k_in) r t)
+        # per record instead of O(k_out k_in r) (exact: only round-off singular values dropped)
+        rtol = (
+            FLOAT32_RTOL
+            if all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
+            else LOWRANK_RTOL
+        )
+        # float32 queries: their factored products in float32 too (the same precision)
+        dt = np.float32 if rtol == FLOAT32_RTOL else np.float64
+        pb = [
+            LowRankTest.maybe(t, dt, rtol) or t if info.rank else t
+            for t, info in zip(pb, self.store.layers, strict=True)
+        ]
         if rows is None:
             out = np.zeros((q, n_layers, self.n_rows))
             for start in range(0, self.store.n_records, CHUNK):
@@ -111,14 +125,10 @@ class ExactScorer:
         else:
             rows = np.asarray(rows, dtype=np.int64)
             out = np.zeros((q, n_layers, len(rows)))
-            recs = np.concatenate(
-                [self._by_row[self._row_start[r] : self._row_start[r + 1]] for r in rows]
-                or [np.zeros(0, np.int64)]
-            )
-            col_of_row = {int(r): i for i, r in enumerate(rows)}
-            cols = np.fromiter(
-                (col_of_row[int(r)] for r in self.rec_row[recs]), np.int64, len(recs)
-            )
+            first, counts = self._row_start[rows], np.diff(self._row_start)[rows]
+            cols = np.repeat(np.arange(len(rows)), counts)  # the output column of each record
+            starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
+            recs = self._by_row[starts + np.arange(len(cols))]  # the records of each row, in turn
             order = np.argsort(recs)
             recs, cols = recs[order], cols[order]
             for start in range(0, len(recs), CHUNK):
@@ -130,14 +140,20 @@ class ExactScorer:
         """Add ``w_r ⟨T', X_r⟩`` of records ``recs`` into ``out[:, layer, cols]``."""
         w = self.rec_weight[recs]
         m = sp.csr_matrix((w, (cols, np.arange(len(recs)))), shape=(out.shape[2], len(recs)))
+        q = out.shape[0]
         for li, t in enumerate(pb):
-            s = self._record_scores(li, t, where)  # (q, n)
+            s = self._record_scores(li, t, where, q)  # (q, n)
             out[:, li, :] += (m @ s.T).T
 
-    def _record_scores(self, li: int, t: np.ndarray, where) -> np.ndarray:
+    def _record_scores(self, li: int, t, where, q: int) -> np.ndarray:
+        """``⟨T', X_r⟩`` of records ``where`` for every query, (q, n); ``t`` is the layer's
+        pullback (q, *record_shape) or its exact low-rank factorisation (:class:`LowRankTest`)."""
         info = self.store.layers[li]
         # scattered records (the re-rank's candidates) from the memory-mapped copy when there is one
         src = self.store if self.cache is None or isinstance(where, slice) else self.cache
+        if isinstance(t, LowRankTest):
+            u, v = _read(src, "factors", li, where)
+            return t.inner(u, v, q)
         if info.rank:
             u, v = _read(src, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
             n, (q, ko, ki) = len(u), t.shape
