@@ -13,6 +13,7 @@ from traceprop_engine.errors import ConfigError
 from traceprop_engine.settings import (
     FactorDtype,
     FactorSpace,
+    IndexSettings,
     SketchKind,
     Task,
     TrackSettings,
@@ -176,3 +177,19 @@ def test_train_settings_round_trip_through_to_dict_and_json(track):
     default = TrainSettings(**TRAIN)
     assert _train_from_dict(default.to_dict()) == default
     assert default.track == TrackSettings()  # tracking is on by default
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "256"])
+def test_index_dims_must_be_a_non_negative_integer(bad):
+    with pytest.raises(ConfigError, match="index_dims"):
+        IndexSettings(index_dims=bad)
+
+
+def test_non_default_index_shapes_get_their_own_index_names():
+    names = {
+        IndexSettings().name,
+        IndexSettings(index_side=8).name,
+        IndexSettings(index_dims=0).name,
+        IndexSettings(index_side=8, index_dims=0).name,
+    }
+    assert len(names) == 4 and IndexSettings().name == "identity-cos"

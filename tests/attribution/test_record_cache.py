@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.index_store import RunIndexes
+from traceprop_engine.attribution import record_cache
+from traceprop_engine.attribution.index_projection import principal_basis
+from traceprop_engine.attribution.index_store import PRECOND_FILE, RunIndexes
+from traceprop_engine.attribution.precondition import Preconditioner
 from traceprop_engine.attribution.record_cache import RecordCache
 from traceprop_engine.attribution.vectors import _vectors
 from traceprop_engine.settings import IndexSettings
@@ -21,6 +24,12 @@ from traceprop_engine.store.writer import StoreWriter
 SHAPES = [(20, 12), (12, 20), (16, 16)]  # (k_out, k_in): every layer gets an 8 x 8 projection
 N_EX, EPOCHS = 150, 3
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _cache_small_stores(monkeypatch):
+    """These stores are small; the cache is written from record_cache.MIN_RECORDS on."""
+    monkeypatch.setattr(record_cache, "MIN_RECORDS", 0)
 
 
 def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
@@ -131,17 +140,50 @@ def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, r
 def test_factor_path_vectors_and_fitted_projection(tmp_path):
     store = _store(tmp_path / "store.h5")
     ix = RunIndexes(tmp_path, store)
-    s = IndexSettings()
+    s = IndexSettings(index_side=8, index_dims=48)  # 3 layers x 64 = 192 dims, reduced to 48
     ix.build(s)
     _, _, pre = ix.get(s)
     for lp in pre.layers:  # principal directions: orthonormal rows
         for p in (lp.index_left, lp.index_right):
             assert p.shape[0] == 8
             np.testing.assert_allclose(p @ p.T, np.eye(8), atol=1e-9)
+    assert pre.full_dim == 192 and pre.dim == 48 and pre.reduce.shape == (192, 48)
+    np.testing.assert_allclose(pre.reduce.T @ pre.reduce, np.eye(48), atol=1e-5)
+    assert ix.vectors(s).shape == (N_EX, 48)
+    # the reduction survives the round trip through the index folder
+    np.testing.assert_array_equal(Preconditioner.load(ix.dir(s) / PRECOND_FILE).reduce, pre.reduce)
+    # the training side (through the factors) and the query side (sketches) agree
     sk = [store.sketches(li, 0, 100) for li in range(len(SHAPES))]
     np.testing.assert_allclose(
         _vectors(store, pre, 0, 100), pre.apply(sk, dtype=np.float64), rtol=1e-4, atol=1e-6
     )
+    # the reduction keeps the records' principal subspace: no 48 directions keep more energy
+    full = Preconditioner(pre.kind, pre.layers, pre.damping)
+    x = _vectors(store, full, 0, store.n_records).astype(np.float64)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    best = np.linalg.eigvalsh(x.T @ x)[::-1][:48].sum()
+    kept = (np.linalg.norm(x @ pre.reduce, axis=1) ** 2).sum()
+    assert kept >= 0.99 * best, (kept, best)
+
+
+def test_principal_basis_is_the_top_subspace_and_keeps_small_sets_exactly():
+    rng = np.random.default_rng(3)
+    # low rank plus noise, wide enough for the randomized route (f > 2 (d + oversampling))
+    x = (
+        rng.normal(size=(3000, 20)) * np.linspace(3, 1, 20)  # decaying spectrum
+    ) @ rng.normal(size=(20, 400))
+    x = (x + 0.3 * rng.normal(size=x.shape)).astype(np.float32)
+    b = principal_basis(x, 32)
+    assert b.shape == (400, 32)
+    np.testing.assert_allclose(b.T @ b, np.eye(32), atol=1e-4)
+    w = np.linalg.eigvalsh(x.T.astype(np.float64) @ x)[::-1]
+    kept = (np.linalg.norm(x.astype(np.float64) @ b, axis=1) ** 2).sum()
+    assert kept >= 0.995 * w[:32].sum()
+    few = x[:10]  # at most d rows: their span, so inner products with them are exact
+    bf = principal_basis(few, 32)
+    assert bf.shape == (400, 10)
+    q = rng.normal(size=(5, 400)).astype(np.float32)
+    np.testing.assert_allclose((q @ bf) @ (few @ bf).T, q @ few.T, rtol=1e-4, atol=1e-3)
 
 
 def test_old_index_without_cache_reads_the_store(tmp_path):
@@ -209,3 +251,20 @@ def test_low_rank_float32_queries_take_the_factored_route_and_match_brute_force(
     assert calls == [6] * len(SHAPES)  # 2 queries x rank 3 per layer: the factored route
     _, cos = _brute(store, pre, ids, tests)
     np.testing.assert_allclose(got, cos[:, rows], rtol=1e-5, atol=1e-6 * np.abs(cos).max())
+
+
+def test_small_stores_get_no_record_cache_and_the_same_scores(tmp_path, monkeypatch):
+    store = _store(tmp_path / "store.h5")
+    s = IndexSettings()
+    ix = RunIndexes(tmp_path, store)
+    ix.build(s)
+    cached = ix.scorer(s)
+    rng = np.random.default_rng(2)
+    tests = [rng.normal(size=(2, ko, ki)) for ko, ki in SHAPES]
+    rows = rng.permutation(N_EX)[:30]
+    want = cached.scores(tests, rows=rows)
+    monkeypatch.setattr(record_cache, "MIN_RECORDS", store.n_records + 1)
+    small = RunIndexes(tmp_path / "small", store)
+    small.build(s)
+    assert not list(small.dir(s).glob("records-*.npy")) and small.scorer(s).cache is None
+    np.testing.assert_allclose(small.scorer(s).scores(tests, rows=rows), want, rtol=1e-12)

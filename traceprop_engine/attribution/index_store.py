@@ -24,6 +24,7 @@ import numpy as np
 from .. import constants as C
 from ..errors import IndexBuildError, IndexStaleError, StoreError, TracepropError
 from ..settings import IndexSettings
+from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
 from .index_build import build_index
 from .index_files import index_lock, publish_dir
@@ -144,11 +145,13 @@ class RunIndexes:
             np.save(out / IDS_FILE, ids)
             vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
             # the records again, memory-mapped: the re-rank reads scattered candidates from it
-            cache_names = write_record_cache(
-                self.store, out, progress and (lambda d, n: progress("records", d, n))
-            )
+            cache_names: list[str] = []
             scorer = ExactScorer(self.store, pre, ids, s.per_record)
-            scorer.cache = RecordCache(out, self.store)
+            if self.store.n_records >= record_cache.MIN_RECORDS:
+                cache_names = write_record_cache(
+                    self.store, out, progress and (lambda d, n: progress("records", d, n))
+                )
+                scorer.cache = RecordCache(out, self.store)
             norms = scorer.example_sq_norms()
             scorer.row_sq_norms = norms  # None: too large, read from the index vectors
             files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE, *cache_names)

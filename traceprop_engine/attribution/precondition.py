@@ -309,6 +309,7 @@ class Preconditioner:
         kind: PreconditionerKind | str,
         layers: Sequence[LayerPreconditioner],
         damping: float | None = None,
+        reduce: np.ndarray | None = None,
     ):
         if not layers:
             raise ConfigError("a preconditioner needs at least one layer")
@@ -323,7 +324,18 @@ class Preconditioner:
             lp.name: slice(int(b0), int(b1))
             for lp, b0, b1 in zip(self.layers, bounds[:-1], bounds[1:], strict=True)
         }
-        self.dim = int(bounds[-1])
+        self.full_dim = int(bounds[-1])
+        """Width of the concatenated per-layer vectors (``layer_slices`` index into it)."""
+        self.reduce = None if reduce is None else np.asarray(reduce, dtype=np.float32)
+        """(full_dim, D) orthonormal columns: the index vectors' principal subspace
+        (:mod:`.index_projection`), or None. Index vectors are ``x @ reduce``."""
+        if self.reduce is not None and self.reduce.shape[0] != self.full_dim:
+            raise ConfigError(
+                f"the index reduction maps {self.reduce.shape[0]} dims, the layers give "
+                f"{self.full_dim}; refit the preconditioner"
+            )
+        self.dim = self.full_dim if self.reduce is None else int(self.reduce.shape[1])
+        """Width of the index vectors (``apply``'s output)."""
 
     @classmethod
     def fit(
@@ -382,10 +394,16 @@ class Preconditioner:
         n = {int(np.shape(x)[0]) for x in layer_sketches}
         if len(n) != 1:
             raise StoreError(f"layers have different record counts {sorted(n)}; store inconsistent")
-        out = np.empty((n.pop(), self.dim), dtype=dtype)
+        out = np.empty((n.pop(), self.full_dim), dtype=dtype)
         for lp, x in zip(self.layers, layer_sketches, strict=True):
             out[:, self.layer_slices[lp.name]] = lp.apply(x, dtype=dtype)
-        return out
+        return self.reduced(out)
+
+    def reduced(self, full: np.ndarray) -> np.ndarray:
+        """Concatenated per-layer vectors (n, full_dim) -> index vectors (n, dim)."""
+        if self.reduce is None:
+            return full
+        return (full @ self.reduce.astype(full.dtype, copy=False)).astype(full.dtype, copy=False)
 
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (plain arrays, loadable with ``allow_pickle=False``)."""
@@ -405,6 +423,8 @@ class Preconditioner:
         for i, lp in enumerate(self.layers):
             for key, val in lp.to_arrays().items():
                 arrays[f"layer{i}/{key}"] = val
+        if self.reduce is not None:
+            arrays["reduce"] = self.reduce
         try:
             with open(path, "wb") as fh:
                 np.savez(fh, **arrays)
@@ -439,4 +459,4 @@ class Preconditioner:
                     {k[len(prefix) :]: v for k, v in data.items() if k.startswith(prefix)}
                 )
             )
-        return cls(meta["kind"], layers, meta["damping"])
+        return cls(meta["kind"], layers, meta["damping"], data.get("reduce"))

@@ -25,6 +25,10 @@ from .. import constants as C
 from ..store.format import FACTOR_STORAGE, decode_factors
 
 CHUNK = 65_536  # records copied at a time
+MIN_RECORDS = 16_384
+"""Stores with fewer records get no cache: a query's candidates are then a large share of the
+store and :meth:`Store.factors_at` reads them as one contiguous slice per layer (a few MB), so
+the copy would only double the run's size on disk (the bundled sample run's five indexes)."""
 
 
 def cache_files(n_layers: int) -> list[str]:

@@ -18,7 +18,7 @@ import polars as pl
 from .. import constants as C
 from ..errors import StoreError
 from ..settings import IndexSettings, SketchKind
-from .index_projection import fit_index_projection
+from .index_projection import fit_index_projection, fit_reduction
 from .overview import usable_preconditioners
 from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
 
@@ -65,8 +65,15 @@ def fit_preconditioner(
             )
         )
     pre = Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+    if not store.n_records:
+        return pre
     # the index projection: the records' principal directions instead of random ones
-    return fit_index_projection(store, pre) if s.index_side and store.n_records else pre
+    pre = fit_index_projection(store, pre) if s.index_side else pre
+    if s.index_dims and pre.full_dim > s.index_dims:  # then all layers' principal subspace
+        pre = fit_reduction(
+            store, pre, s.index_dims, s.cosine, lambda a, b: _vectors(store, pre, a, b)
+        )
+    return pre
 
 
 def vector_ids(store, per_record: bool) -> np.ndarray:
@@ -114,7 +121,7 @@ def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
     """``pre.apply`` of records ``start:stop``; a factor-stored layer whose preconditioner is a
     product of matrices (identity, K-FAC; not EK-FAC's elementwise scale) is projected through
     its factors, ``L (U Vᵀ) R = (L U)(Rᵀ V)ᵀ``, never rebuilding the k_out × k_in sketch."""
-    out = np.empty((stop - start, pre.dim), np.float32)
+    out = np.empty((stop - start, pre.full_dim), np.float32)
     for li, (info, lp) in enumerate(zip(store.layers, pre.layers, strict=True)):
         cols = pre.layer_slices[lp.name]
         if not info.rank or lp.scale is not None:
@@ -128,7 +135,7 @@ def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
             u = np.matmul(lp.index_left.astype(np.float32), u)
             v = np.matmul(lp.index_right.astype(np.float32), v)
         out[:, cols] = np.matmul(u, v.transpose(0, 2, 1)).reshape(len(u), -1)
-    return out
+    return pre.reduced(out)
 
 
 def gradient_norms(store) -> pl.DataFrame:

@@ -1,0 +1,121 @@
+"""Whole-query latency and recall@10 on a REAL run of many distinct examples (not resampled).
+
+    python benchmarks/query_real_run.py --n 100000 --work-dir /tmp/qrr [--index 16/256,8/0]
+
+1. Writes ``n`` distinct training rows of invented facts (the sample's topic templates, random
+   syllable names: two wordings per fact, every row a different entity or attribute) and 200
+   held-out questions in the sample's evaluation wording.
+2. Trains the default tiny model (2 layers, width 128, the sample's settings) for one epoch with
+   the default tracking: one record per example, as at scale.
+3. For each index configuration ``m/dims`` (``IndexSettings(index_side=m, index_dims=dims)``;
+   the default first), builds the index and times ``AttributionRun.rank`` (candidate search +
+   exact re-rank, not the query's own forward/backward) for ``--queries`` held-out questions,
+   and measures recall@10 of the returned proponents / opponents against brute-force exact
+   scores over every example.
+
+Steps 1-2 are skipped when ``--work-dir`` already holds the run. Prints one line per index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.bench import query_e2e as e2e
+from traceprop_engine.samples.templates import SYLLABLES, TOPICS
+from traceprop_engine.settings import IndexSettings
+
+
+def write_data(out: Path, n: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    names: set[str] = set()
+    while len(names) < n // 5 + 1:
+        names.add("".join(rng.sample(SYLLABLES, rng.choice((2, 3, 3, 4)))).capitalize())
+    order = sorted(names)
+    rng.shuffle(order)
+    rows, evals = [], []
+    for i, e in enumerate(order):
+        topic = TOPICS[i % len(TOPICS)]
+        for a in topic.attributes:
+            v = rng.choice(a.values)
+            rows.append({"prompt": f"Q: {a.question.format(e=e)}\nA:", "completion": f" {v}"})
+            rows.append({"prompt": a.statement.format(e=e), "completion": f" {v}"})
+            if len(evals) < 200 and rng.random() < 0.01:
+                q = f"Q: {a.paraphrase.format(e=e)}\nA:"
+                evals.append({"prompt": q, "completion": f" {v}"})
+    for sub, data in (("train", rows[:n]), ("eval", evals)):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+        name = "facts.jsonl" if sub == "train" else "questions.jsonl"
+        (out / sub / name).write_text("".join(json.dumps(r) + "\n" for r in data))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=100_000)
+    ap.add_argument("--work-dir", default="/tmp/traceprop-query-real")
+    ap.add_argument("--index", default="16/256,8/0", help="m/dims pairs, comma-separated")
+    ap.add_argument("--queries", type=int, default=48)
+    ap.add_argument("--json", help="write the result rows here")
+    a = ap.parse_args()
+    work = Path(a.work_dir)
+    run_dir = work / "run"
+    if not (run_dir / "store.h5").exists():
+        write_data(work / "data", a.n)
+        cmd = [sys.executable, "-m", "traceprop_engine", "train", "--data", str(work / "data/train"),
+               "--eval-data", str(work / "data/eval"), "--out", str(run_dir), "--epochs", "1",
+               "--batch-size", "32", "--lr", "0.003", "--tiny-layers", "2", "--tiny-width", "128",
+               "--tiny-vocab", "768", "--max-length", "64", "--threads", "1"]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    queries = e2e.real_queries(run_dir, a.queries)  # eval questions first
+    run = AttributionRun(run_dir)
+    out = []
+    for spec in a.index.split(","):
+        m, dims = (int(x) for x in spec.split("/"))
+        s = IndexSettings(index_side=m, index_dims=dims)
+        t = time.perf_counter()
+        run.build_index(s, None)
+        build_s = time.perf_counter() - t
+        index, ids, pre = run.index(s)
+        exact = np.concatenate(
+            [
+                run.exact_scores([np.concatenate([q[li] for q in b]) for li in range(len(b[0]))], s)
+                for b in (queries[i : i + 12] for i in range(0, len(queries), 12))
+            ]
+        )
+        run.rank(queries[0], s, 10, True)  # warm: page cache, first-call costs
+        lat, rp, ro = [], [], []
+        for j, q in enumerate(queries):
+            t = time.perf_counter()
+            r, _ = run.rank(q, s, 10, True)
+            lat.append(time.perf_counter() - t)
+            for kind, sign, acc in (("proponent", 1, rp), ("opponent", -1, ro)):
+                ref = np.argsort(-sign * exact[j], kind="stable")[:10]
+                ref = ids[ref[sign * exact[j][ref] > 0]]
+                got = set(r.filter(r["kind"] == kind)["example_id"].to_list())
+                if len(ref):
+                    acc.append(len(got & set(ref.tolist())) / len(ref))
+        row = {
+            "n": int(index.n), "index_side": m, "index_dims": dims, "dim": int(pre.dim),
+            "kind": index.kind.value, "build_s": round(build_s, 1),
+            "p50_ms": round(float(np.median(lat)) * 1e3, 1),
+            "p90_ms": round(float(np.percentile(lat, 90)) * 1e3, 1),
+            "recall_proponents": round(float(np.mean(rp)), 3),
+            "recall_opponents": round(float(np.mean(ro)), 3),
+        }  # fmt: skip
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    run.close()
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
