@@ -140,16 +140,16 @@ def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, r
 def test_factor_path_vectors_and_fitted_projection(tmp_path):
     store = _store(tmp_path / "store.h5")
     ix = RunIndexes(tmp_path, store)
-    s = IndexSettings(index_side=8, index_dims=48)  # 3 layers x 64 = 192 dims, reduced to 48
+    s = IndexSettings(index_side=4, index_dims=24)  # 3 layers x 16 = 48 dims < 150 rows -> 24
     ix.build(s)
     _, _, pre = ix.get(s)
     for lp in pre.layers:  # principal directions: orthonormal rows
         for p in (lp.index_left, lp.index_right):
-            assert p.shape[0] == 8
-            np.testing.assert_allclose(p @ p.T, np.eye(8), atol=1e-9)
-    assert pre.full_dim == 192 and pre.dim == 48 and pre.reduce.shape == (192, 48)
-    np.testing.assert_allclose(pre.reduce.T @ pre.reduce, np.eye(48), atol=1e-5)
-    assert ix.vectors(s).shape == (N_EX, 48)
+            assert p.shape[0] == 4
+            np.testing.assert_allclose(p @ p.T, np.eye(4), atol=1e-9)
+    assert pre.full_dim == 48 and pre.dim == 24 and pre.reduce.shape == (48, 24)
+    np.testing.assert_allclose(pre.reduce.T @ pre.reduce, np.eye(24), atol=1e-5)
+    assert ix.vectors(s).shape == (N_EX, 24)
     # the reduction survives the round trip through the index folder
     np.testing.assert_array_equal(Preconditioner.load(ix.dir(s) / PRECOND_FILE).reduce, pre.reduce)
     # the training side (through the factors) and the query side (sketches) agree
@@ -157,13 +157,17 @@ def test_factor_path_vectors_and_fitted_projection(tmp_path):
     np.testing.assert_allclose(
         _vectors(store, pre, 0, 100), pre.apply(sk, dtype=np.float64), rtol=1e-4, atol=1e-6
     )
-    # the reduction keeps the records' principal subspace: no 48 directions keep more energy
+    # the reduction keeps the records' principal subspace: no 24 directions keep more energy
     full = Preconditioner(pre.kind, pre.layers, pre.damping)
     x = _vectors(store, full, 0, store.n_records).astype(np.float64)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    best = np.linalg.eigvalsh(x.T @ x)[::-1][:48].sum()
+    best = np.linalg.eigvalsh(x.T @ x)[::-1][:24].sum()
     kept = (np.linalg.norm(x @ pre.reduce, axis=1) ** 2).sum()
     assert kept >= 0.99 * best, (kept, best)
+    # fewer rows (150) than dimensions (3 x 64): no reduction, the vectors stay as they are
+    wide = IndexSettings(index_side=8, index_dims=48)
+    ix.build(wide)
+    assert ix.get(wide)[2].reduce is None and ix.vectors(wide).shape == (N_EX, 192)
 
 
 def test_principal_basis_is_the_top_subspace_and_keeps_small_sets_exactly():

@@ -69,7 +69,10 @@ def fit_preconditioner(
         return pre
     # the index projection: the records' principal directions instead of random ones
     pre = fit_index_projection(store, pre) if s.index_side else pre
-    if s.index_dims and pre.full_dim > s.index_dims:  # then all layers' principal subspace
+    # then all layers' principal subspace, once the vectors outnumber their dimensions (below
+    # that the (full_dim, index_dims) matrix would cost more bytes than it saves)
+    n_rows = store.n_records if s.per_record else len(vector_ids(store, False))
+    if s.index_dims and s.index_dims < pre.full_dim < n_rows:
         pre = fit_reduction(
             store, pre, s.index_dims, s.cosine, lambda a, b: _vectors(store, pre, a, b)
         )
