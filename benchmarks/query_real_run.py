@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from traceprop_engine.attribution import ranking
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.samples.templates import SYLLABLES, TOPICS
@@ -57,12 +58,38 @@ def write_data(out: Path, n: int, seed: int = 0) -> None:
         (out / sub / name).write_text("".join(json.dumps(r) + "\n" for r in data))
 
 
+def _measure(run, s, queries, exact, ids) -> dict:
+    """p50 / p90 of ``run.rank`` and recall@10 of both ends against the brute-force ``exact``."""
+    lat, rp, ro = [], [], []
+    for j, q in enumerate(queries):
+        t = time.perf_counter()
+        r, _ = run.rank(q, s, 10, True)
+        lat.append(time.perf_counter() - t)
+        for kind, sign, acc in (("proponent", 1, rp), ("opponent", -1, ro)):
+            ref = np.argsort(-sign * exact[j], kind="stable")[:10]
+            ref = ids[ref[sign * exact[j][ref] > 0]]
+            got = set(r.filter(r["kind"] == kind)["example_id"].to_list())
+            if len(ref):
+                acc.append(len(got & set(ref.tolist())) / len(ref))
+    return {
+        "p50_ms": round(float(np.median(lat)) * 1e3, 1),
+        "p90_ms": round(float(np.percentile(lat, 90)) * 1e3, 1),
+        "recall_proponents": round(float(np.mean(rp)), 3),
+        "recall_opponents": round(float(np.mean(ro)), 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--work-dir", default="/tmp/traceprop-query-real")
     ap.add_argument("--index", default="16/256,8/0", help="m/dims pairs, comma-separated")
     ap.add_argument("--queries", type=int, default=48)
+    ap.add_argument(
+        "--candidates",
+        default="",
+        help="candidate counts per side to compare (comma-separated; default: the default rule)",
+    )
     ap.add_argument("--json", help="write the result rows here")
     a = ap.parse_args()
     work = Path(a.work_dir)
@@ -76,7 +103,7 @@ def main() -> None:
         subprocess.run(cmd, check=True)
     queries = e2e.real_queries(run_dir, a.queries)  # eval questions first
     run = AttributionRun(run_dir)
-    out = []
+    out, exact = [], None
     for spec in a.index.split(","):
         m, dims = (int(x) for x in spec.split("/"))
         s = IndexSettings(index_side=m, index_dims=dims)
@@ -84,34 +111,30 @@ def main() -> None:
         run.build_index(s, None)
         build_s = time.perf_counter() - t
         index, ids, pre = run.index(s)
-        exact = np.concatenate(
-            [
-                run.exact_scores([np.concatenate([q[li] for q in b]) for li in range(len(b[0]))], s)
-                for b in (queries[i : i + 12] for i in range(0, len(queries), 12))
-            ]
-        )
-        run.rank(queries[0], s, 10, True)  # warm: page cache, first-call costs
-        lat, rp, ro = [], [], []
-        for j, q in enumerate(queries):
+        if exact is None:  # the same for every index shape (exact scores never use the index)
             t = time.perf_counter()
-            r, _ = run.rank(q, s, 10, True)
-            lat.append(time.perf_counter() - t)
-            for kind, sign, acc in (("proponent", 1, rp), ("opponent", -1, ro)):
-                ref = np.argsort(-sign * exact[j], kind="stable")[:10]
-                ref = ids[ref[sign * exact[j][ref] > 0]]
-                got = set(r.filter(r["kind"] == kind)["example_id"].to_list())
-                if len(ref):
-                    acc.append(len(got & set(ref.tolist())) / len(ref))
-        row = {
-            "n": int(index.n), "index_side": m, "index_dims": dims, "dim": int(pre.dim),
-            "kind": index.kind.value, "build_s": round(build_s, 1),
-            "p50_ms": round(float(np.median(lat)) * 1e3, 1),
-            "p90_ms": round(float(np.percentile(lat, 90)) * 1e3, 1),
-            "recall_proponents": round(float(np.mean(rp)), 3),
-            "recall_opponents": round(float(np.mean(ro)), 3),
-        }  # fmt: skip
-        out.append(row)
-        print(json.dumps(row), flush=True)
+            exact = np.concatenate(
+                [
+                    run.exact_scores(
+                        [np.concatenate([q[li] for q in b]) for li in range(len(b[0]))], s
+                    )
+                    for b in (queries[i : i + 12] for i in range(0, len(queries), 12))
+                ]
+            )
+            print(f"brute force: {time.perf_counter() - t:.0f} s", flush=True)
+        run.rank(queries[0], s, 10, True)  # warm: page cache, first-call costs
+        default = (ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES)
+        for cand in [int(c) for c in a.candidates.split(",") if c] or [0]:
+            ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = (cand, cand) if cand else default
+            row = _measure(run, s, queries, exact, ids)
+            row.update(
+                n=int(index.n), index_side=m, index_dims=dims, dim=int(pre.dim),
+                kind=index.kind.value, build_s=round(build_s, 1),
+                candidates=ranking.n_candidates(10, int(index.n)),
+            )  # fmt: skip
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = default
     run.close()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
