@@ -324,18 +324,15 @@ class Preconditioner:
             lp.name: slice(int(b0), int(b1))
             for lp, b0, b1 in zip(self.layers, bounds[:-1], bounds[1:], strict=True)
         }
+        # concatenated per-layer width; `reduce` (full_dim, D): the index vectors' principal
+        # subspace (index_projection.fit_reduction) or None; `dim`: the index vectors' width
         self.full_dim = int(bounds[-1])
-        """Width of the concatenated per-layer vectors (``layer_slices`` index into it)."""
         self.reduce = None if reduce is None else np.asarray(reduce, dtype=np.float32)
-        """(full_dim, D) orthonormal columns: the index vectors' principal subspace
-        (:mod:`.index_projection`), or None. Index vectors are ``x @ reduce``."""
         if self.reduce is not None and self.reduce.shape[0] != self.full_dim:
             raise ConfigError(
-                f"the index reduction maps {self.reduce.shape[0]} dims, the layers give "
-                f"{self.full_dim}; refit the preconditioner"
+                f"index reduction of {self.reduce.shape[0]} dims, layers give {self.full_dim}; refit"
             )
         self.dim = self.full_dim if self.reduce is None else int(self.reduce.shape[1])
-        """Width of the index vectors (``apply``'s output)."""
 
     @classmethod
     def fit(
@@ -401,25 +398,13 @@ class Preconditioner:
 
     def reduced(self, full: np.ndarray) -> np.ndarray:
         """Concatenated per-layer vectors (n, full_dim) -> index vectors (n, dim)."""
-        if self.reduce is None:
-            return full
-        return (full @ self.reduce.astype(full.dtype, copy=False)).astype(full.dtype, copy=False)
+        return full if self.reduce is None else full @ self.reduce.astype(full.dtype, copy=False)
 
     def save(self, path: str | Path) -> None:
         """Write a ``.npz`` (plain arrays, loadable with ``allow_pickle=False``)."""
-        arrays = {
-            "meta": np.array(
-                json.dumps(
-                    {
-                        "format": _FORMAT,
-                        "version": _FORMAT_VERSION,
-                        "kind": self.kind.value,
-                        "damping": self.damping,
-                        "n_layers": len(self.layers),
-                    }
-                )
-            )
-        }
+        meta = {"format": _FORMAT, "version": _FORMAT_VERSION, "kind": self.kind.value}
+        meta |= {"damping": self.damping, "n_layers": len(self.layers)}
+        arrays = {"meta": np.array(json.dumps(meta))}
         for i, lp in enumerate(self.layers):
             for key, val in lp.to_arrays().items():
                 arrays[f"layer{i}/{key}"] = val
