@@ -139,11 +139,14 @@ class ExactScorer:
     def _accumulate(self, out, pb, recs, cols, where) -> None:
         """Add ``w_r ⟨T', X_r⟩`` of records ``recs`` into ``out[:, layer, cols]``."""
         w = self.rec_weight[recs]
-        m = sp.csr_matrix((w, (cols, np.arange(len(recs)))), shape=(out.shape[2], len(recs)))
+        # only the output columns these records touch: a matrix over all columns made every
+        # chunk of a full scan cost O(rows), i.e. O(n²) over a store of n examples
+        touched, inv = np.unique(cols, return_inverse=True)
+        m = sp.csr_matrix((w, (inv, np.arange(len(recs)))), shape=(len(touched), len(recs)))
         q = out.shape[0]
         for li, t in enumerate(pb):
             s = self._record_scores(li, t, where, q)  # (q, n)
-            out[:, li, :] += (m @ s.T).T
+            out[:, li, touched] += (m @ s.T).T
 
     def _record_scores(self, li: int, t, where, q: int) -> np.ndarray:
         """``⟨T', X_r⟩`` of records ``where`` for every query, (q, n); ``t`` is the layer's
