@@ -60,22 +60,27 @@ def write_data(out: Path, n: int, seed: int = 0) -> None:
 
 def _measure(run, s, queries, exact, ids) -> dict:
     """p50 / p90 of ``run.rank`` and recall@10 of both ends against the brute-force ``exact``."""
-    lat, rp, ro = [], [], []
+    lat, rp, ro, share = [], [], [], ([], [])
     for j, q in enumerate(queries):
         t = time.perf_counter()
         r, _ = run.rank(q, s, 10, True)
         lat.append(time.perf_counter() - t)
-        for kind, sign, acc in (("proponent", 1, rp), ("opponent", -1, ro)):
-            ref = np.argsort(-sign * exact[j], kind="stable")[:10]
-            ref = ids[ref[sign * exact[j][ref] > 0]]
-            got = set(r.filter(r["kind"] == kind)["example_id"].to_list())
+        for side, (kind, sign, acc) in enumerate((("proponent", 1, rp), ("opponent", -1, ro))):
+            top = np.argsort(-sign * exact[j], kind="stable")[:10]
+            ref = ids[top[sign * exact[j][top] > 0]]
+            mine = r.filter(r["kind"] == kind)
             if len(ref):
-                acc.append(len(got & set(ref.tolist())) / len(ref))
+                acc.append(len(set(mine["example_id"].to_list()) & set(ref.tolist())) / len(ref))
+                # how much of the true top 10's score the returned 10 hold (1: only near-ties missed)
+                share[side].append(float(abs(mine["score"].sum()) / abs(exact[j][top].sum())))
     return {
         "p50_ms": round(float(np.median(lat)) * 1e3, 1),
         "p90_ms": round(float(np.percentile(lat, 90)) * 1e3, 1),
         "recall_proponents": round(float(np.mean(rp)), 3),
         "recall_opponents": round(float(np.mean(ro)), 3),
+        "score_share_proponents": round(float(np.mean(share[0])), 4),
+        "score_share_opponents": round(float(np.mean(share[1])), 4),
+        "score_share_min": round(float(min(min(share[0]), min(share[1]))), 4),
     }
 
 
@@ -89,6 +94,9 @@ def main() -> None:
         "--candidates",
         default="",
         help="candidate counts per side to compare (comma-separated; default: the default rule)",
+    )
+    ap.add_argument(
+        "--nprobe", default="", help="IVF lists probed, comma-separated (default: tuned)"
     )
     ap.add_argument("--json", help="write the result rows here")
     a = ap.parse_args()
@@ -123,17 +131,23 @@ def main() -> None:
             print(f"brute force: {time.perf_counter() - t:.0f} s", flush=True)
         run.rank(queries[0], s, 10, True)  # warm: page cache, first-call costs
         default = (ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES)
-        for cand in [int(c) for c in a.candidates.split(",") if c] or [0]:
-            ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = (cand, cand) if cand else default
-            row = _measure(run, s, queries, exact, ids)
-            row.update(
-                n=int(index.n), index_side=m, index_dims=dims, dim=int(pre.dim),
-                kind=index.kind.value, build_s=round(build_s, 1),
-                candidates=ranking.n_candidates(10, int(index.n)),
-            )  # fmt: skip
-            out.append(row)
-            print(json.dumps(row), flush=True)
+        tuned = index.nprobe
+        for nprobe in [int(p) for p in a.nprobe.split(",") if p] or [tuned]:
+            if nprobe:
+                index.set_nprobe(nprobe)
+            for cand in [int(c) for c in a.candidates.split(",") if c] or [0]:
+                ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = (cand, cand) if cand else default
+                row = _measure(run, s, queries, exact, ids)
+                row.update(
+                    n=int(index.n), index_side=m, index_dims=dims, dim=int(pre.dim),
+                    kind=index.kind.value, nprobe=index.nprobe, build_s=round(build_s, 1),
+                    candidates=ranking.n_candidates(10, int(index.n)),
+                )  # fmt: skip
+                out.append(row)
+                print(json.dumps(row), flush=True)
         ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = default
+        if tuned:
+            index.set_nprobe(tuned)
     run.close()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
