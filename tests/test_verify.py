@@ -70,13 +70,20 @@ def test_flipped_bytes_in_a_sketch_fail_verify_and_reads(run):
         s.sketches(0)
 
 
-def test_flipped_bytes_after_the_index_was_built_never_reach_an_answer(run, capsys):
+@pytest.mark.parametrize("cached", [True, False], ids=["record-cache", "small-store"])
+def test_flipped_bytes_after_the_index_was_built_never_reach_an_answer(
+    run, capsys, monkeypatch, cached
+):
     """The index was built before the damage and its fingerprint (which holds the recorded
-    digest) still matches. A query answers from the index's own copy of the records (made from
-    the intact store, checked against index.json's digests on load): the same scores as before
-    the damage, never damaged numbers. `verify` and `index --rebuild` stop with "damaged"."""
+    digest) still matches. With a record cache (stores from record_cache.MIN_RECORDS records) a
+    query answers from the index's own copy of the records (made from the intact store, checked
+    against index.json's digests on load): the same scores as before the damage. A small store
+    has no copy: the query reads the store and stops with "damaged". Never damaged numbers.
+    `verify` and `index --rebuild` stop with "damaged"."""
+    from traceprop_engine.attribution import record_cache
     from traceprop_engine.attribution.query import open_run
 
+    monkeypatch.setattr(record_cache, "MIN_RECORDS", 0 if cached else 10**9)
     first = open_run(run)
     before = first.query("Where does Ada live?", " Paris", top_k=3)
     first.close()
@@ -90,11 +97,18 @@ def test_flipped_bytes_after_the_index_was_built_never_reach_an_answer(run, caps
         fh.write(bytes(b ^ 0xFF for b in chunk))
     again = open_run(run)
     try:
-        after = again.query("Where does Ada live?", " Paris", top_k=3)
+        if cached:
+            after = again.query("Where does Ada live?", " Paris", top_k=3)
+        else:
+            with pytest.raises(StoreError, match="damaged"):
+                again.query("Where does Ada live?", " Paris", top_k=3)
     finally:
         again.close()
-    assert after.rows["example_id"].to_list() == before.rows["example_id"].to_list()
-    np.testing.assert_array_equal(after.rows["score"].to_numpy(), before.rows["score"].to_numpy())
+    if cached:
+        assert after.rows["example_id"].to_list() == before.rows["example_id"].to_list()
+        np.testing.assert_array_equal(
+            after.rows["score"].to_numpy(), before.rows["score"].to_numpy()
+        )
     rep = verify_run(run)
     assert not rep["ok"] and rep["store"]["status"] == "unreadable"
     capsys.readouterr()
