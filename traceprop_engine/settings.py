@@ -269,16 +269,10 @@ class IndexSettings:
     index_dims: int = INDEX_DIMS
 
     def __post_init__(self) -> None:
-        if isinstance(self.index_dims, bool) or not isinstance(self.index_dims, int):
-            raise ConfigError(f"index_dims must be an integer >= 0, got {self.index_dims!r}")
-        if self.index_dims < 0:
-            raise ConfigError(f"index_dims must be >= 0 (0: no reduction), got {self.index_dims}")
-        if isinstance(self.index_side, bool) or not isinstance(self.index_side, int):
-            raise ConfigError(f"index_side must be an integer >= 0, got {self.index_side!r}")
-        if self.index_side < 0:
-            raise ConfigError(
-                f"index_side must be >= 0 (0: no index projection), got {self.index_side}"
-            )
+        for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0 (0: {zero}), got {v!r}")
         object.__setattr__(
             self,
             "preconditioner",

@@ -139,18 +139,16 @@ class LowRankTest:
         if rtol >= GRAM_RTOL:  # eigh of TᵀT: a third of the SVD's time, resolves σ ≥ 1e-8 σ_max
             w, vecs = np.linalg.eigh(np.swapaxes(t, 1, 2) @ t)  # ascending (q, ki), (q, ki, ki)
             keep = w > rtol**2 * np.maximum(w[:, -1:], 1e-300)
-            if int(keep.sum()) * (ko + ki) >= q * ko * ki:
-                return None
-            b = np.concatenate([vecs[i][:, keep[i]] for i in range(q)], axis=1)  # (ki, Σt)
-            a = np.concatenate([t[i] @ vecs[i][:, keep[i]] for i in range(q)], axis=1)
-            owner = np.repeat(np.arange(q), keep.sum(1))
-            return cls(a.astype(dtype), b.astype(dtype), owner)
-        u, s, vt = np.linalg.svd(t, full_matrices=False)  # (q,ko,r), (q,r), (q,r,ki)
-        keep = s > rtol * np.maximum(s[:, :1], 1e-300)
+            right = [vecs[i][:, keep[i]] for i in range(q)]  # (ki, t_i) orthonormal
+            left = [t[i] @ right[i] for i in range(q)]
+        else:
+            u, s, vt = np.linalg.svd(t, full_matrices=False)  # (q,ko,r), (q,r), (q,r,ki)
+            keep = s > rtol * np.maximum(s[:, :1], 1e-300)
+            right = [vt[i][keep[i]].T for i in range(q)]
+            left = [u[i][:, keep[i]] * s[i][keep[i]] for i in range(q)]
         if int(keep.sum()) * (ko + ki) >= q * ko * ki:  # full-rank T' (e.g. EK-FAC): use the GEMM
             return None
-        a = np.concatenate([u[i][:, keep[i]] * s[i][keep[i]] for i in range(q)], axis=1)
-        b = np.concatenate([vt[i][keep[i]].T for i in range(q)], axis=1)
+        a, b = np.concatenate(left, axis=1), np.concatenate(right, axis=1)  # (ko, Σt), (ki, Σt)
         owner = np.repeat(np.arange(q), keep.sum(1))
         return cls(a.astype(dtype), b.astype(dtype), owner)
 

@@ -105,13 +105,9 @@ class ExactScorer:
         n_layers = len(pb)
         # T' of one query has rank ≤ its tokens: ⟨T', U Vᵀ⟩ then costs O((k_out + k_in) r t)
         # per record instead of O(k_out k_in r) (exact: only round-off singular values dropped)
-        rtol = (
-            FLOAT32_RTOL
-            if all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
-            else LOWRANK_RTOL
-        )
-        # float32 queries: their factored products in float32 too (the same precision)
-        dt = np.float32 if rtol == FLOAT32_RTOL else np.float64
+        # float32 queries: cut at their own rounding, factored products in float32 too
+        f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
+        rtol, dt = (FLOAT32_RTOL, np.float32) if f32 else (LOWRANK_RTOL, np.float64)
         pb = [
             LowRankTest.maybe(t, dt, rtol) or t if info.rank else t
             for t, info in zip(pb, self.store.layers, strict=True)
@@ -154,11 +150,10 @@ class ExactScorer:
         info = self.store.layers[li]
         # scattered records (the re-rank's candidates) from the memory-mapped copy when there is one
         src = self.store if self.cache is None or isinstance(where, slice) else self.cache
-        if isinstance(t, LowRankTest):
-            u, v = _read(src, "factors", li, where)
-            return t.inner(u, v, q)
         if info.rank:
             u, v = _read(src, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
+            if isinstance(t, LowRankTest):
+                return t.inner(u, v, q)
             n, (q, ko, ki) = len(u), t.shape
             tt = np.ascontiguousarray(t.transpose(2, 0, 1)).reshape(ki, q * ko)
             out = np.zeros((q, n))

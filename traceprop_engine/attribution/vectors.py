@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +74,7 @@ def fit_preconditioner(
     # that the (full_dim, index_dims) matrix would cost more bytes than it saves)
     n_rows = store.n_records if s.per_record else len(vector_ids(store, False))
     if s.index_dims and s.index_dims < pre.full_dim < n_rows:
-        pre = fit_reduction(
-            store, pre, s.index_dims, s.cosine, lambda a, b: _vectors(store, pre, a, b)
-        )
+        pre = fit_reduction(store, pre, s.index_dims, s.cosine, partial(_vectors, store, pre))
     return pre
 
 
