@@ -61,8 +61,7 @@ with st.sidebar:
     st.html(APP_DIR / "stale_assets.html", unsafe_allow_javascript=True)
     st.html(preload.script(), unsafe_allow_javascript=True)  # chart and table code, once
 
-try:
-    with warmup.page_running():  # the warm-up waits between its steps while a page runs
-        nav.run()
-finally:  # after the page is drawn (even one that stopped): the first query finds the model loaded
-    warmup.start(active)
+# the first query's imports and model load (≈ 5 s of one core) start now, beside the first page:
+# started after it, they were still running at the user's first click (services/warmup.py)
+warmup.start(active)
+nav.run()

@@ -104,7 +104,7 @@ def _answer_shown(page, completion: str):
     """Wait until the 'Queried output' metric shows ``completion`` and the proponents are drawn."""
     metric = page.get_by_test_id("stMetric").filter(has_text="Queried output")
     metric.filter(has_text=completion.strip()).wait_for()
-    page.get_by_text("Proponents (pushed toward this output)").wait_for()
+    page.get_by_text("Proponents (pushed toward this output)").first.wait_for()
 
 
 def _local_only(url: str):

@@ -1,16 +1,22 @@
-"""Warm the query path in the background once the first page has been drawn.
+"""Warm the query path in the background, starting as soon as the first page has been drawn.
 
 The first page needs no torch (the engine is imported lazily); the first query does: importing
-torch and transformers, loading the run's model and fitting its index take seconds on a CPU.
-:func:`start` does that work in a daemon thread right after the first page is sent, so that a
-user's first click finds it done (or under way: the query then waits on the same imports and
-the run's lock instead of starting from scratch). Each step waits until no page script is
-running (:func:`page_running`), so pages drawn meanwhile are not slowed by more than one step.
+torch and transformers and loading the run's model take about 5 s of one core on this project's
+CPUs (``import torch`` 1.6 s, the engine 1.5 s, the tokenizer 0.6 s, the model's transformers
+modules 2 s), and the query page then draws a model answer and a plotly chart for the first
+time. :func:`start` does all of that in a daemon thread right after the first page is sent:
+the same server-side calls as the sample question (query with every example's score, the
+model's greedy answer, the by-source chart), so a user's first click finds them done or under
+way (it then waits on the same imports and the run's lock instead of starting from scratch).
+
+It runs without pauses. Waiting between steps while another page ran (the former design) only
+delayed the first query: the pages shared the interpreter lock with the step under way anyway,
+and the Runs page was no faster (benchmarks/app_speed.py, idle 2-core box: first query
+3.5 → 2.9 s median, first page and Runs page within their noise).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -19,65 +25,34 @@ from pathlib import Path
 
 _started: set[str] = set()
 _guard = threading.Lock()
-_pages = threading.Condition()
-_running = 0  # page scripts running now, in every session of this process
-IDLE_WAIT_S = 30.0  # a warm-up step waits at most this long for the pages to finish
-FIRST_PAGE_GRACE_S = float(os.environ.get("TRACEPROP_WARMUP_GRACE_S", "1.0"))
-"""Seconds the warm-up waits before its first step: the server sends the first page and the
-browser draws it before torch's import takes the interpreter lock (measured with
-benchmarks/app_speed.py on 2 cores: first page 4.2 s with the warm-up starting at once, 3.2 s
-with none)."""
+FIRST_PAGE_GRACE_S = float(os.environ.get("TRACEPROP_WARMUP_GRACE_S", "0"))
+"""Seconds the warm-up waits before its first step (default none: it starts after the first
+page's script, when the page's elements are already sent)."""
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def page_running():
-    """Mark a page script as running (``app/main.py`` wraps ``nav.run()`` in it): the warm-up
-    starts its next step only when no page is running, so a page drawn while the warm-up works
-    (the Runs page right after the first one) does not share the interpreter lock with torch's
-    and transformers' imports for longer than the step under way."""
-    global _running
-    with _pages:
-        _running += 1
-    try:
-        yield
-    finally:
-        with _pages:
-            _running -= 1
-            _pages.notify_all()
-
-
-def _wait_idle(timeout: float = IDLE_WAIT_S) -> bool:
-    """Wait until no page script runs (at most ``timeout`` s); whether it became idle."""
-    with _pages:
-        return _pages.wait_for(lambda: _running == 0, timeout)
-
-
 def warm(run_dir: str | os.PathLike) -> None:
-    """Open the cached run, load its model and tokenizer and answer one eval query with the
-    default settings (builds or loads the index): what a first query would otherwise do."""
+    """What the sample question does on the server, once, for ``run_dir``'s first eval example:
+    open the cached run, load its model and tokenizer, query it with every example's score
+    (builds or loads the index), the model's answer, and the by-source chart's figure."""
     from traceprop_engine.errors import TracepropError
 
-    from .queries import cached_tokenizer, open_cached
+    from . import answers, charts
+    from .queries import cached_tokenizer, open_cached, run_query_and_scores
 
     try:
         time.sleep(FIRST_PAGE_GRACE_S)
-        _wait_idle()
-        import torch  # noqa: F401 - the first and longest step, on its own
-
-        _wait_idle()
-        run, lock = open_cached(run_dir)
-        _wait_idle()
-        cached_tokenizer(str(Path(run_dir).resolve()))
-        _wait_idle()
+        run, lock = open_cached(run_dir)  # imports torch and the engine
         with lock:
             run.model()
-        _wait_idle()
+        cached_tokenizer(str(Path(run_dir).resolve()))
         with lock:
             ex = run.examples()
-            evals = ex.filter(ex["split"] == "eval")["example_id"].to_list()
-            if evals:
-                run.query(eval_example=int(evals[0]), top_k=1)
+        evals = ex.filter(ex["split"] == "eval")["example_id"].to_list()
+        if evals:
+            _, by_source, _ = run_query_and_scores(run_dir, eval_example=int(evals[0]))
+            answers.model_answer(run_dir, eval_example=int(evals[0]))
+            charts.by_source_figure(by_source)
     except (TracepropError, OSError, ValueError) as e:  # the page shows the error on use
         log.info("warm-up of %s skipped: %s", run_dir, e)
 

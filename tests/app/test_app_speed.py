@@ -107,21 +107,3 @@ def test_rerun_does_not_read_tokens_again(app_env, monkeypatch):
     assert not at.exception
     assert len(calls) == first  # the cached token texts
     assert [c.value for c in at.code] == shown
-
-
-def test_warm_up_steps_wait_while_a_page_runs():
-    import threading
-    import time
-
-    from services import warmup
-
-    assert warmup._wait_idle(0.01)  # no page running
-    done = []
-    with warmup.page_running():
-        assert not warmup._wait_idle(0.05)  # a step would wait for the page
-        t = threading.Thread(target=lambda: done.append(warmup._wait_idle(10)))
-        t.start()
-        time.sleep(0.2)
-        assert done == []  # still waiting while the page runs
-    t.join(5)
-    assert done == [True]  # the page finished: the waiting step goes on
