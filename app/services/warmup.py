@@ -1,18 +1,20 @@
-"""Warm the query path in the background, starting as soon as the first page has been drawn.
+"""Warm the query path in the background, starting beside the first page.
 
 The first page needs no torch (the engine is imported lazily); the first query does: importing
 torch and transformers and loading the run's model take about 5 s of one core on this project's
 CPUs (``import torch`` 1.6 s, the engine 1.5 s, the tokenizer 0.6 s, the model's transformers
 modules 2 s), and the query page then draws a model answer and a plotly chart for the first
-time. :func:`start` does all of that in a daemon thread right after the first page is sent:
-the same server-side calls as the sample question (query with every example's score, the
-model's greedy answer, the by-source chart), so a user's first click finds them done or under
-way (it then waits on the same imports and the run's lock instead of starting from scratch).
+time. :func:`start` (called by ``app/main.py`` before the first page's script) does all of
+that in a daemon thread: the same server-side calls as the sample question (query with every
+example's score, the model's greedy answer, the by-source chart), so a user's first click finds
+them done or under way (it then waits on the same imports and the run's lock instead of
+starting from scratch).
 
 It runs without pauses. Waiting between steps while another page ran (the former design) only
 delayed the first query: the pages shared the interpreter lock with the step under way anyway,
 and the Runs page was no faster (benchmarks/app_speed.py, idle 2-core box: first query
-3.5 → 2.9 s median, first page and Runs page within their noise).
+3.72 → 2.86 s and 3.37 → 3.08 s in two interleaved A/Bs, first page and Runs page
+within their noise).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from pathlib import Path
 _started: set[str] = set()
 _guard = threading.Lock()
 FIRST_PAGE_GRACE_S = float(os.environ.get("TRACEPROP_WARMUP_GRACE_S", "0"))
-"""Seconds the warm-up waits before its first step (default none: it starts after the first
-page's script, when the page's elements are already sent)."""
+"""Seconds the warm-up waits before its first step (default none: started beside the first
+page, it did not slow that page, whose time is mostly the browser's; benchmarks/README.md)."""
 log = logging.getLogger(__name__)
 
 
