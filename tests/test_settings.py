@@ -193,3 +193,46 @@ def test_non_default_index_shapes_get_their_own_index_names():
         IndexSettings(index_side=8, index_dims=0).name,
     }
     assert len(names) == 4 and IndexSettings().name == "identity-cos"
+
+
+@pytest.mark.parametrize(
+    "d_in,d_out,want",
+    [
+        (64, 512, (64, 188)),  # a narrow model's LM head: the input side's spare rows go out
+        (512, 64, (188, 64)),
+        (64, 64, (64, 64)),  # both sides narrow: exact, nothing to share
+        (100, 150, (100, 150)),  # 26 spare rows, the output side takes 24 of them
+        (256, 1024, (126, 126)),  # wide on both sides: as without sharing
+    ],
+)
+def test_share_k_gives_a_clamped_sides_rows_to_the_other(d_in, d_out, want):
+    assert TrackSettings().layer_k(d_in, d_out) == want
+    assert TrackSettings(share_k=False).layer_k(d_in, d_out) == (min(126, d_in), min(126, d_out))
+    # full sketches cost k_out·k_in bytes, so nothing is shared there
+    assert TrackSettings(rank=0).layer_k(d_in, d_out) == (min(126, d_in), min(126, d_out))
+
+
+def test_share_k_must_be_a_bool_and_old_records_read_as_unshared():
+    with pytest.raises(ConfigError, match="share_k"):
+        TrackSettings(share_k=1)
+    old = TrackSettings(k_in=8, k_out=8).to_dict()
+    del old["share_k"]  # a run.json written before the setting existed
+    assert TrackSettings.from_dict({**old, "unknown": 1}) == TrackSettings(k_in=8, k_out=8, share_k=False)
+    assert TrackSettings.from_dict(TrackSettings().to_dict()) == TrackSettings()
+
+
+def test_share_k_changes_nothing_on_the_default_tiny_model():
+    """The overhead and bytes of ``traceprop bench overhead`` (default tiny model) are the same
+    with and without sharing: every layer is at least 126 wide on both sides."""
+    from transformers import GPTNeoXForCausalLM
+
+    from traceprop_engine.capture.layers import build_layers
+    from traceprop_engine.training.models import tiny_config
+
+    t = TrainSettings(data="-", out="-")
+    model = GPTNeoXForCausalLM(
+        tiny_config(vocab_size=t.tiny_vocab, width=t.tiny_width, layers=t.tiny_layers)
+    )
+    shared = [(x.k_in, x.k_out) for x in build_layers(model, TrackSettings())]
+    assert shared == [(x.k_in, x.k_out) for x in build_layers(model, TrackSettings(share_k=False))]
+    assert set(shared) == {(126, 126)}

@@ -64,6 +64,14 @@ class TrackSettings:
         k_in: rows of the input-side projection ``P_in`` (clamped to the layer's input width;
             equal to the width means no projection on that side).
         k_out: rows of the output-side projection ``P_out`` (clamped likewise).
+        share_k: with factor records (``rank ≥ 1``), a side clamped to its layer's width gives
+            the rows it cannot use to the other side, so every record keeps its
+            ``rank·(k_in + k_out)`` numbers: a layer ``64 → 512`` (a narrow model's LM head)
+            records ``k_in = 64, k_out = 188`` instead of ``64, 126``, at the same bytes as a
+            wide layer. No effect on layers at least ``k_in`` wide on the input side and
+            ``k_out`` on the output side (every layer of the default tiny model), nor on full
+            sketches, whose bytes are ``k_out·k_in``. Runs recorded before this setting read
+            as ``False``.
         sketch: ``factored`` (``(P_out g)(P_in a)^T`` per example) or ``dense`` (materialised
             per-example gradient + sparse JL projection to ``dense_k`` numbers).
         dense_k: output size of the dense sketch.
@@ -96,6 +104,7 @@ class TrackSettings:
     scope: str = "all"
     k_in: int = 126
     k_out: int = 126
+    share_k: bool = True
     sketch: SketchKind = SketchKind.FACTORED
     dense_k: int = 512
     dense_nnz: int = 2
@@ -124,6 +133,8 @@ class TrackSettings:
             raise ConfigError(
                 f"power_iters must be a non-negative integer (0 = half a step), got {self.power_iters!r}"
             )
+        if not isinstance(self.share_k, bool):
+            raise ConfigError(f"share_k must be true or false, got {self.share_k!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(
                 f"rank must be a non-negative integer (0 = store full sketches), got {self.rank!r}"
@@ -147,6 +158,21 @@ class TrackSettings:
                     f"scope must be 'all', 'last-block' or a valid regular expression; "
                     f"{self.scope!r} does not compile: {e}"
                 ) from None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrackSettings:
+        """The settings a run's manifest recorded (unknown keys ignored; a record from before
+        ``share_k`` existed reads as ``share_k=False``, which is how it was recorded)."""
+        known = set(cls.__dataclass_fields__)
+        return cls(**{"share_k": False, **{k: v for k, v in d.items() if k in known}})
+
+    def layer_k(self, d_in: int, d_out: int) -> tuple[int, int]:
+        """``(k_in, k_out)`` of a layer ``d_in → d_out``: each clamped to its side's width, then
+        (``share_k`` with factor records) the rows a clamped side cannot use go to the other."""
+        k_in, k_out = min(self.k_in, d_in), min(self.k_out, d_out)
+        if self.share_k and self.rank >= 1 and self.sketch is SketchKind.FACTORED:
+            k_in, k_out = min(d_in, k_in + self.k_out - k_out), min(d_out, k_out + self.k_in - k_in)
+        return k_in, k_out
 
     def to_dict(self) -> dict:
         d = asdict(self)

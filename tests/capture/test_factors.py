@@ -232,17 +232,22 @@ def _half_step_reference(G: np.ndarray, sigma: np.ndarray, layer) -> np.ndarray:
     return Pout @ np.outer(u, u) @ G @ Pin.T
 
 
-@pytest.mark.parametrize("k", [6, 10_000])
+@pytest.mark.parametrize("k", [6, 48, 10_000])
 def test_default_half_step_record_matches_autograd(tmp_path, k):
     """The default record (rank 1, half a step, projections batched after the backward):
     ``U Vᵀ = P_out û ûᵀ G P_inᵀ`` with ``û`` the example's summed output gradient (seen by a
     hook of its own on a one-example backward) and ``G`` its per-example autograd weight
-    gradient; projected (k = 6) and exact (k above every width)."""
+    gradient; projected (k = 6), with shared k (k = 48 on widths 32–97: a clamped side's rows
+    go to the other side) and exact (k above every width)."""
     model = tiny_neox()
     settings = TrackSettings(k_in=k, k_out=k, factor_dtype="float32")
-    assert settings.rank == 1 and settings.power_iters == 0  # the default path
+    assert settings.rank == 1 and settings.power_iters == 0 and settings.share_k  # the default
     store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
+    if k == 48:  # 32 → 96: k_in = 32, k_out = 48 + 16; the store holds those shapes
+        qkv = next(i for i, x in enumerate(layers) if x.name.endswith("query_key_value"))
+        assert (layers[qkv].k_in, layers[qkv].k_out) == (32, 64)
+        assert store.sketches(qkv)[0].shape == (64, 32)
     sigma: dict[str, np.ndarray] = {}
 
     def keep_sigma(name):

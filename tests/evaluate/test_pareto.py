@@ -58,6 +58,11 @@ def test_the_committed_table_has_the_default_on_the_front():
     (default,) = [r for r in rows if r.default]
     d = TrackSettings()
     assert default.track["k_in"] == d.k_in and default.track["rank"] == d.rank
+    assert default.track["share_k"] is d.share_k
+    assert assess(d.to_dict())["measured"].name == default.name  # the Launch page's lookup
+    old = d.to_dict()
+    del old["share_k"]  # a run recorded before share_k: its own, unshared row
+    assert assess(old)["measured"].track["share_k"] is False
     assert default.name in {r.name for r in front(rows)}
     # no more than the former default's bytes (4380 measured; 1 byte of chunk rounding)
     assert default.bytes_per_example <= 4380 * 1.001

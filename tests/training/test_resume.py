@@ -276,3 +276,16 @@ def test_reopen_truncates_to_the_checkpoint(data, tmp_path):
         assert s.verify_content()["status"] == "ok"  # the digest is written again on close
     with pytest.raises(StoreError, match="holds 24 complete records, the checkpoint counts 25"):
         StoreWriter.reopen(run / "store.h5", 25, norms)
+
+
+def test_a_run_recorded_before_share_k_resumes_with_its_own_k(tmp_path):
+    """run.json from before ``share_k`` existed: resumed unshared, the k its store was made with
+    (a shared default would give its narrow layers other projections than its records)."""
+    from traceprop_engine.settings import TrackSettings
+    from traceprop_engine.training.resume import settings_from_config
+
+    track = TrackSettings(k_in=48, k_out=48).to_dict()
+    del track["share_k"]
+    got = settings_from_config({"data": "d", "out": "o", "track": track}, tmp_path)
+    assert got.track == TrackSettings(k_in=48, k_out=48, share_k=False)
+    assert got.track.layer_k(32, 96) == (32, 48)

@@ -145,18 +145,19 @@ def find_layers(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modu
 
 
 def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer]:
-    """Tracked layers with their seeded projections (k clamped to each side's width)."""
+    """Tracked layers with their seeded projections (k per side: :meth:`TrackSettings.layer_k`)."""
     layers = []
     for name, module in find_layers(model, settings.scope):
         kind, d_in, d_out = _widths(module)
+        k_in, k_out = settings.layer_k(d_in, d_out)
         layer = TrackedLayer(
             name=name,
             module=module,
             kind=kind,
             d_in=d_in,
             d_out=d_out,
-            k_in=min(settings.k_in, d_in),
-            k_out=min(settings.k_out, d_out),
+            k_in=k_in,
+            k_out=k_out,
             sketch=settings.sketch,
         )
         if settings.sketch is SketchKind.DENSE:

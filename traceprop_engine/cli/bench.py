@@ -93,6 +93,7 @@ def _cmd_bench_overhead(a) -> int:
         rank=a.rank,
         factor_dtype=a.factor_dtype,
         track_extra=dict(
+            share_k=a.share_k,
             factor_space=a.factor_space,
             power_iters=a.power_iters,
             covariance_stride=a.covariance_stride,

@@ -43,6 +43,14 @@ def add_track_flags(p) -> None:
         "--k-out", type=int, default=d["k_out"], help="output-side projection size per layer"
     )
     p.add_argument(
+        "--no-share-k",
+        dest="share_k",
+        action="store_false",
+        default=d["share_k"],
+        help="keep each side's k clamped to its width (by default, with factor records, a side "
+        "narrower than its k gives the rows it cannot use to the other side: same bytes)",
+    )
+    p.add_argument(
         "--rank",
         type=int,
         default=d["rank"],

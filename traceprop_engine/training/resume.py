@@ -41,8 +41,7 @@ def settings_from_config(config: dict, run_dir: Path) -> TrainSettings:
     values = {k: v for k, v in config.items() if k in names}
     track = values.pop("track", None)
     if isinstance(track, dict):
-        known = set(TrackSettings.__dataclass_fields__)
-        track = TrackSettings(**{k: v for k, v in track.items() if k in known})
+        track = TrackSettings.from_dict(track)
     try:
         return TrainSettings(**{**values, "out": str(run_dir), "track": track})
     except (TypeError, ConfigError) as e:
