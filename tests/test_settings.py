@@ -217,7 +217,9 @@ def test_share_k_must_be_a_bool_and_old_records_read_as_unshared():
         TrackSettings(share_k=1)
     old = TrackSettings(k_in=8, k_out=8).to_dict()
     del old["share_k"]  # a run.json written before the setting existed
-    assert TrackSettings.from_dict({**old, "unknown": 1}) == TrackSettings(k_in=8, k_out=8, share_k=False)
+    assert TrackSettings.from_dict({**old, "unknown": 1}) == TrackSettings(
+        k_in=8, k_out=8, share_k=False
+    )
     assert TrackSettings.from_dict(TrackSettings().to_dict()) == TrackSettings()
 
 

@@ -123,7 +123,10 @@ def assess(track: dict, path: str | Path = PARETO_FILE) -> dict | None:
         _, rows = load_measured(path)
     except ConfigError:
         return None
-    track = {"share_k": False, **track}  # recorded before share_k existed: as TrackSettings.from_dict
+    track = {
+        "share_k": False,
+        **track,
+    }  # recorded before share_k existed: as TrackSettings.from_dict
     want = {k: str(track.get(k)) for k in MATCH_KEYS if k in track}
     for r in rows:
         if all(str(r.track.get(k)) == v for k, v in want.items() if k in r.track):
