@@ -216,10 +216,12 @@ def test_share_k_must_be_a_bool_and_old_records_read_as_unshared():
     with pytest.raises(ConfigError, match="share_k"):
         TrackSettings(share_k=1)
     old = TrackSettings(k_in=8, k_out=8).to_dict()
-    del old["share_k"]  # a run.json written before the setting existed
+    del old["share_k"], old["projection"]  # a run.json written before the settings existed
     assert TrackSettings.from_dict({**old, "unknown": 1}) == TrackSettings(
-        k_in=8, k_out=8, share_k=False
+        k_in=8, k_out=8, share_k=False, projection="gaussian"
     )
+    with pytest.raises(ConfigError, match="projection"):
+        TrackSettings(projection="hadamard")
     assert TrackSettings.from_dict(TrackSettings().to_dict()) == TrackSettings()
 
 

@@ -17,6 +17,7 @@ from traceprop_engine.capture.sketch import (
     full_factors,
     gaussian_projection,
     layer_seed,
+    orthogonal_projection,
     sparse_jl,
     top_factors,
 )
@@ -60,6 +61,50 @@ def test_layer_seed_is_stable_and_separates_run_layer_and_side():
     # sha256 of "seed|layer|side", not Python's salted hash: fixed across processes
     digest = hashlib.sha256(b"0|x|in").digest()
     assert layer_seed(0, "x", "in") == int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+# orthonormality of the rows after the float64 QR and the float32 rounding
+ORTHO_ATOL = 1e-5
+
+
+def test_orthogonal_projection_has_scaled_orthonormal_rows_and_is_unbiased():
+    k, d = 48, 200
+    p = orthogonal_projection(k, d, seed=7)
+    assert p.shape == (k, d) and p.dtype == torch.float32 and p.device.type == "cpu"
+    torch.testing.assert_close(p, orthogonal_projection(k, d, seed=7), rtol=0, atol=0)
+    assert not torch.equal(p, orthogonal_projection(k, d, seed=8))
+    gram = (p.double() @ p.double().T) * (k / d)  # Qᵀ Q
+    torch.testing.assert_close(gram, torch.eye(k, dtype=torch.float64), rtol=0, atol=ORTHO_ATOL)
+    # the polar factor U Vᵀ of the Gaussian matrix of that seed (numpy's SVD, G = U S Vᵀ)
+    g = torch.randn(d, k, generator=torch.Generator().manual_seed(7)).double().numpy()
+    u, _, vt = np.linalg.svd(g, full_matrices=False)
+    want = torch.from_numpy((u @ vt).T * (d / k) ** 0.5)
+    torch.testing.assert_close(p.double(), want, rtol=0, atol=ORTHO_ATOL)
+    # E[PᵀP] = I over seeds: inner products stay unbiased (mean of 200 draws within 4 sd)
+    x, y = torch.randn(2, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    est = torch.tensor(
+        [
+            float(
+                (orthogonal_projection(k, d, s).double() @ x)
+                @ (orthogonal_projection(k, d, s).double() @ y)
+            )
+            for s in range(200)
+        ]
+    )
+    want = float(x @ y)
+    assert abs(float(est.mean()) - want) < 4 * float(est.std()) / 200**0.5
+    # lower variance than the Gaussian matrices of the same seeds
+    gauss = torch.tensor(
+        [
+            float(
+                (gaussian_projection(k, d, s).double() @ x)
+                @ (gaussian_projection(k, d, s).double() @ y)
+            )
+            for s in range(200)
+        ]
+    )
+    assert float(est.var()) < float(gauss.var())
+    assert orthogonal_projection(32, 32, seed=0) is None
 
 
 def test_gaussian_projection_shape_seed_and_scale():

@@ -60,9 +60,11 @@ def test_the_committed_table_has_the_default_on_the_front():
     assert default.track["k_in"] == d.k_in and default.track["rank"] == d.rank
     assert default.track["share_k"] is d.share_k
     assert assess(d.to_dict())["measured"].name == default.name  # the Launch page's lookup
+    assert default.track["projection"] == d.projection.value
     old = d.to_dict()
-    del old["share_k"]  # a run recorded before share_k: its own, unshared row
-    assert assess(old)["measured"].track["share_k"] is False
+    del old["share_k"], old["projection"]  # a run recorded before both: its own row
+    got = assess(old)["measured"].track
+    assert got["share_k"] is False and got["projection"] == "gaussian"
     assert default.name in {r.name for r in front(rows)}
     # no more than the former default's bytes (4380 measured; 1 byte of chunk rounding)
     assert default.bytes_per_example <= 4380 * 1.001

@@ -279,13 +279,14 @@ def test_reopen_truncates_to_the_checkpoint(data, tmp_path):
 
 
 def test_a_run_recorded_before_share_k_resumes_with_its_own_k(tmp_path):
-    """run.json from before ``share_k`` existed: resumed unshared, the k its store was made with
-    (a shared default would give its narrow layers other projections than its records)."""
+    """run.json from before ``share_k`` and ``projection`` existed: resumed unshared and
+    Gaussian, as its store was made (the new defaults would give its layers other projections
+    than its records)."""
     from traceprop_engine.settings import TrackSettings
     from traceprop_engine.training.resume import settings_from_config
 
     track = TrackSettings(k_in=48, k_out=48).to_dict()
-    del track["share_k"]
+    del track["share_k"], track["projection"]
     got = settings_from_config({"data": "d", "out": "o", "track": track}, tmp_path)
-    assert got.track == TrackSettings(k_in=48, k_out=48, share_k=False)
+    assert got.track == TrackSettings(k_in=48, k_out=48, share_k=False, projection="gaussian")
     assert got.track.layer_k(32, 96) == (32, 48)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..settings import FactorSpace, SketchKind, TrackSettings
-from .sketch import gaussian_projection, layer_seed, sparse_jl
+from .sketch import layer_seed, random_projection, sparse_jl
 
 try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
     from transformers.pytorch_utils import Conv1D
@@ -170,11 +170,12 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
                 layer_seed(settings.seed, name, "dense"),
             )
         else:
-            layer.P_in = gaussian_projection(
-                layer.k_in, d_in, layer_seed(settings.seed, name, "in")
+            kind = settings.projection.value
+            layer.P_in = random_projection(
+                kind, layer.k_in, d_in, layer_seed(settings.seed, name, "in")
             )
-            layer.P_out = gaussian_projection(
-                layer.k_out, d_out, layer_seed(settings.seed, name, "out")
+            layer.P_out = random_projection(
+                kind, layer.k_out, d_out, layer_seed(settings.seed, name, "out")
             )
             if settings.rank:
                 layer.rank = min(settings.rank, layer.k_out, layer.k_in)

@@ -1,9 +1,14 @@
 """Random projections of the factored and dense sketches.
 
 Factored sketch of one example on a layer ``y = W x``: ``Ŝ = P_out G P_inᵀ`` with
-``G = Σ_t g_t a_tᵀ``; ``P_in ∈ R^{k_in×d_in}``, ``P_out ∈ R^{k_out×d_out}`` are Gaussian with
-variance ``1/k`` (a JL projection, so ``E‖Ŝ‖² = ‖G‖²``). ``k == d`` means no projection on
-that side (``None``), which makes that side exact.
+``G = Σ_t g_t a_tᵀ``; ``P_in ∈ R^{k_in×d_in}``, ``P_out ∈ R^{k_out×d_out}`` are random
+projections with ``E[PᵀP] = I`` (so ``E‖Ŝ‖² = ‖G‖²`` and inner products are unbiased):
+``orthogonal`` (default) has ``k`` orthonormal rows of a uniformly random subspace, scaled by
+``√(d/k)``; ``gaussian`` has i.i.d. ``N(0, 1/k)`` entries (the JL matrix of runs before
+2026-12-01). Orthogonal rows give every inner product a lower variance, by about a factor
+``1 − k/d`` (it is exact at ``k = d``), at the same cost per use (benchmarks/EVAL.md §1c,
+"Orthogonal projections"). ``k == d`` means no projection on that side (``None``), which
+makes that side exact.
 
 Dense sketch: ``vec(G)`` (row-major, ``d_out × d_in``) times a sparse JL matrix with
 ``nnz`` entries ``±1/√nnz`` per input coordinate, stored as (index, sign) arrays.
@@ -30,6 +35,29 @@ def gaussian_projection(k: int, d: int, seed: int) -> torch.Tensor | None:
         return None
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(k, d, generator=gen, dtype=torch.float32) / k**0.5
+
+
+def orthogonal_projection(k: int, d: int, seed: int) -> torch.Tensor | None:
+    """``(k, d)`` float32 matrix ``√(d/k) Qᵀ`` on the CPU, or ``None`` when ``k >= d`` (exact).
+
+    ``Q = G (GᵀG)^(-1/2)`` is the orthonormal matrix nearest the Gaussian ``(d, k)`` matrix ``G``
+    of that seed (its polar factor): orthonormal columns spanning a uniformly random subspace,
+    so ``E[PᵀP] = I``. Unique (no sign choice left to the LAPACK build), and cheap: one
+    ``d × k`` Gram product and a ``k × k`` eigendecomposition in float64 (≈ 20 ms at d = 4096,
+    k = 126, one thread), where a Householder QR took 2–3× longer.
+    """
+    if k >= d:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(d, k, generator=gen, dtype=torch.float32).double()
+    lam, v = torch.linalg.eigh(g.T @ g)
+    q = g @ ((v * lam.rsqrt()) @ v.T)
+    return (q.T * (d / k) ** 0.5).float().contiguous()
+
+
+def random_projection(kind: str, k: int, d: int, seed: int) -> torch.Tensor | None:
+    """The projection of ``TrackSettings.projection`` (``"orthogonal"`` or ``"gaussian"``)."""
+    return (orthogonal_projection if kind == "orthogonal" else gaussian_projection)(k, d, seed)
 
 
 def sparse_jl(d: int, k: int, nnz: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

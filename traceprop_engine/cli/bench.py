@@ -94,6 +94,7 @@ def _cmd_bench_overhead(a) -> int:
         factor_dtype=a.factor_dtype,
         track_extra=dict(
             share_k=a.share_k,
+            projection=a.projection,
             factor_space=a.factor_space,
             power_iters=a.power_iters,
             covariance_stride=a.covariance_stride,

@@ -30,7 +30,7 @@ def choices(enum: type[Enum]) -> list[str]:
 
 def add_track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
-    from ..settings import FactorDtype, FactorSpace, TrackSettings
+    from ..settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings
 
     d = field_defaults(TrackSettings)
     p.add_argument(
@@ -41,6 +41,12 @@ def add_track_flags(p) -> None:
     )
     p.add_argument(
         "--k-out", type=int, default=d["k_out"], help="output-side projection size per layer"
+    )
+    p.add_argument(
+        "--projection",
+        default=plain(d["projection"]),
+        choices=choices(ProjectionKind),
+        help="random projection per side: orthogonal rows (lower variance) or i.i.d. Gaussian",
     )
     p.add_argument(
         "--no-share-k",

@@ -166,6 +166,7 @@ def train_settings(a):
             k_in=a.k_in,
             k_out=a.k_out,
             share_k=a.share_k,
+            projection=a.projection,
             rank=a.rank,
             factor_dtype=a.factor_dtype,
             factor_space=a.factor_space,

@@ -16,7 +16,16 @@ from .. import constants as C
 from ..errors import ConfigError
 
 PARETO_FILE = C.REPO_ROOT / "benchmarks" / "results" / "pareto.json"
-MATCH_KEYS = ("k_in", "k_out", "share_k", "rank", "factor_space", "factor_dtype", "power_iters")
+MATCH_KEYS = (
+    "k_in",
+    "k_out",
+    "share_k",
+    "projection",
+    "rank",
+    "factor_space",
+    "factor_dtype",
+    "power_iters",
+)
 BYTES_TOLERANCE = 0.01
 
 
@@ -90,7 +99,7 @@ def describe(track: dict | None, path: str | Path = PARETO_FILE) -> str:
         return "tracking: none recorded in run.json"
     cfg = ", ".join(
         f"{k}={track[k]}"
-        for k in ("k_in", "k_out", "share_k", "rank", "factor_space", "factor_dtype")
+        for k in ("k_in", "k_out", "share_k", "projection", "rank", "factor_space", "factor_dtype")
         if k in track
     )
     hit = assess(track, path)
@@ -123,10 +132,8 @@ def assess(track: dict, path: str | Path = PARETO_FILE) -> dict | None:
         _, rows = load_measured(path)
     except ConfigError:
         return None
-    track = {
-        "share_k": False,
-        **track,
-    }  # recorded before share_k existed: as TrackSettings.from_dict
+    # recorded before share_k and projection existed: read as TrackSettings.from_dict does
+    track = {"share_k": False, "projection": "gaussian", **track}
     want = {k: str(track.get(k)) for k in MATCH_KEYS if k in track}
     for r in rows:
         if all(str(r.track.get(k)) == v for k, v in want.items() if k in r.track):
