@@ -33,6 +33,8 @@ SAMPLE_SETTINGS = dict(
 )
 SAMPLE_TRACK: dict = {}  # the default tracking configuration (TrackSettings())
 SAMPLE_PRECONDITIONERS = ("identity", "kfac", "ekfac")
+# raw (not cosine) indexes: self-influence and the Rankings page read them (|v|^2 = 1 under cosine)
+SAMPLE_RAW_INDEXES = ("identity", "kfac")
 
 
 def default_root() -> Path:
@@ -68,6 +70,8 @@ def build_sample_run(root: Path | None = None, seed: int = 0) -> Path:
     run = open_run(run_dir)
     for pc in SAMPLE_PRECONDITIONERS:
         run.index(IndexSettings(preconditioner=pc), rebuild=True)
+    for pc in SAMPLE_RAW_INDEXES:  # so the app opens on them without building
+        run.index(IndexSettings(preconditioner=pc, cosine=False), rebuild=True)
     report = ground_truth_hits(run, data)
     (run_dir / "sample_quality.json").write_text(json.dumps(report, indent=2))
     run.close()
