@@ -94,7 +94,9 @@ def test_rank_puts_the_planted_rumours_first(tmp_path):
             # 6 rumours among 154 rows: at random about 0.2 would land in the top 5
             assert (df["source"][:5] == "rumours.jsonl").sum() >= 2, df.head(5)
         else:
-            # self-influence from rank-1 records is a weaker detector than the loss (measured:
-            # rumour ranks 3, 15, 16, 21, 101, 109): one in the top 5, the mean rank well
-            # above a random row's (77.5)
-            assert rumours.min() <= 5 and rumours.mean() < 60, rumours.to_list()
+            # self-influence from rank-1 records is a weaker detector than the loss, and which
+            # rumours lead depends on the projection draw (measured: ranks 3, 15, 16, 21, 101,
+            # 109 with Gaussian projections; 15, 18, 23, 45, 53, 103 with the orthogonal
+            # default): at least two in the top 25 (at random about 1), the mean rank well above
+            # a random row's (77.5)
+            assert (rumours <= 25).sum() >= 2 and rumours.mean() < 60, rumours.to_list()
