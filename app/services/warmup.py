@@ -27,6 +27,7 @@ from pathlib import Path
 
 _started: set[str] = set()
 _guard = threading.Lock()
+_page_query = threading.Event()  # a page started a query: the warm-up's own query would delay it
 FIRST_PAGE_GRACE_S = float(os.environ.get("TRACEPROP_WARMUP_GRACE_S", "0"))
 """Seconds the warm-up waits before its first step (default none: started beside the first
 page, it did not slow that page, whose time is mostly the browser's; benchmarks/README.md)."""
@@ -48,6 +49,8 @@ def warm(run_dir: str | os.PathLike) -> None:
         with lock:
             run.model()
         cached_tokenizer(str(Path(run_dir).resolve()))
+        if _page_query.is_set():  # the user's query does the rest, and no longer waits on ours
+            return
         with lock:
             ex = run.examples()
         evals = ex.filter(ex["split"] == "eval")["example_id"].to_list()
@@ -55,8 +58,18 @@ def warm(run_dir: str | os.PathLike) -> None:
             _, by_source, _ = run_query_and_scores(run_dir, eval_example=int(evals[0]))
             answers.model_answer(run_dir, eval_example=int(evals[0]))
             charts.by_source_figure(by_source)
+        import pandas  # noqa: F401 - the first table's conversion (st.dataframe), 0.4 s
+        import pyarrow  # noqa: F401
+
+        from traceprop_engine.attribution import export, tokens  # noqa: F401 - the query page's
     except (TracepropError, OSError, ValueError) as e:  # the page shows the error on use
         log.info("warm-up of %s skipped: %s", run_dir, e)
+
+
+def page_query_started() -> None:
+    """Called by the Influencers page before its query: the warm-up skips what is left of its
+    own query steps (they hold the run's lock the page's query waits on)."""
+    _page_query.set()
 
 
 def start(run_dir: str | os.PathLike | None) -> bool:

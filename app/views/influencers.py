@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import streamlit as st
-from services import answers, config, exports, find, jobs, queries, runs, text
+from services import answers, config, exports, find, jobs, queries, runs, text, warmup
 from views import counterfactual as cf_sections
 from views import example_details, find_panel, result_charts
 
@@ -98,6 +98,7 @@ pre = c2.selectbox(
 
 clicked = st.button("Find influencers", type="primary", key="infl_go")
 if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's sample question
+    warmup.page_query_started()
     try:
         with st.spinner("Scoring every training example…"):
             res, by_source, scores = queries.run_query_and_scores(
