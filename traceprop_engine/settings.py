@@ -81,10 +81,10 @@ class TrackSettings:
             as ``False``.
         projection: ``orthogonal`` (default): ``P`` has ``k`` orthonormal rows of a random
             subspace, scaled by ``√(d/k)``; ``gaussian``: i.i.d. ``N(0, 1/k)`` entries. Both
-            keep inner products unbiased; orthogonal rows give them a lower variance (about
-            ``1 − k/d`` times), at the same cost per use: cosine LDS +0.003 to +0.033 on all
-            four sets (benchmarks/EVAL.md §1c). Runs recorded before this setting read as
-            ``gaussian``.
+            keep inner products unbiased; orthogonal rows give them a lower variance, at the
+            same cost per use: mean cosine LDS over four projection seeds +0.027 / +0.014 on
+            facts24, +0.005 / −0.009 on the hard set (benchmarks/EVAL.md §1c). Runs recorded
+            before this setting read as ``gaussian``.
         sketch: ``factored`` (``(P_out g)(P_in a)^T`` per example) or ``dense`` (materialised
             per-example gradient + sparse JL projection to ``dense_k`` numbers).
         dense_k: output size of the dense sketch.

@@ -10,7 +10,8 @@ example's score, the model's greedy answer, the by-source chart), so a user's fi
 them done or under way (it then waits on the same imports and the run's lock instead of
 starting from scratch).
 
-It runs without pauses. Waiting between steps while another page ran (the former design) only
+It runs without pauses, and stops before its own query once a page has started one
+(:func:`page_query_started`: that query would hold the run's lock the user's waits on). Waiting between steps while another page ran (the former design) only
 delayed the first query: the pages shared the interpreter lock with the step under way anyway,
 and the Runs page was no faster (benchmarks/app_speed.py, idle 2-core box: first query
 3.72 → 2.86 s and 3.37 → 3.08 s in two interleaved A/Bs, first page and Runs page

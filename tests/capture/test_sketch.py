@@ -63,7 +63,7 @@ def test_layer_seed_is_stable_and_separates_run_layer_and_side():
     assert layer_seed(0, "x", "in") == int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-# orthonormality of the rows after the float64 QR and the float32 rounding
+# orthonormality of the rows after the float64 polar factor and the float32 rounding
 ORTHO_ATOL = 1e-5
 
 

@@ -5,9 +5,9 @@ Factored sketch of one example on a layer ``y = W x``: ``Ŝ = P_out G P_inᵀ`` 
 projections with ``E[PᵀP] = I`` (so ``E‖Ŝ‖² = ‖G‖²`` and inner products are unbiased):
 ``orthogonal`` (default) has ``k`` orthonormal rows of a uniformly random subspace, scaled by
 ``√(d/k)``; ``gaussian`` has i.i.d. ``N(0, 1/k)`` entries (the JL matrix of runs before
-2026-12-01). Orthogonal rows give every inner product a lower variance, by about a factor
-``1 − k/d`` (it is exact at ``k = d``), at the same cost per use (benchmarks/EVAL.md §1c,
-"Orthogonal projections"). ``k == d`` means no projection on that side (``None``), which
+2026-12-01). Orthogonal rows give inner products a lower variance (for squared norms by a
+factor of about ``1 − k/d``; exact at ``k = d``) at the same cost per use (benchmarks/EVAL.md
+§1c, "Orthogonal projections"). ``k == d`` means no projection on that side (``None``), which
 makes that side exact.
 
 Dense sketch: ``vec(G)`` (row-major, ``d_out × d_in``) times a sparse JL matrix with
