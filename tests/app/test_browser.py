@@ -230,6 +230,10 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
     from playwright.sync_api import expect
 
     _nav(page, "Launch")
+    # the measured configurations, the default first (benchmarks/results/pareto.json)
+    page.get_by_text("Measured quality, overhead and bytes of tracking configurations").click()
+    expect(page.get_by_test_id("stExpander").get_by_test_id("stDataFrame")).to_be_visible()
+    page.screenshot(path=str(DOCS_IMG / "launch-quality.png"), full_page=True)
     # long enough (≈ 240 steps, several seconds) that the live progress is seen before the end
     for label, value in (
         ("Epochs", "12"),
@@ -241,6 +245,9 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
         page.get_by_label(label, exact=True).fill(value)
     page.get_by_role("button", name="Start training").click()
     expect(page.get_by_text("Job browser-run")).to_be_visible()
+    # the chosen (default) tracking configuration's measured quality, not dominated
+    expect(page.get_by_text(re.compile(r"shared k, orthogonal: mean LDS 0\.7\d"))).to_be_visible()
+    expect(page.get_by_text("Dominated by")).to_have_count(0)
     expect(page.get_by_text(re.compile(r"running: step \d+/\d+, loss [\d.]+, ETA"))).to_be_visible()
     expect(page.get_by_role("button", name="Cancel")).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "launch-running.png"), full_page=True)
