@@ -39,6 +39,11 @@ class ProjectionKind(str, Enum):
     GAUSSIAN = "gaussian"  # i.i.d. N(0, 1/k): runs recorded before 2026-12-01
 
 
+RECORDED_BEFORE_SHARE_K = {"share_k": False, "projection": ProjectionKind.GAUSSIAN.value}
+"""How a run recorded before ``share_k`` and ``projection`` existed was tracked: its run.json
+lacks both keys (:meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
+
+
 class Task(str, Enum):
     CAUSAL_LM = "causal-lm"
     CLASSIFICATION = "classification"
@@ -182,8 +187,7 @@ class TrackSettings:
         ``share_k`` and ``projection`` existed reads as ``share_k=False``, ``gaussian``: how it
         was recorded)."""
         known = set(cls.__dataclass_fields__)
-        before = {"share_k": False, "projection": ProjectionKind.GAUSSIAN}
-        return cls(**{**before, **{k: v for k, v in d.items() if k in known}})
+        return cls(**{**RECORDED_BEFORE_SHARE_K, **{k: v for k, v in d.items() if k in known}})
 
     def layer_k(self, d_in: int, d_out: int) -> tuple[int, int]:
         """``(k_in, k_out)`` of a layer ``d_in → d_out``: each clamped to its side's width, then

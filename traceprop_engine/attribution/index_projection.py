@@ -87,7 +87,7 @@ def principal_basis(x: np.ndarray, d: int, seed: int = 0) -> np.ndarray:
         keep = s > 1e-6 * max(float(s[:1].max(initial=0.0)), 1e-300)
         return vt[keep].T.astype(np.float32)
     if f <= 2 * (d + _OVERSAMPLE):
-        w, v = np.linalg.eigh(x.T.astype(np.float64) @ x)
+        _, v = np.linalg.eigh(x.T.astype(np.float64) @ x)
         return v[:, ::-1][:, :d].astype(np.float32)
     omega = np.random.default_rng(seed).standard_normal((f, d + _OVERSAMPLE)).astype(np.float32)
     y = np.linalg.qr(x @ omega)[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import ConfigError
+from ..settings import RECORDED_BEFORE_SHARE_K
 
 PARETO_FILE = C.REPO_ROOT / "benchmarks" / "results" / "pareto.json"
 MATCH_KEYS = (
@@ -132,8 +133,7 @@ def assess(track: dict, path: str | Path = PARETO_FILE) -> dict | None:
         _, rows = load_measured(path)
     except ConfigError:
         return None
-    # recorded before share_k and projection existed: read as TrackSettings.from_dict does
-    track = {"share_k": False, "projection": "gaussian", **track}
+    track = {**RECORDED_BEFORE_SHARE_K, **track}  # keys a run.json may predate
     want = {k: str(track.get(k)) for k in MATCH_KEYS if k in track}
     for r in rows:
         if all(str(r.track.get(k)) == v for k, v in want.items() if k in r.track):
