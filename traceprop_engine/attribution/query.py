@@ -30,6 +30,7 @@ from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings
 from ..store.sharded import open_run_store
+from .blas_threads import one_blas_thread
 from .encode import QueryEncoder, query_batch
 from .index import VectorIndex
 from .index_store import Progress, RunIndexes
@@ -283,7 +284,8 @@ class AttributionRun:
         """The ranked rows of a query's sketches (``query_sketches``) and the sign notes: FAISS
         proposes candidates from both ends, every returned score is recomputed exactly."""
         index, ids, pre = self.index(s)
-        qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
+        with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
+            qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
         res = index.search_both(qv, n_candidates(top_k, index.n))
         cand = np.unique(
             np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
@@ -314,13 +316,14 @@ class AttributionRun:
             (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms.
         """
         scorer = self.indexes.scorer(s)
-        pb = scorer.pullbacks(sketches)  # once, for the scores and the query's norm
-        out = scorer.scores(sketches, rows=rows, per_layer=per_layer, pullbacks=pb)
-        if s.cosine:
-            qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
-            xn = np.sqrt(np.maximum(self.indexes.row_sq_norms(s), 1e-60))
-            xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]
-            out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
+        with one_blas_thread():  # per-layer products of at most k × k: see blas_threads
+            pb = scorer.pullbacks(sketches)  # once, for the scores and the query's norm
+            out = scorer.scores(sketches, rows=rows, per_layer=per_layer, pullbacks=pb)
+            if s.cosine:
+                qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
+                xn = np.sqrt(np.maximum(self.indexes.row_sq_norms(s), 1e-60))
+                xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]
+                out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
         return out
 
     def all_scores(self, sketches, s: IndexSettings) -> np.ndarray:
