@@ -5,9 +5,9 @@ other. When another process holds one of the cores (a training job started from 
 suite, another query process), every split product waits for a thread that cannot run: on the
 project's 2-core CPU, with a one-thread training job beside it, one ``rank`` on a real run of
 10⁵ examples (1000 candidates per side, exact re-rank) took 1.27 s instead of 0.06 s, and the
-brute-force scores of 48 queries 60 s instead of 9 s (``benchmarks/query_real_run.py``;
-benchmarks/README.md §2b). The re-rank's products are small (a few thousand candidates, k ≤ 126
-per layer) and gain little from a second thread on an idle machine.
+brute-force scores of 48 queries 60 s instead of 9 s (benchmarks/README.md §2b). The re-rank's
+products are small (a few thousand candidates, k ≤ 126 per layer): on an idle machine one
+thread was faster too (50.8 vs 61.7 ms p50, ``benchmarks/query_threads.py``).
 
 Process-wide (BLAS has one thread setting): the first caller sets it, the last one to leave
 restores it, so concurrent queries (the app's sessions) never leave it at one thread.
