@@ -3,6 +3,7 @@ projection, against brute force from full sketches; the end-to-end query bench's
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import record_cache
-from traceprop_engine.attribution.index_projection import principal_basis
+from traceprop_engine.attribution.index_projection import principal_basis, split_sides
 from traceprop_engine.attribution.index_store import PRECOND_FILE, RunIndexes
 from traceprop_engine.attribution.precondition import Preconditioner
 from traceprop_engine.attribution.record_cache import RecordCache
@@ -272,3 +273,37 @@ def test_small_stores_get_no_record_cache_and_the_same_scores(tmp_path, monkeypa
     small.build(s)
     assert not list(small.dir(s).glob("records-*.npy")) and small.scorer(s).cache is None
     np.testing.assert_allclose(small.scorer(s).scores(tests, rows=rows), want, rtol=1e-12)
+
+
+def test_split_sides_gives_the_flat_side_more_directions():
+    flat = np.ones(64)  # energy spread evenly over 64 directions
+    peaked = np.r_[np.full(4, 100.0), np.full(60, 0.01)]  # nearly all energy in 4 directions
+    assert split_sides(flat, flat, 16) == (16, 16)  # alike sides: the balanced split (tie rule)
+    assert split_sides(flat, peaked, 16) == (64, 4)  # 16² numbers, 1.00 x 0.9999 of the energy
+    assert split_sides(peaked, flat, 16) == (4, 64)
+    # capped by the sides' widths, and a side without energy keeps the balanced split
+    assert split_sides(np.ones(6), peaked, 8) == (6, 8)
+    assert split_sides(np.zeros(8), flat, 4) == (4, 4)
+    for e_out, e_in in ((flat, peaked), (peaked, flat), (flat, flat)):
+        a, b = split_sides(e_out, e_in, 16)
+        assert a * b <= 256
+
+
+def test_unequal_index_sides_agree_between_records_and_queries(tmp_path):
+    store = _store(tmp_path / "store.h5")
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(index_side=4, index_dims=0)
+    ix.build(s)
+    _, _, pre = ix.get(s)
+    rng = np.random.default_rng(3)
+    layers = []
+    for lp in pre.layers:  # 8 output x 2 input directions instead of 4 x 4
+        lq = np.linalg.qr(rng.standard_normal((lp.index_left.shape[1], 8)))[0].T
+        rq = np.linalg.qr(rng.standard_normal((lp.index_right.shape[1], 2)))[0].T
+        layers.append(dataclasses.replace(lp, index_left=lq, index_right=rq))
+    uneven = Preconditioner(pre.kind, layers, pre.damping)
+    assert [lp.dim for lp in uneven.layers] == [16] * len(SHAPES)
+    sk = [store.sketches(li, 0, 100) for li in range(len(SHAPES))]
+    np.testing.assert_allclose(
+        _vectors(store, uneven, 0, 100), uneven.apply(sk, dtype=np.float64), rtol=1e-4, atol=1e-6
+    )

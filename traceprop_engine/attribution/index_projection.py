@@ -13,6 +13,10 @@ the top 10 in 200 candidates, 0.98 in 400 (m = 8). On a real run of 10⁵ distin
 m = 8 → 16 (then 256 dims) raised recall@10 of the whole query from 0.98 / 0.93 to 1.00 / 0.98
 (proponents / opponents; benchmarks/README.md §2b).
 
+The ``m²`` numbers of a layer may be split unevenly between its sides (:func:`split_sides`):
+the side whose records spread over more directions (on the models measured: the output side)
+gets up to ``4m`` of them, the other side correspondingly fewer.
+
 Layers stored as rank-r factors with a matrix-product preconditioner (identity, K-FAC) use
 ``X' = (L U)(Rᵀ V)ᵀ`` without rebuilding ``X``; other layers keep the random projection. The
 projection is saved with the preconditioner, so an index and its queries always agree.
@@ -62,12 +66,51 @@ def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:
             # Σ X X^T = Σ U (VᵀV) Uᵀ and Σ XᵀX = Σ V (UᵀU) Vᵀ, records weighted to unit norm
             ml += np.einsum("nar,nrs,nbs->ab", u * w[:, None, None], gv, u, optimize=True)
             mr += np.einsum("nar,nrs,nbs->ab", v * w[:, None, None], gu, v, optimize=True)
-        if not np.isfinite(ml).all() or not ml.any():
+        if not np.isfinite(ml).all() or not ml.any() or not np.isfinite(mr).all():
             continue
-        top_l = np.linalg.eigh(ml)[1][:, ::-1][:, :m].T  # (m, k_out), orthonormal rows
-        top_r = np.linalg.eigh(mr)[1][:, ::-1][:, :m].T
+        el, vl = np.linalg.eigh(ml)
+        er, vr = np.linalg.eigh(mr)
+        a, b = split_sides(el[::-1], er[::-1], m)
+        top_l = vl[:, ::-1][:, :a].T  # (a, k_out), orthonormal rows
+        top_r = vr[:, ::-1][:, :b].T  # (b, k_in)
         layers[li] = dataclasses.replace(lp, index_left=top_l, index_right=top_r)
     return Preconditioner(pre.kind, layers, pre.damping, pre.reduce)
+
+
+SIDE_FACTORS = (1.0, 2.0, 4.0, 0.5, 0.25)
+"""How an ``m × m`` index projection may split its ``m²`` numbers between a layer's sides:
+``(f·m) × (m/f)``, the balanced split first (it wins ties)."""
+
+
+def split_sides(e_out: np.ndarray, e_in: np.ndarray, m: int) -> tuple[int, int]:
+    """Directions ``(a, b)`` to keep on the output and input side, ``a·b ≤ m²``: the split of
+    :data:`SIDE_FACTORS` that keeps the largest share of the records' energy, estimated as the
+    product of each side's captured share (``e_*``: the side's second-moment eigenvalues,
+    largest first; exact for rank-1 records whose sides are independent).
+
+    Why: a layer's two sides are not alike. On a real run of 10⁵ examples (the sample's tiny
+    model, benchmarks/README.md §2b) 16 directions held 0.91-0.98 of every input side's energy
+    but 0.50-0.65 of most output sides' (the LM head's: 0.50, where the answer token's identity
+    lives). Splitting by this rule (7 of its 9 layers took 32 output × 8 input directions), the
+    same 256 numbers a layer and 256 dims raised recall@10 of the whole query with 1000
+    candidates per side from 0.871 / 0.737 to 0.973 / 0.794 (proponents / opponents) at 10⁵
+    examples and from 0.744 / 0.335 to 0.802 / 0.583 on a real run of 10⁶.
+    """
+    c_out = np.cumsum(np.maximum(e_out, 0.0))
+    c_in = np.cumsum(np.maximum(e_in, 0.0))
+    if c_out[-1] <= 0 or c_in[-1] <= 0:
+        return min(m, len(e_out)), min(m, len(e_in))
+    c_out, c_in = c_out / c_out[-1], c_in / c_in[-1]
+    best, best_share = None, -1.0
+    for f in SIDE_FACTORS:
+        a, b = int(round(m * f)), int(round(m / f))
+        if a < 1 or b < 1:
+            continue
+        a, b = min(a, len(e_out)), min(b, len(e_in))
+        share = float(c_out[a - 1] * c_in[b - 1])
+        if share > best_share + 1e-9:
+            best, best_share = (a, b), share
+    return best
 
 
 REDUCE_SAMPLE = 8192
