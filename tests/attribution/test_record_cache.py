@@ -284,9 +284,10 @@ def test_split_sides_gives_the_flat_side_more_directions():
     # capped by the sides' widths, and a side without energy keeps the balanced split
     assert split_sides(np.ones(6), peaked, 8) == (6, 8)
     assert split_sides(np.zeros(8), flat, 4) == (4, 4)
-    for e_out, e_in in ((flat, peaked), (peaked, flat), (flat, flat)):
-        a, b = split_sides(e_out, e_in, 16)
-        assert a * b <= 256
+    for m in range(1, 20):  # never more than m² numbers, whatever m and the spectra
+        for e_out, e_in in ((flat, peaked), (peaked, flat), (flat, flat)):
+            a, b = split_sides(e_out, e_in, m)
+            assert min(a, b) >= 1 and a * b <= m * m, (m, a, b)
 
 
 def test_unequal_index_sides_agree_between_records_and_queries(tmp_path):

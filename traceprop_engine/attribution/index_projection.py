@@ -77,9 +77,10 @@ def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:
     return Preconditioner(pre.kind, layers, pre.damping, pre.reduce)
 
 
-SIDE_FACTORS = (1.0, 2.0, 4.0, 0.5, 0.25)
+SIDE_FACTORS = (1, 2, 4)
 """How an ``m × m`` index projection may split its ``m²`` numbers between a layer's sides:
-``(f·m) × (m/f)``, the balanced split first (it wins ties)."""
+``(f·m) × ⌊m/f⌋`` or ``⌊m/f⌋ × (f·m)`` (never more than ``m²``), the balanced split first
+(it wins ties)."""
 
 
 def split_sides(e_out: np.ndarray, e_in: np.ndarray, m: int) -> tuple[int, int]:
@@ -102,8 +103,8 @@ def split_sides(e_out: np.ndarray, e_in: np.ndarray, m: int) -> tuple[int, int]:
         return min(m, len(e_out)), min(m, len(e_in))
     c_out, c_in = c_out / c_out[-1], c_in / c_in[-1]
     best, best_share = None, -1.0
-    for f in SIDE_FACTORS:
-        a, b = int(round(m * f)), int(round(m / f))
+    splits = [(m * f, m // f) for f in SIDE_FACTORS] + [(m // f, m * f) for f in SIDE_FACTORS[1:]]
+    for a, b in splits:
         if a < 1 or b < 1:
             continue
         a, b = min(a, len(e_out)), min(b, len(e_in))
