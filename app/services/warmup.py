@@ -11,11 +11,11 @@ them done or under way (it then waits on the same imports and the run's lock ins
 starting from scratch).
 
 It runs without pauses, and stops before its own query once a page has started one
-(:func:`page_query_started`: that query would hold the run's lock the user's waits on). Waiting between steps while another page ran (the former design) only
-delayed the first query: the pages shared the interpreter lock with the step under way anyway,
-and the Runs page was no faster (benchmarks/app_speed.py, idle 2-core box: first query
-3.72 → 2.86 s and 3.37 → 3.08 s in two interleaved A/Bs, first page and Runs page
-within their noise).
+(:func:`page_query_started`: that query would hold the run's lock the user's waits on).
+Waiting between steps while another page ran (the former design) only delayed the first query:
+the pages shared the interpreter lock with the step under way anyway, and the Runs page was no
+faster (benchmarks/app_speed.py, idle 2-core box: first query 3.72 → 2.86 s and 3.37 → 3.08 s
+in two interleaved A/Bs, first page and Runs page within their noise).
 """
 
 from __future__ import annotations

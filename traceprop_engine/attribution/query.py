@@ -286,13 +286,13 @@ class AttributionRun:
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
             qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
-        res = index.search_both(qv, n_candidates(top_k, index.n))
-        cand = np.unique(
-            np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
-        ).astype(np.int64)
-        cand = cand[cand >= 0]
-        # exact scores of the candidates (the re-rank), split by layer for the rows
-        per_layer = self.exact_scores(sketches, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
+            res = index.search_both(qv, n_candidates(top_k, index.n))
+            cand = np.unique(
+                np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
+            ).astype(np.int64)
+            cand = cand[cand >= 0]
+            # exact scores of the candidates (the re-rank), split by layer for the rows
+            per_layer = self.exact_scores(sketches, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
         hits, notes = signed_hits(cand, per_layer, top_k, opponents)
         rec = self.store.records() if s.per_record else None
         return hit_rows(hits, ids, pre, self.examples(), rec), notes

@@ -98,11 +98,7 @@ def describe(track: dict | None, path: str | Path = PARETO_FILE) -> str:
     was measured, its LDS per data set, overhead and bytes (and what dominates it)."""
     if not track:
         return "tracking: none recorded in run.json"
-    cfg = ", ".join(
-        f"{k}={track[k]}"
-        for k in ("k_in", "k_out", "share_k", "projection", "rank", "factor_space", "factor_dtype")
-        if k in track
-    )
+    cfg = ", ".join(f"{k}={track[k]}" for k in MATCH_KEYS if k in track and k != "power_iters")
     hit = assess(track, path)
     if hit is None:
         return (
