@@ -308,3 +308,33 @@ def test_unequal_index_sides_agree_between_records_and_queries(tmp_path):
     np.testing.assert_allclose(
         _vectors(store, uneven, 0, 100), uneven.apply(sk, dtype=np.float64), rtol=1e-4, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_int8_inner_from_bytes_equals_decoding_first(tmp_path, dtype):
+    """The re-rank's int8 route (both factors converted at once, scale on the products) gives
+    :meth:`LowRankTest.inner` of the decoded factors: rank-2 records, a rank-3 and a rank-1
+    query, scattered unsorted records. (Against ``factors_at``, which folds the scale in in
+    float32, a float64 query differs at 2e-8 of the largest score: its rounding, not ours.)"""
+    from traceprop_engine.attribution.factor_scores import LowRankTest
+
+    store = _store(tmp_path / "store.h5", "int8", rank=2)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings()
+    ix.build(s)
+    cache = ix.scorer(s).cache
+    rng = np.random.default_rng(11)
+    recs = rng.permutation(store.n_records)[:57]
+    for li, (ko, ki) in enumerate(SHAPES):
+        t = np.stack([rng.normal(size=(ko, r)) @ rng.normal(size=(r, ki)) for r in (3, 1)]).astype(
+            np.float64
+        )
+        low = LowRankTest.maybe(t, dtype)
+        assert low is not None and len(low.owner) == 4
+        got = cache.int8_inner(li, recs, low.a, low.b, low.owner, 2)
+        u8, v8, scale = cache._split(li, recs)  # the stored bytes, decoded in float64 here
+        u = u8.astype(np.float64) * scale.astype(np.float64)[:, None, None]
+        want = low.inner(u, v8.astype(np.float64), 2)
+        assert got.shape == (2, len(recs))
+        tol = 1e-12 if dtype == np.float64 else 1e-5
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())

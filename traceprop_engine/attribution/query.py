@@ -321,8 +321,9 @@ class AttributionRun:
             out = scorer.scores(sketches, rows=rows, per_layer=per_layer, pullbacks=pb)
             if s.cosine:
                 qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
-                xn = np.sqrt(np.maximum(self.indexes.row_sq_norms(s), 1e-60))
-                xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]
+                xn = self.indexes.row_sq_norms(s)
+                xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]  # rows first
+                xn = np.sqrt(np.maximum(xn, 1e-60))
                 out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
         return out
 

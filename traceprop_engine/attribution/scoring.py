@@ -121,7 +121,8 @@ class ExactScorer:
         else:
             rows = np.asarray(rows, dtype=np.int64)
             out = np.zeros((q, n_layers, len(rows)))
-            first, counts = self._row_start[rows], np.diff(self._row_start)[rows]
+            first = self._row_start[rows]  # only these rows: the re-rank runs per query
+            counts = self._row_start[rows + 1] - first
             cols = np.repeat(np.arange(len(rows)), counts)  # the output column of each record
             starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
             recs = self._by_row[starts + np.arange(len(cols))]  # the records of each row, in turn
@@ -151,6 +152,8 @@ class ExactScorer:
         # scattered records (the re-rank's candidates) from the memory-mapped copy when there is one
         src = self.store if self.cache is None or isinstance(where, slice) else self.cache
         if info.rank:
+            if src is self.cache and isinstance(t, LowRankTest) and info.factor_dtype == "int8":
+                return self.cache.int8_inner(li, where, t.a, t.b, t.owner, q)
             u, v = _read(src, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
             if isinstance(t, LowRankTest):
                 return t.inner(u, v, q)

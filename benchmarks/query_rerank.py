@@ -1,0 +1,100 @@
+"""The exact re-rank's two shortcuts, each against the route it replaced, in one process.
+
+    python benchmarks/query_rerank.py RUN_DIR [--queries 12] [--repeats 5] [--json out.json]
+
+Arms (``AttributionRun.rank`` on the same held-out questions of RUN_DIR's default index, the
+arms' order alternating in every repeat; the arms must return the same rows with the same
+scores, to float32 rounding, whose near-ties may swap places):
+
+- ``former``: the query's pulled-back sketch of each layer factored by an eigendecomposition
+  (``_spectral_factors``), the int8 records decoded to float32 factors before the products;
+- ``range``: the sketch factored from a few random directions (``_range_factors``, checked);
+- ``range+bytes``: also the products straight from the int8 bytes (``RecordCache.int8_inner``),
+  the default.
+
+Prints the median per-query time of each arm and its ratio to ``former``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from traceprop_engine.attribution import factor_scores
+from traceprop_engine.attribution.factor_scores import LowRankTest
+from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution.record_cache import RecordCache
+from traceprop_engine.bench import query_e2e as e2e
+from traceprop_engine.settings import IndexSettings
+
+TIE_RTOL = 1e-5
+"""Scores of the arms agree to float32 rounding; rows closer than this may swap places."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--queries", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    queries = e2e.real_queries(a.run_dir, a.queries)
+    run = AttributionRun(a.run_dir)
+    s = IndexSettings()
+    index, _, _ = run.index(s)
+    ranged, from_bytes = factor_scores._range_factors, RecordCache.int8_inner
+
+    def decoded(cache, li, recs, a, b, owner, q):  # the former route: decode, then the products
+        return LowRankTest(a, b, owner).inner(*cache.factors_at(li, recs), q)
+
+    def spectral(t, rtol):
+        return None
+
+    arms = {
+        "former": (spectral, decoded),
+        "range": (ranged, decoded),
+        "range+bytes": (ranged, from_bytes),
+    }
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    seen: dict[str, list] = {k: [] for k in arms}
+    for q in queries[:2]:  # warm: page cache, first-call costs
+        run.rank(q, s, 10, True)
+    for rep in range(a.repeats):
+        for name in list(arms) if rep % 2 == 0 else list(arms)[::-1]:
+            factor_scores._range_factors, RecordCache.int8_inner = arms[name]
+            out = []
+            t = time.perf_counter()
+            for q in queries:
+                out.append(run.rank(q, s, 10, True)[0])
+            times[name].append((time.perf_counter() - t) / len(queries))
+            if rep == 0:
+                seen[name] = out
+    factor_scores._range_factors, RecordCache.int8_inner = ranged, from_bytes
+    for name in arms:
+        for x, y in zip(seen[name], seen["former"], strict=True):
+            # the same rows; an order may differ only between float32 near-ties
+            assert sorted(x["example_id"]) == sorted(y["example_id"]), f"{name}: rows differ"
+            np.testing.assert_allclose(x["score"].to_numpy(), y["score"].to_numpy(), rtol=TIE_RTOL)
+    row = {
+        "n": int(index.n),
+        "kind": index.kind.value,
+        "queries": len(queries),
+        "repeats": a.repeats,
+    }
+    base = float(np.median(times["former"]))
+    for name in arms:
+        med = float(np.median(times[name]))
+        row[f"{name}_ms"] = round(med * 1e3, 1)
+        row[f"{name}_speedup"] = round(base / med, 2)
+    print(json.dumps(row))
+    run.close()
+    if a.json:
+        Path(a.json).write_text(json.dumps(row, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
