@@ -1,0 +1,201 @@
+"""How much of the true top 10 a candidate summary can find, before any IVF: probe shapes.
+
+    python benchmarks/summary_probe.py RUN_DIR --variant 8:32:8 --variant 8:64:16/256 \\
+        [--ivf 64,128] [--queries 48] [--exact-cache F.npy]
+
+RUN_DIR is a real run of many examples (``benchmarks/query_real_run.py``), one record per
+example, rank-1 int8 factors, with its default index built (its record cache is read). A
+variant ``L:a:b[+L:a:b...][/dims]`` projects layer ``L`` (``all``: every layer) onto the top
+``a`` output-side and ``b`` input-side principal directions of its records (the moments of
+``fit_index_projection``, each layer's records at unit norm), concatenates the layers' ``a·b``
+products, optionally reduces them to their top ``dims`` principal directions, and normalises.
+For each held-out question it prints recall@10 of the proponents / opponents (against
+brute-force exact scores over every example) when the candidates are the variant's top 1000,
+4000 or 16000 by exhaustive search, and with ``--ivf`` by a FAISS IVF (1024 lists, flat
+storage) probing that many lists.
+
+This is a probe, not the index: it reads every example's factors into memory (≈ 1 GB a layer at
+10⁶) and searches exhaustively. Measured with it: benchmarks/README.md §2b (stop 14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from traceprop_engine import constants as C
+from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution.record_cache import RecordCache
+from traceprop_engine.bench import query_e2e as e2e
+from traceprop_engine.settings import IndexSettings
+
+CANDIDATES = (1000, 4000, 16000)
+SAMPLE = 131_072  # records the side moments are estimated from
+
+
+def _exact(run, queries, s, cache: Path | None) -> np.ndarray:
+    if cache is not None and cache.exists():
+        return np.load(cache)
+    out = np.concatenate(
+        [
+            run.exact_scores([np.concatenate([q[li] for q in b]) for li in range(len(b[0]))], s)
+            for b in (queries[i : i + 12] for i in range(0, len(queries), 12))
+        ]
+    )
+    if cache is not None:
+        np.save(cache, out)
+    return out
+
+
+class Probe:
+    def __init__(self, run_dir: str, n_queries: int, exact_cache: Path | None):
+        self.queries = e2e.real_queries(run_dir, n_queries)
+        self.run = AttributionRun(run_dir)
+        s = IndexSettings()
+        _, ids, _ = self.run.index(s)
+        if not np.array_equal(ids, np.arange(len(ids))):
+            raise SystemExit("the probe needs one vector row per example id 0..n-1")
+        self.exact = _exact(self.run, self.queries, s, exact_cache)
+        self.cache = RecordCache(self.run.index_dir(s), self.run.store)
+        rec_ex = self.run.store.records()[C.REC_EXAMPLE]
+        if len(np.unique(rec_ex)) != len(rec_ex):
+            raise SystemExit("the probe needs one record per example (one epoch)")
+        self.rec_ex = rec_ex
+        scorer = self.run.indexes.scorer(s)
+        self.pullbacks = [scorer.pullbacks(q) for q in self.queries]
+        self.factors: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def layer(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rank-1 factors (n, k_out), (n, k_in) of layer ``li``, in record order."""
+        if li not in self.factors:
+            n = self.run.store.n_records
+            info = self.run.store.layers[li]
+            if info.rank != 1:
+                raise SystemExit(f"layer {li} is not rank-1")
+            u, v = np.empty((n, info.k_out), np.float32), np.empty((n, info.k_in), np.float32)
+            for a in range(0, n, SAMPLE):
+                uu, vv = self.cache.factors_at(li, np.arange(a, min(a + SAMPLE, n)))
+                u[a : a + len(uu)], v[a : a + len(vv)] = uu[:, :, 0], vv[:, :, 0]
+            self.factors[li] = (u, v)
+        return self.factors[li]
+
+    def directions(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        u, v = self.layer(li)
+        step = max(1, len(u) // SAMPLE)
+        u, v = u[::step].astype(np.float64), v[::step].astype(np.float64)
+        nu, nv = (u * u).sum(1), (v * v).sum(1)
+        w = 1.0 / np.maximum(nu * nv, 1e-300)
+        ml = (u * (nv * w)[:, None]).T @ u
+        mr = (v * (nu * w)[:, None]).T @ v
+        return np.linalg.eigh(ml)[1][:, ::-1].T, np.linalg.eigh(mr)[1][:, ::-1].T
+
+    def vectors(self, spec: str) -> tuple[np.ndarray, np.ndarray]:
+        """Normalised (n, d) example vectors (example-id order) and (q, d) query vectors."""
+        shape, _, dims = spec.partition("/")
+        alloc: dict[int, tuple[int, int]] = {}
+        for part in shape.split("+"):
+            who, a, b = part.split(":")
+            layers = range(len(self.run.store.layers)) if who == "all" else [int(who)]
+            alloc.update({li: (int(a), int(b)) for li in layers})
+        n = self.run.store.n_records
+        blocks, qblocks = [], []
+        for li, (a, b) in sorted(alloc.items()):
+            left, right = self.directions(li)
+            left, right = left[:a].astype(np.float32), right[:b].astype(np.float32)
+            u, v = self.layer(li)
+            x = np.empty((n, len(left) * len(right)), np.float32)
+            for s0 in range(0, n, SAMPLE):
+                pu, pv = u[s0 : s0 + SAMPLE] @ left.T, v[s0 : s0 + SAMPLE] @ right.T
+                x[s0 : s0 + len(pu)] = (pu[:, :, None] * pv[:, None, :]).reshape(len(pu), -1)
+            blocks.append(x)
+            qblocks.append(
+                np.stack(
+                    [
+                        (left @ pb[li][0].astype(np.float32) @ right.T).ravel()
+                        for pb in self.pullbacks
+                    ]
+                )
+            )
+        x, q = np.concatenate(blocks, 1), np.concatenate(qblocks, 1)
+        del blocks
+        if dims and int(dims) < x.shape[1]:
+            smp = x[:: max(1, n // 8192)]
+            smp = smp / np.maximum(np.linalg.norm(smp, axis=1, keepdims=True), 1e-30)
+            basis = np.linalg.eigh(smp.T.astype(np.float64) @ smp)[1][:, ::-1][:, : int(dims)]
+            x, q = x @ basis.astype(np.float32), q @ basis.astype(np.float32)
+        out = np.empty_like(x)
+        out[self.rec_ex] = x  # example-id order, as the exact scores
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-30)
+        return out, q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-30)
+
+    def truth(self, j: int, sign: int) -> np.ndarray:
+        e = sign * self.exact[j]
+        top = np.argsort(-e, kind="stable")[:10]
+        return top[e[top] > 0]
+
+    def flat(self, x: np.ndarray, q: np.ndarray) -> dict:
+        out = {}
+        for name, sign in (("proponents", 1), ("opponents", -1)):
+            rec = []
+            for j in range(len(q)):
+                s = -sign * (x @ q[j])
+                top = self.truth(j, sign)
+                rec.append([np.mean(s[top] < np.partition(s, c)[c]) for c in CANDIDATES])
+            out[name] = np.round(np.mean(rec, 0), 3).tolist()
+        return out
+
+    def ivf(self, x: np.ndarray, q: np.ndarray, nprobes: list[int]) -> list[dict]:
+        index = faiss.IndexIVFFlat(
+            faiss.IndexFlatIP(x.shape[1]), x.shape[1], 1024, faiss.METRIC_INNER_PRODUCT
+        )
+        index.train(x[:: max(1, len(x) // 50_000)])
+        index.add(x)
+        rows = []
+        for nprobe in nprobes:
+            index.nprobe = nprobe
+            for cand in CANDIDATES[:2]:
+                lat, rec = [], {"proponents": [], "opponents": []}
+                for j in range(len(q)):
+                    t = time.perf_counter()
+                    _, hp = index.search(q[j : j + 1], cand)
+                    _, ho = index.search(-q[j : j + 1], cand)
+                    lat.append(time.perf_counter() - t)
+                    for name, sign, got in (("proponents", 1, hp[0]), ("opponents", -1, ho[0])):
+                        rec[name].append(np.isin(self.truth(j, sign), got).mean())
+                rows.append(
+                    {
+                        "nprobe": nprobe,
+                        "candidates": cand,
+                        "search_p50_ms": round(float(np.median(lat)) * 1e3, 1),
+                        **{k: round(float(np.mean(v)), 3) for k, v in rec.items()},
+                    }
+                )
+        return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--variant", action="append", required=True, help="L:a:b[+L:a:b...][/dims]")
+    ap.add_argument("--ivf", default="", help="IVF lists probed, comma-separated (default: none)")
+    ap.add_argument("--queries", type=int, default=48)
+    ap.add_argument("--exact-cache", type=Path, help="reuse / write the brute-force scores here")
+    a = ap.parse_args()
+    probe = Probe(a.run_dir, a.queries, a.exact_cache)
+    for spec in a.variant:
+        x, q = probe.vectors(spec)
+        print(
+            spec, "dims", x.shape[1], "flat recall@10 at", CANDIDATES, probe.flat(x, q), flush=True
+        )
+        if a.ivf:
+            for row in probe.ivf(x, q, [int(p) for p in a.ivf.split(",")]):
+                print(spec, "IVF", row, flush=True)
+        del x
+
+
+if __name__ == "__main__":
+    main()
