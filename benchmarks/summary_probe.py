@@ -12,7 +12,7 @@ products, optionally reduces them to their top ``dims`` principal directions, an
 For each held-out question it prints recall@10 of the proponents / opponents (against
 brute-force exact scores over every example) when the candidates are the variant's top 1000,
 4000 or 16000 by exhaustive search, and with ``--ivf`` by a FAISS IVF (1024 lists, flat
-storage) probing that many lists.
+storage; ``--spill 2``: every vector also in its second-nearest list) probing that many lists.
 
 This is a probe, not the index: it reads every example's factors into memory (≈ 1 GB a layer at
 10⁶) and searches exhaustively. Measured with it: benchmarks/README.md §2b (stop 14).
@@ -148,12 +148,21 @@ class Probe:
             out[name] = np.round(np.mean(rec, 0), 3).tolist()
         return out
 
-    def ivf(self, x: np.ndarray, q: np.ndarray, nprobes: list[int]) -> list[dict]:
+    def ivf(self, x: np.ndarray, q: np.ndarray, nprobes: list[int], spill: int = 1) -> list[dict]:
         index = faiss.IndexIVFFlat(
             faiss.IndexFlatIP(x.shape[1]), x.shape[1], 1024, faiss.METRIC_INNER_PRODUCT
         )
         index.train(x[:: max(1, len(x) // 50_000)])
-        index.add(x)
+        if spill == 1:
+            index.add(x)
+        else:  # every vector in its `spill` nearest lists (same id: results deduplicated)
+            _, lists = index.quantizer.search(x, spill)
+            ids = np.arange(len(x), dtype=np.int64)
+            for j in range(spill):
+                assign = np.ascontiguousarray(lists[:, j], dtype=np.int64)
+                index.add_core(
+                    len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(assign)
+                )
         rows = []
         for nprobe in nprobes:
             index.nprobe = nprobe
@@ -161,13 +170,15 @@ class Probe:
                 lat, rec = [], {"proponents": [], "opponents": []}
                 for j in range(len(q)):
                     t = time.perf_counter()
-                    _, hp = index.search(q[j : j + 1], cand)
-                    _, ho = index.search(-q[j : j + 1], cand)
+                    _, hp = index.search(q[j : j + 1], cand * spill)
+                    _, ho = index.search(-q[j : j + 1], cand * spill)
+                    hp, ho = (_first_unique(h[0], cand)[None] for h in (hp, ho))
                     lat.append(time.perf_counter() - t)
                     for name, sign, got in (("proponents", 1, hp[0]), ("opponents", -1, ho[0])):
                         rec[name].append(np.isin(self.truth(j, sign), got).mean())
                 rows.append(
                     {
+                        "spill": spill,
                         "nprobe": nprobe,
                         "candidates": cand,
                         "search_p50_ms": round(float(np.median(lat)) * 1e3, 1),
@@ -177,11 +188,19 @@ class Probe:
         return rows
 
 
+def _first_unique(ids: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` distinct ids of a result list, in order."""
+    ids = ids[ids >= 0]
+    _, first = np.unique(ids, return_index=True)
+    return ids[np.sort(first)][:k]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
     ap.add_argument("--variant", action="append", required=True, help="L:a:b[+L:a:b...][/dims]")
     ap.add_argument("--ivf", default="", help="IVF lists probed, comma-separated (default: none)")
+    ap.add_argument("--spill", type=int, default=1, help="lists each vector is added to")
     ap.add_argument("--queries", type=int, default=48)
     ap.add_argument("--exact-cache", type=Path, help="reuse / write the brute-force scores here")
     a = ap.parse_args()
@@ -192,7 +211,7 @@ def main() -> None:
             spec, "dims", x.shape[1], "flat recall@10 at", CANDIDATES, probe.flat(x, q), flush=True
         )
         if a.ivf:
-            for row in probe.ivf(x, q, [int(p) for p in a.ivf.split(",")]):
+            for row in probe.ivf(x, q, [int(p) for p in a.ivf.split(",")], a.spill):
                 print(spec, "IVF", row, flush=True)
         del x
 
