@@ -12,7 +12,8 @@ products, optionally reduces them to their top ``dims`` principal directions, an
 For each held-out question it prints recall@10 of the proponents / opponents (against
 brute-force exact scores over every example) when the candidates are the variant's top 1000,
 4000 or 16000 by exhaustive search, and with ``--ivf`` by a FAISS IVF (1024 lists, flat
-storage; ``--spill 2``: every vector also in its second-nearest list) probing that many lists.
+storage; ``--spill 2``: every vector also in its second-nearest list) probing that many lists,
+and with ``--hnsw M`` by a FAISS HNSW graph (1000 candidates, each ``--ef``).
 
 This is a probe, not the index: it reads every example's factors into memory (≈ 1 GB a layer at
 10⁶) and searches exhaustively. Measured with it: benchmarks/README.md §2b (stop 14).
@@ -188,6 +189,37 @@ class Probe:
         return rows
 
 
+def _hnsw(probe: Probe, x: np.ndarray, q: np.ndarray, m: int, efs: list[int]) -> list[dict]:
+    """Recall of a FAISS HNSW graph (``m`` links a node, inner product) for 1000 candidates a
+    side, searched with each ``efSearch`` of ``efs`` (at least the candidates)."""
+    index = faiss.IndexHNSWFlat(x.shape[1], m, faiss.METRIC_INNER_PRODUCT)
+    t = time.perf_counter()
+    index.add(x)
+    build_s = time.perf_counter() - t
+    rows = []
+    for ef in efs:
+        index.hnsw.efSearch = max(ef, CANDIDATES[0])
+        lat, rec = [], {"proponents": [], "opponents": []}
+        for j in range(len(q)):
+            t = time.perf_counter()
+            _, hp = index.search(q[j : j + 1], CANDIDATES[0])
+            _, ho = index.search(-q[j : j + 1], CANDIDATES[0])
+            lat.append(time.perf_counter() - t)
+            for name, sign, got in (("proponents", 1, hp[0]), ("opponents", -1, ho[0])):
+                rec[name].append(np.isin(probe.truth(j, sign), got).mean())
+        rows.append(
+            {
+                "hnsw_m": m,
+                "ef_search": index.hnsw.efSearch,
+                "build_s": round(build_s),
+                "candidates": CANDIDATES[0],
+                "search_p50_ms": round(float(np.median(lat)) * 1e3, 1),
+                **{k: round(float(np.mean(v)), 3) for k, v in rec.items()},
+            }
+        )
+    return rows
+
+
 def _first_unique(ids: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` distinct ids of a result list, in order."""
     ids = ids[ids >= 0]
@@ -201,6 +233,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True, help="L:a:b[+L:a:b...][/dims]")
     ap.add_argument("--ivf", default="", help="IVF lists probed, comma-separated (default: none)")
     ap.add_argument("--spill", type=int, default=1, help="lists each vector is added to")
+    ap.add_argument("--hnsw", type=int, default=0, help="also an HNSW graph with this many links")
+    ap.add_argument("--ef", default="1000,2000,4000", help="HNSW efSearch values")
     ap.add_argument("--queries", type=int, default=48)
     ap.add_argument("--exact-cache", type=Path, help="reuse / write the brute-force scores here")
     a = ap.parse_args()
@@ -213,6 +247,9 @@ def main() -> None:
         if a.ivf:
             for row in probe.ivf(x, q, [int(p) for p in a.ivf.split(",")], a.spill):
                 print(spec, "IVF", row, flush=True)
+        if a.hnsw:
+            for row in _hnsw(probe, x, q, a.hnsw, [int(e) for e in a.ef.split(",")]):
+                print(spec, "HNSW", row, flush=True)
         del x
 
 
