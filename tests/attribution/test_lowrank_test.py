@@ -75,3 +75,16 @@ def test_maybe_still_declines_full_rank():
     rng = np.random.default_rng(1)
     assert LowRankTest.maybe(rng.normal(size=(2, 126, 126)), np.float64) is None
     assert len(_spectral_factors(rng.normal(size=(2, 8, 8)), LOWRANK_RTOL)) == 2
+
+
+def test_maybe_skips_the_random_range_when_told_the_sketch_is_full_rank(monkeypatch):
+    """EK-FAC's pullback is full rank: the scorer says so and no range is tried."""
+
+    def never(t, rtol):
+        raise AssertionError("random range tried")
+
+    monkeypatch.setattr(fs, "_range_factors", never)
+    rng = np.random.default_rng(2)
+    assert LowRankTest.maybe(rng.normal(size=(1, 126, 126)), np.float64, ranged=False) is None
+    low = LowRankTest.maybe(_low_rank(rng, 126, 126, 2)[None], np.float64, ranged=False)
+    assert low is not None and len(low.owner) == 2  # the spectral route still factors it

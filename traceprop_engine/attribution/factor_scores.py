@@ -185,16 +185,19 @@ class LowRankTest:
     owner: np.ndarray  # (Σt,) query index of each column
 
     @classmethod
-    def maybe(cls, t: np.ndarray, dtype, rtol: float = LOWRANK_RTOL) -> LowRankTest | None:
+    def maybe(
+        cls, t: np.ndarray, dtype, rtol: float = LOWRANK_RTOL, ranged: bool = True
+    ) -> LowRankTest | None:
         """The exact (numerical-rank) factorisation of ``T'`` when it beats the GEMM route:
         singular values below ``rtol`` times the largest are dropped.
 
         A query's ``T'`` has rank at most its loss tokens, so each one is first factored from a
         few random directions (:func:`_range_factors`, checked against ``T'`` itself); only the
         queries that check fails (more tokens than :data:`RANGE_WIDTHS`, or a full-rank ``T'``)
-        pay the ``k × k`` eigendecomposition or SVD."""
+        pay the ``k × k`` eigendecomposition or SVD. ``ranged=False`` skips those tries where
+        ``T'`` is known to be full rank (an elementwise-scaled pullback: EK-FAC)."""
         q, ko, ki = t.shape
-        found = [_range_factors(t[i], rtol) for i in range(q)]
+        found = [_range_factors(t[i], rtol) if ranged else None for i in range(q)]
         rest = [i for i in range(q) if found[i] is None]
         if rest:
             for i, f in zip(rest, _spectral_factors(t[rest], rtol), strict=True):

@@ -108,9 +108,9 @@ class ExactScorer:
         # float32 queries: cut at their own rounding, factored products in float32 too
         f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
         rtol, dt = (FLOAT32_RTOL, np.float32) if f32 else (LOWRANK_RTOL, np.float64)
-        pb = [
-            LowRankTest.maybe(t, dt, rtol) or t if info.rank else t
-            for t, info in zip(pb, self.store.layers, strict=True)
+        pb = [  # EK-FAC's elementwise scale makes T' full rank: no random-range tries
+            LowRankTest.maybe(t, dt, rtol, ranged=lp.scale is None) or t if info.rank else t
+            for t, info, lp in zip(pb, self.store.layers, self.pre.layers, strict=True)
         ]
         if rows is None:
             out = np.zeros((q, n_layers, self.n_rows))
