@@ -9,7 +9,7 @@ scores, to float32 rounding, whose near-ties may swap places):
 - ``former``: the query's pulled-back sketch of each layer factored by an eigendecomposition
   (``_spectral_factors``), the int8 records decoded to float32 factors before the products;
 - ``range``: the sketch factored from a few random directions (``_range_factors``, checked);
-- ``range+bytes``: also the products straight from the int8 bytes (``RecordCache.int8_inner``),
+- ``range+bytes``: also the products straight from the int8 bytes (``LowRankTest.inner_int8``),
   the default.
 
 Prints the median per-query time of each arm and its ratio to ``former``.
@@ -27,9 +27,9 @@ import numpy as np
 from traceprop_engine.attribution import factor_scores
 from traceprop_engine.attribution.factor_scores import LowRankTest
 from traceprop_engine.attribution.query import AttributionRun
-from traceprop_engine.attribution.record_cache import RecordCache
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
+from traceprop_engine.store.format import decode_factors
 
 TIE_RTOL = 1e-5
 """Scores of the arms agree to float32 rounding; rows closer than this may swap places."""
@@ -46,10 +46,13 @@ def main() -> None:
     run = AttributionRun(a.run_dir)
     s = IndexSettings()
     index, _, _ = run.index(s)
-    ranged, from_bytes = factor_scores._range_factors, RecordCache.int8_inner
+    ranged, from_bytes = factor_scores._range_factors, LowRankTest.inner_int8
 
-    def decoded(cache, li, recs, a, b, owner, q):  # the former route: decode, then the products
-        return LowRankTest(a, b, owner).inner(*cache.factors_at(li, recs), q)
+    def decoded(low, uv, scale, k_out, q):  # the former route: decode, then the products
+        c = uv.shape[1] // (k_out + low.b.shape[0])
+        u = np.ascontiguousarray(uv[:, : k_out * c]).reshape(len(uv), k_out, c)
+        v = np.ascontiguousarray(uv[:, k_out * c :]).reshape(len(uv), -1, c)
+        return low.inner(*decode_factors(u, v, "int8", scale), q)
 
     def spectral(t, rtol):
         return None
@@ -65,7 +68,7 @@ def main() -> None:
         run.rank(q, s, 10, True)
     for rep in range(a.repeats):
         for name in list(arms) if rep % 2 == 0 else list(arms)[::-1]:
-            factor_scores._range_factors, RecordCache.int8_inner = arms[name]
+            factor_scores._range_factors, LowRankTest.inner_int8 = arms[name]
             out = []
             t = time.perf_counter()
             for q in queries:
@@ -73,7 +76,7 @@ def main() -> None:
             times[name].append((time.perf_counter() - t) / len(queries))
             if rep == 0:
                 seen[name] = out
-    factor_scores._range_factors, RecordCache.int8_inner = ranged, from_bytes
+    factor_scores._range_factors, LowRankTest.inner_int8 = ranged, from_bytes
     for name in arms:
         for x, y in zip(seen[name], seen["former"], strict=True):
             # the same rows; an order may differ only between float32 near-ties

@@ -311,7 +311,7 @@ def test_unequal_index_sides_agree_between_records_and_queries(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_int8_inner_from_bytes_equals_decoding_first(tmp_path, dtype):
+def test_inner_int8_from_bytes_equals_decoding_first(tmp_path, dtype):
     """The re-rank's int8 route (both factors converted at once, scale on the products) gives
     :meth:`LowRankTest.inner` of the decoded factors: rank-2 records, a rank-3 and a rank-1
     query, scattered unsorted records. (Against ``factors_at``, which folds the scale in in
@@ -331,7 +331,7 @@ def test_int8_inner_from_bytes_equals_decoding_first(tmp_path, dtype):
         )
         low = LowRankTest.maybe(t, dtype)
         assert low is not None and len(low.owner) == 4
-        got = cache.int8_inner(li, recs, low.a, low.b, low.owner, 2)
+        got = low.inner_int8(*cache.int8_rows(li, recs), ko, 2)
         u8, v8, scale = cache._split(li, recs)  # the stored bytes, decoded in float64 here
         u = u8.astype(np.float64) * scale.astype(np.float64)[:, None, None]
         want = low.inner(u, v8.astype(np.float64), 2)

@@ -215,7 +215,27 @@ class LowRankTest:
         """``⟨A Bᵀ, U Vᵀ⟩ = Σ_{c,t} (Aᵀu_c)_t (Bᵀv_c)_t``: O((k_out + k_in) c t) per record."""
         au = np.tensordot(u, self.a, axes=([1], [0]))  # (m, c, Σt)
         bv = np.tensordot(v, self.b, axes=([1], [0]))  # (m, c, Σt)
-        per_col = np.einsum("mct,mct->tm", au, bv)  # (Σt, m)
+        return self._by_query(np.einsum("mct,mct->tm", au, bv), q)
+
+    def inner_int8(self, uv: np.ndarray, scale: np.ndarray, k_out: int, q: int) -> np.ndarray:
+        """:meth:`inner` of int8-stored records straight from their bytes: ``uv`` (m, (k_out +
+        k_in)·c) int8, each record's ``U`` then ``V`` row-major ((k, c): entry (o, j) at
+        o·c + j), and its ``scale`` (m,). Both factors are converted in one pass and contracted
+        by one GEMM with a block-diagonal ``[A 0; 0 B]``, the scale applied to the products
+        instead of to ``U``: at 10⁶ examples a third of the re-rank, against decoding first."""
+        cols = self.a.shape[1]
+        c = uv.shape[1] // (k_out + self.b.shape[0])  # the records' rank
+        nu = k_out * c
+        w = np.zeros((uv.shape[1], 2 * c * cols), self.a.dtype)
+        for j in range(c):
+            w[j:nu:c, j * cols : (j + 1) * cols] = self.a
+            w[nu + j :: c, (c + j) * cols : (c + j + 1) * cols] = self.b
+        y = uv.astype(self.a.dtype) @ w  # (m, 2 c Σt): Aᵀu_c, then Bᵀv_c
+        per_col = (y[:, : c * cols] * y[:, c * cols :]).reshape(len(uv), c, cols).sum(1)
+        return self._by_query((per_col * scale[:, None].astype(self.a.dtype)).T, q)
+
+    def _by_query(self, per_col: np.ndarray, q: int) -> np.ndarray:
+        """(Σt, m) per-column products summed into each column's query: (q, m)."""
         owner = np.zeros((q, len(self.owner)), dtype=per_col.dtype)  # one-hot: query of a column
         owner[self.owner, np.arange(len(self.owner))] = 1.0
         return owner @ per_col

@@ -153,7 +153,7 @@ class ExactScorer:
         src = self.store if self.cache is None or isinstance(where, slice) else self.cache
         if info.rank:
             if src is self.cache and isinstance(t, LowRankTest) and info.factor_dtype == "int8":
-                return self.cache.int8_inner(li, where, t.a, t.b, t.owner, q)
+                return t.inner_int8(*self.cache.int8_rows(li, where), info.k_out, q)
             u, v = _read(src, "factors", li, where)  # (n, k_out, r), (n, k_in, r)
             if isinstance(t, LowRankTest):
                 return t.inner(u, v, q)
