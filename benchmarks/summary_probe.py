@@ -29,6 +29,7 @@ import faiss
 import numpy as np
 
 from traceprop_engine import constants as C
+from traceprop_engine.attribution.index_projection import side_moments
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.attribution.record_cache import RecordCache
 from traceprop_engine.bench import query_e2e as e2e
@@ -85,13 +86,13 @@ class Probe:
         return self.factors[li]
 
     def directions(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        """Output- and input-side principal directions (rows, largest first) of layer ``li``,
+        from the moments ``fit_index_projection`` uses."""
         u, v = self.layer(li)
         step = max(1, len(u) // SAMPLE)
-        u, v = u[::step].astype(np.float64), v[::step].astype(np.float64)
-        nu, nv = (u * u).sum(1), (v * v).sum(1)
-        w = 1.0 / np.maximum(nu * nv, 1e-300)
-        ml = (u * (nv * w)[:, None]).T @ u
-        mr = (v * (nu * w)[:, None]).T @ v
+        ml, mr = side_moments(
+            u[::step, :, None].astype(np.float64), v[::step, :, None].astype(np.float64)
+        )
         return np.linalg.eigh(ml)[1][:, ::-1].T, np.linalg.eigh(mr)[1][:, ::-1].T
 
     def vectors(self, spec: str) -> tuple[np.ndarray, np.ndarray]:

@@ -49,6 +49,18 @@ def transformed_factors(lp, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
     return u, v
 
 
+def side_moments(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(Σ X̂ X̂ᵀ, Σ X̂ᵀ X̂)`` of records ``X = U Vᵀ`` (u (n, k_out, r), v (n, k_in, r), float64),
+    each normalised to unit norm ``X̂`` as cosine scoring weighs them."""
+    gu = np.einsum("nkr,nks->nrs", u, u)
+    gv = np.einsum("nkr,nks->nrs", v, v)
+    w = 1.0 / np.maximum((gu * gv).sum(axis=(1, 2)), 1e-300)  # 1 / ‖X‖²
+    # Σ X X^T = Σ U (VᵀV) Uᵀ and Σ XᵀX = Σ V (UᵀU) Vᵀ
+    ml = np.einsum("nar,nrs,nbs->ab", u * w[:, None, None], gv, u, optimize=True)
+    mr = np.einsum("nar,nrs,nbs->ab", v * w[:, None, None], gu, v, optimize=True)
+    return ml, mr
+
+
 def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:
     """``pre`` with each eligible layer's random index projection replaced by the principal one."""
     layers = list(pre.layers)
@@ -59,13 +71,9 @@ def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:
         ml = np.zeros((info.k_out, info.k_out))
         mr = np.zeros((info.k_in, info.k_in))
         for a, b in _chunks(store.n_records):
-            u, v = transformed_factors(lp, *store.factors(li, a, b))
-            gu = np.einsum("nkr,nks->nrs", u, u)
-            gv = np.einsum("nkr,nks->nrs", v, v)
-            w = 1.0 / np.maximum((gu * gv).sum(axis=(1, 2)), 1e-300)  # 1 / ‖X'‖²
-            # Σ X X^T = Σ U (VᵀV) Uᵀ and Σ XᵀX = Σ V (UᵀU) Vᵀ, records weighted to unit norm
-            ml += np.einsum("nar,nrs,nbs->ab", u * w[:, None, None], gv, u, optimize=True)
-            mr += np.einsum("nar,nrs,nbs->ab", v * w[:, None, None], gu, v, optimize=True)
+            dl, dr = side_moments(*transformed_factors(lp, *store.factors(li, a, b)))
+            ml += dl
+            mr += dr
         if not np.isfinite(ml).all() or not ml.any() or not np.isfinite(mr).all():
             continue
         el, vl = np.linalg.eigh(ml)
