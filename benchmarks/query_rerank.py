@@ -1,4 +1,4 @@
-"""The exact re-rank's two shortcuts, each against the route it replaced, in one process.
+"""The exact re-rank's shortcuts, each against the route it replaced, in one process.
 
     python benchmarks/query_rerank.py RUN_DIR [--queries 12] [--repeats 5] [--json out.json]
 
@@ -9,8 +9,11 @@ scores, to float32 rounding, whose near-ties may swap places):
 - ``former``: the query's pulled-back sketch of each layer factored by an eigendecomposition
   (``_spectral_factors``), the int8 records decoded to float32 factors before the products;
 - ``range``: the sketch factored from a few random directions (``_range_factors``, checked);
-- ``range+bytes``: also the products straight from the int8 bytes (``LowRankTest.inner_int8``),
-  the default.
+- ``range+bytes``: also the products straight from the int8 bytes (``LowRankTest.inner_int8``);
+- ``bounded``: also layer by layer, the query's largest layers first, dropping the candidates
+  whose score bounds cannot place (``rerank.bounded_rerank``), the default. It needs the index's
+  ``layer_norms.npy``: an index built before it gets them here first (the same numbers a build
+  writes).
 
 Prints the median per-query time of each arm and its ratio to ``former``.
 """
@@ -47,6 +50,10 @@ def main() -> None:
     s = IndexSettings()
     index, _, _ = run.index(s)
     ranged, from_bytes = factor_scores._range_factors, LowRankTest.inner_int8
+    if run.indexes.row_layer_sq_norms(s) is None:  # an index built before layer_norms.npy
+        scorer = run.indexes.scorer(s)
+        scorer.layer_sq_norms = np.nextafter(scorer.example_sq_norms().astype(np.float32), np.inf)
+    layer_norms = run.indexes.row_layer_sq_norms
 
     def decoded(low, uv, scale, k_out, q):  # the former route: decode, then the products
         c = uv.shape[1] // (k_out + low.b.shape[0])
@@ -58,9 +65,10 @@ def main() -> None:
         return None
 
     arms = {
-        "former": (spectral, decoded),
-        "range": (ranged, decoded),
-        "range+bytes": (ranged, from_bytes),
+        "former": (spectral, decoded, False),
+        "range": (ranged, decoded, False),
+        "range+bytes": (ranged, from_bytes, False),
+        "bounded": (ranged, from_bytes, True),
     }
     times: dict[str, list[float]] = {k: [] for k in arms}
     seen: dict[str, list] = {k: [] for k in arms}
@@ -68,7 +76,8 @@ def main() -> None:
         run.rank(q, s, 10, True)
     for rep in range(a.repeats):
         for name in list(arms) if rep % 2 == 0 else list(arms)[::-1]:
-            factor_scores._range_factors, LowRankTest.inner_int8 = arms[name]
+            factor_scores._range_factors, LowRankTest.inner_int8, bounded = arms[name]
+            run.indexes.row_layer_sq_norms = layer_norms if bounded else (lambda s: None)
             out = []
             t = time.perf_counter()
             for q in queries:

@@ -270,6 +270,65 @@ def _factored_ivf(
     return rows
 
 
+def _multi_index(probe: Probe, li: int, cu: int, cv: int, shares: list[float]) -> list[dict]:
+    """Cells by BOTH factors of layer ``li``'s rank-1 records: spherical k-means of the
+    normalised output factors ``û`` (``cu`` centres ``c_a``) and input factors ``v̂`` (``cv``
+    centres ``d_b``); a record lives in cell ``(a, b)``. A query scores every cell by the
+    bilinear form at its centres, ``c_aᵀ T' d_b`` (one ``cu × cv`` product of the query's
+    low-rank ``T'``), visits the cells in that order (descending for proponents, ascending for
+    opponents) until ``share`` of the rows are scanned, and ranks the scanned rows by their
+    exact cosine at that layer, ``ûᵀ T' v̂``. Reports recall@10 of 1000 / 4000 candidates; the
+    ``oracle`` rows rank every row by that layer's exact cosine (no cells): the most a search
+    on that layer alone can find."""
+    u, v = probe.layer(li)
+    un, vn = np.empty_like(u), np.empty_like(v)
+    un[probe.rec_ex], vn[probe.rec_ex] = u, v  # example-id order, as the exact scores
+    un /= np.maximum(np.linalg.norm(un, axis=1, keepdims=True), 1e-30)
+    vn /= np.maximum(np.linalg.norm(vn, axis=1, keepdims=True), 1e-30)
+    centres, assign = [], []
+    for x, c in ((un, cu), (vn, cv)):
+        km = faiss.Kmeans(x.shape[1], c, niter=20, spherical=True, seed=1)
+        km.train(x[:: max(1, len(x) // 100_000)])
+        centres.append(km.centroids.astype(np.float64))
+        assign.append(km.index.search(x, 1)[1][:, 0])
+    cell = assign[0].astype(np.int64) * cv + assign[1]
+    order = np.argsort(cell, kind="stable")
+    bounds = np.searchsorted(cell[order], np.arange(cu * cv + 1))
+    sizes = np.diff(bounds)
+    n = len(un)
+    rows = []
+    rec = {key: {"proponents": [], "opponents": []} for key in ["oracle", *shares]}
+    for j in range(len(probe.queries)):
+        t = probe.pullbacks[j][li][0].astype(np.float64)
+        w, sv, vt = np.linalg.svd(t, full_matrices=False)
+        keep = sv > sv[0] * 1e-6
+        a, b = (w[:, keep] * sv[keep]).astype(np.float32), vt[keep].T.astype(np.float32)
+        exact = np.einsum("nr,nr->n", un @ a, vn @ b)  # every row's cosine at this layer
+        m = (centres[0] @ a) @ (centres[1] @ b).T  # (cu, cv) cell scores
+        for name, sign in (("proponents", 1), ("opponents", -1)):
+            top = probe.truth(j, sign)
+            e = sign * exact
+            rec["oracle"][name].append(
+                [np.isin(top, np.argsort(-e)[:c]).mean() for c in CANDIDATES[:2]]
+            )
+            cells = np.argsort(-sign * m.ravel())
+            reach = np.cumsum(sizes[cells])
+            for share in shares:
+                last = int(np.searchsorted(reach, share * n)) + 1
+                cand = np.concatenate([order[bounds[c] : bounds[c + 1]] for c in cells[:last]])
+                got = cand[np.argsort(-e[cand])]
+                rec[share][name].append([np.isin(top, got[:c]).mean() for c in CANDIDATES[:2]])
+    for key, r in rec.items():
+        rows.append(
+            {
+                "multi_index": f"{cu}x{cv}",
+                "scanned": key,
+                **{k: np.round(np.mean(v, 0), 3).tolist() for k, v in r.items()},
+            }
+        )
+    return rows
+
+
 def _first_unique(ids: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` distinct ids of a result list, in order."""
     ids = ids[ids >= 0]
@@ -280,12 +339,15 @@ def _first_unique(ids: np.ndarray, k: int) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
-    ap.add_argument("--variant", action="append", required=True, help="L:a:b[+L:a:b...][/dims]")
+    ap.add_argument("--variant", action="append", default=[], help="L:a:b[+L:a:b...][/dims]")
     ap.add_argument("--ivf", default="", help="IVF lists probed, comma-separated (default: none)")
     ap.add_argument("--spill", type=int, default=1, help="lists each vector is added to")
     ap.add_argument("--nlist", type=int, default=1024, help="IVF lists")
     ap.add_argument(
         "--factored", default="", help="LAYER:NLIST:P1,P2,..: lists from that layer's output factor"
+    )
+    ap.add_argument(
+        "--multi", default="", help="LAYER:CU:CV:S1,S2,..: cells by both factors, shares scanned"
     )
     ap.add_argument("--hnsw", type=int, default=0, help="also an HNSW graph with this many links")
     ap.add_argument("--ef", default="1000,2000,4000", help="HNSW efSearch values")
@@ -293,6 +355,12 @@ def main() -> None:
     ap.add_argument("--exact-cache", type=Path, help="reuse / write the brute-force scores here")
     a = ap.parse_args()
     probe = Probe(a.run_dir, a.queries, a.exact_cache)
+    if a.multi:
+        li, cu, cv, ss = a.multi.split(":")
+        for row in _multi_index(
+            probe, int(li), int(cu), int(cv), [float(x) for x in ss.split(",")]
+        ):
+            print("multi", row, flush=True)
     for spec in a.variant:
         x, q = probe.vectors(spec)
         print(

@@ -338,3 +338,110 @@ def test_inner_int8_from_bytes_equals_decoding_first(tmp_path, dtype):
         assert got.shape == (2, len(recs))
         tol = 1e-12 if dtype == np.float64 else 1e-5
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "rank"), [("identity", "int8", 1), ("kfac", "float32", 2)]
+)
+def test_layer_norms_bound_every_layer_and_sum_to_the_row_norms(tmp_path, kind, dtype, rank):
+    store = _store(tmp_path / "store.h5", dtype, rank)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(preconditioner=kind)
+    ix.build(s)
+    _, ids, pre = ix.get(s)
+    got = np.load(ix.dir(s) / "layer_norms.npy")  # as written, read back from the folder
+    assert got.dtype == np.float32 and got.shape == (len(ids), len(SHAPES))
+    rec = store.records()
+    row = np.searchsorted(ids, rec[C.REC_EXAMPLE])
+    for li, lp in enumerate(pre.layers):  # brute force: each row's full vector of the layer
+        u, v = (f.astype(np.float64) for f in store.factors(li))
+        x = u @ v.transpose(0, 2, 1)
+        if lp.left is not None:
+            x = lp.left @ x @ lp.right
+        acc = np.zeros((len(ids), x[0].size))
+        np.add.at(acc, row, x.reshape(len(x), -1) * rec[C.REC_LR].astype(np.float64)[:, None])
+        want = (acc**2).sum(1)
+        assert np.all(got[:, li] >= want)  # rounded up: the re-rank's bounds stay bounds
+        np.testing.assert_allclose(got[:, li], want, rtol=3e-7)
+    np.testing.assert_allclose(got.sum(1), ix.row_sq_norms(s), rtol=1e-6)
+
+
+def _full_and_bounded(ix, s, tests, top_k, opponents=True):
+    """``signed_hits`` of every candidate scored at every layer, and of the bounded re-rank."""
+    from traceprop_engine.attribution.query import AttributionRun
+    from traceprop_engine.attribution.ranking import signed_hits
+    from traceprop_engine.attribution.rerank import rerank_candidates
+
+    run = AttributionRun.__new__(AttributionRun)
+    run.indexes = ix
+    cand = np.arange(ix.get(s)[0].n, dtype=np.int64)  # every row a candidate: the hard case
+    full = run.exact_scores(tests, s, rows=cand, per_layer=True)[0]
+    kept, per = rerank_candidates(ix, s, tests, cand, top_k, opponents)
+    return signed_hits(cand, full, top_k, opponents), signed_hits(kept, per, top_k, opponents), kept
+
+
+@pytest.mark.parametrize(
+    ("kind", "cosine", "weights"),
+    [
+        ("identity", True, (1.0, 1e-2, 1e-2)),  # one layer holds the score: most rows drop
+        ("kfac", False, (1e-2, 1.0, 1e-3)),
+        ("identity", True, (1.0, 1.0, 1.0)),  # balanced: the bounds may keep every row
+    ],
+)
+def test_bounded_rerank_returns_the_full_rerank(tmp_path, kind, cosine, weights):
+    store = _store(tmp_path / "store.h5", "int8", 2)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(preconditioner=kind, cosine=cosine)
+    ix.build(s)
+    rng = np.random.default_rng(11)
+    for trial in range(4):
+        tests = [
+            w * rng.normal(size=(1, ko, ki)) for w, (ko, ki) in zip(weights, SHAPES, strict=True)
+        ]
+        tests = [t.astype(np.float32) for t in tests] if trial % 2 else tests
+        for top_k, opp in [(10, True), (3, False)]:
+            (want, wn), (got, gn), kept = _full_and_bounded(ix, s, tests, top_k, opp)
+            assert gn == wn
+            assert [h[:3] for h in got] == [h[:3] for h in want]  # kind, rank, row
+            for g, w in zip(got, want, strict=True):  # scores and per-layer shares, exact
+                np.testing.assert_allclose(g[3], w[3], rtol=1e-9)
+                np.testing.assert_allclose(g[4], w[4], rtol=1e-9, atol=1e-12)
+        if weights[1] < 0.1:
+            assert len(kept) < N_EX // 4  # the dominant layer alone placed most rows out
+
+
+def test_bounded_rerank_of_an_all_zero_query_keeps_the_note(tmp_path):
+    store = _store(tmp_path / "store.h5", "int8", 1)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings()
+    ix.build(s)
+    tests = [np.zeros((1, ko, ki)) for ko, ki in SHAPES]
+    (want, wn), (got, gn), kept = _full_and_bounded(ix, s, tests, 10)
+    assert got == want == [] and gn == wn and len(kept) == N_EX
+
+
+def test_placeable_never_drops_a_top_row():
+    """Against brute force on random scores with ties and zeros, and bounds around them."""
+    from traceprop_engine.attribution.rerank import _placeable
+
+    rng = np.random.default_rng(2)
+    for _ in range(500):
+        n, k = int(rng.integers(1, 60)), int(rng.integers(1, 12))
+        exact = rng.choice([-2.0, -1.0, 0.0, 1.0, 2.0, 3.0], n) + (
+            rng.random(n) < 0.5
+        ) * rng.normal(size=n)
+        lo = exact - rng.exponential(size=n) * (rng.random(n) < 0.7)
+        hi = exact + rng.exponential(size=n) * (rng.random(n) < 0.7)
+        opp = bool(rng.random() < 0.5)
+        keep = _placeable(lo, hi, k, opp)
+        pos = np.argsort(-exact, kind="stable")
+        top = [j for j in pos if exact[j] > 0][:k]
+        if opp:
+            neg = np.argsort(exact, kind="stable")
+            top += [j for j in neg if exact[j] < 0][:k]
+        assert keep[top].all()
+        # a kept row set reproduces the brute-force lists (ties broken in the same order)
+        idx = np.flatnonzero(keep)
+        sub = exact[idx]
+        got = [idx[j] for j in np.argsort(-sub, kind="stable") if sub[j] > 0][:k]
+        assert got == [j for j in pos if exact[j] > 0][:k]

@@ -39,6 +39,7 @@ VECTORS_FILE = "vectors.npy"
 IDS_FILE = "ids.npy"
 PRECOND_FILE = "preconditioner.npz"
 NORMS_FILE = "norms.npy"  # exact ‖H^{-1/2} x_i‖² per row (cosine, self-influence)
+LAYER_NORMS_FILE = "layer_norms.npy"  # the same per row and layer, float32 rounded up (rerank)
 BUILD_FILE = "build.json"
 _READ_ROWS = 65536  # vectors read from the memory map at a time
 
@@ -152,12 +153,15 @@ class RunIndexes:
                     self.store, out, progress and (lambda d, n: progress("records", d, n))
                 )
                 scorer.cache = RecordCache(out, self.store)
-            norms = scorer.example_sq_norms()
-            scorer.row_sq_norms = norms  # None: too large, read from the index vectors
+            layer_norms = scorer.example_sq_norms()  # (n, L); None: too large
             files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE, *cache_names)
-            if norms is not None:  # exact self-influence and cosine denominators
-                np.save(out / NORMS_FILE, norms)
-                files += (NORMS_FILE,)
+            if layer_norms is not None:  # exact self-influence and cosine denominators
+                scorer.row_sq_norms = layer_norms.sum(1)
+                np.save(out / NORMS_FILE, scorer.row_sq_norms)
+                # float32 rounded up: the re-rank's bounds stay bounds (rerank.py)
+                scorer.layer_sq_norms = np.nextafter(layer_norms.astype(np.float32), np.inf)
+                np.save(out / LAYER_NORMS_FILE, scorer.layer_sq_norms)
+                files += (NORMS_FILE, LAYER_NORMS_FILE)
 
             def chunks():
                 for i in range(0, len(ids), _READ_ROWS):
@@ -251,6 +255,16 @@ class RunIndexes:
         if scorer.row_sq_norms is None:
             scorer.row_sq_norms = self._read_row_sq_norms(s)
         return scorer.row_sq_norms
+
+    def row_layer_sq_norms(self, s: IndexSettings) -> np.ndarray | None:
+        """Exact ``‖H_l^{-1/2} x_{i,l}‖²`` per index row and layer, float32 rounded up
+        (memory-mapped), or None for an index built without them (too large to compute exactly,
+        or built before they were kept): the bounds of :mod:`.rerank`."""
+        scorer = self.scorer(s)
+        if scorer.layer_sq_norms is None:
+            path = self.dir(s) / LAYER_NORMS_FILE
+            scorer.layer_sq_norms = np.load(path, mmap_mode="r") if path.exists() else False
+        return None if scorer.layer_sq_norms is False else scorer.layer_sq_norms
 
     def _read_row_sq_norms(self, s: IndexSettings) -> np.ndarray:
         path = self.dir(s) / NORMS_FILE

@@ -44,6 +44,7 @@ from .ranking import (
     signed_hits,
     source_influence,
 )
+from .rerank import rerank_candidates
 from .vectors import fit_preconditioner, gradient_norms
 
 
@@ -292,7 +293,12 @@ class AttributionRun:
             ).astype(np.int64)
             cand = cand[cand >= 0]
             # exact scores of the candidates (the re-rank), split by layer for the rows
-            per_layer = self.exact_scores(sketches, s, rows=cand, per_layer=True)[0]  # (L, n_cand)
+            # layer by layer, dropping the rows that cannot place (rerank.py), or every layer
+            hit = rerank_candidates(self.indexes, s, sketches, cand, top_k, opponents)
+            cand, per_layer = hit or (
+                cand,
+                self.exact_scores(sketches, s, rows=cand, per_layer=True)[0],
+            )
         hits, notes = signed_hits(cand, per_layer, top_k, opponents)
         rec = self.store.records() if s.per_record else None
         return hit_rows(hits, ids, pre, self.examples(), rec), notes

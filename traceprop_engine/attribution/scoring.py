@@ -47,6 +47,8 @@ class ExactScorer:
         self.store = store
         self.pre = pre
         self.row_sq_norms: np.ndarray | None = None  # set by the query path (norms.npy)
+        # (n, L) per layer (layer_norms.npy), float32 rounded up; False: the index has none
+        self.layer_sq_norms: np.ndarray | None | bool = None
         # a RecordCache (memory-mapped records of the index) for scattered reads, or None
         self.cache = None
         self.ids = np.asarray(ids)
@@ -100,49 +102,62 @@ class ExactScorer:
         Returns:
             (q, n) scores, or (q, L, n) per-layer scores when ``per_layer``.
         """
-        pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
-        q = len(pb[0])
-        n_layers = len(pb)
-        # T' of one query has rank ≤ its tokens: ⟨T', U Vᵀ⟩ then costs O((k_out + k_in) r t)
-        # per record instead of O(k_out k_in r) (exact: only round-off singular values dropped)
-        # float32 queries: cut at their own rounding, factored products in float32 too
-        f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
-        rtol, dt = (FLOAT32_RTOL, np.float32) if f32 else (LOWRANK_RTOL, np.float64)
-        pb = [  # EK-FAC's elementwise scale makes T' full rank: no random-range tries
-            LowRankTest.maybe(t, dt, rtol, ranged=lp.scale is None) or t if info.rank else t
-            for t, info, lp in zip(pb, self.store.layers, self.pre.layers, strict=True)
-        ]
+        pb = self.prepared(test_sketches, pullbacks)
+        q = len(test_sketches[0])
         if rows is None:
-            out = np.zeros((q, n_layers, self.n_rows))
+            out = np.zeros((q, len(pb), self.n_rows))
             for start in range(0, self.store.n_records, CHUNK):
                 stop = min(start + CHUNK, self.store.n_records)
                 recs = np.arange(start, stop)
                 self._accumulate(out, pb, recs, self.rec_row[start:stop], slice(start, stop))
         else:
-            rows = np.asarray(rows, dtype=np.int64)
-            out = np.zeros((q, n_layers, len(rows)))
-            first = self._row_start[rows]  # only these rows: the re-rank runs per query
-            counts = self._row_start[rows + 1] - first
-            cols = np.repeat(np.arange(len(rows)), counts)  # the output column of each record
-            starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
-            recs = self._by_row[starts + np.arange(len(cols))]  # the records of each row, in turn
-            order = np.argsort(recs)
-            recs, cols = recs[order], cols[order]
-            for start in range(0, len(recs), CHUNK):
-                sel = recs[start : start + CHUNK]
-                self._accumulate(out, pb, sel, cols[start : start + CHUNK], sel)
+            out = self.row_scores(pb, rows, range(len(pb)), q)
         return out if per_layer else out.sum(1)
 
-    def _accumulate(self, out, pb, recs, cols, where) -> None:
-        """Add ``w_r ⟨T', X_r⟩`` of records ``recs`` into ``out[:, layer, cols]``."""
+    def prepared(
+        self, test_sketches: Sequence[np.ndarray], pullbacks: list[np.ndarray] | None = None
+    ) -> list:
+        """Per layer the query side the products take: ``T'`` (:meth:`pullbacks`), or its exact
+        low-rank factorisation (:class:`LowRankTest`) where the records are factors."""
+        pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
+        # T' of one query has rank ≤ its tokens: ⟨T', U Vᵀ⟩ then costs O((k_out + k_in) r t)
+        # per record instead of O(k_out k_in r) (exact: only round-off singular values dropped)
+        # float32 queries: cut at their own rounding, factored products in float32 too
+        f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
+        rtol, dt = (FLOAT32_RTOL, np.float32) if f32 else (LOWRANK_RTOL, np.float64)
+        return [  # EK-FAC's elementwise scale makes T' full rank: no random-range tries
+            LowRankTest.maybe(t, dt, rtol, ranged=lp.scale is None) or t if info.rank else t
+            for t, info, lp in zip(pb, self.store.layers, self.pre.layers, strict=True)
+        ]
+
+    def row_scores(self, pb: list, rows: np.ndarray, layers, q: int) -> np.ndarray:
+        """(q, L, len(rows)) exact scores of index ``rows`` at ``layers`` only (the other
+        layers' entries stay 0); ``pb`` from :meth:`prepared`."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.zeros((q, len(pb), len(rows)))
+        first = self._row_start[rows]  # only these rows: the re-rank runs per query
+        counts = self._row_start[rows + 1] - first
+        cols = np.repeat(np.arange(len(rows)), counts)  # the output column of each record
+        starts = np.repeat(first - (np.cumsum(counts) - counts), counts)
+        recs = self._by_row[starts + np.arange(len(cols))]  # the records of each row, in turn
+        order = np.argsort(recs)
+        recs, cols = recs[order], cols[order]
+        for start in range(0, len(recs), CHUNK):
+            sel = recs[start : start + CHUNK]
+            self._accumulate(out, pb, sel, cols[start : start + CHUNK], sel, layers)
+        return out
+
+    def _accumulate(self, out, pb, recs, cols, where, layers=None) -> None:
+        """Add ``w_r ⟨T', X_r⟩`` of records ``recs`` into ``out[:, layer, cols]`` (every layer,
+        or ``layers``)."""
         w = self.rec_weight[recs]
         # only the output columns these records touch: a matrix over all columns made every
         # chunk of a full scan cost O(rows), i.e. O(n²) over a store of n examples
         touched, inv = np.unique(cols, return_inverse=True)
         m = sp.csr_matrix((w, (inv, np.arange(len(recs)))), shape=(len(touched), len(recs)))
         q = out.shape[0]
-        for li, t in enumerate(pb):
-            s = self._record_scores(li, t, where, q)  # (q, n)
+        for li in range(len(pb)) if layers is None else layers:
+            s = self._record_scores(li, pb[li], where, q)  # (q, n)
             out[:, li, touched] += (m @ s.T).T
 
     def _record_scores(self, li: int, t, where, q: int) -> np.ndarray:
@@ -168,17 +183,18 @@ class ExactScorer:
         return t.reshape(len(t), -1) @ x.reshape(len(x), -1).astype(np.float64).T
 
     def example_sq_norms(self) -> np.ndarray | None:
-        """``‖H^{-1/2} Σ_r w_r X_r‖²`` of every row (self-influence, cosine), or None when the
-        per-row accumulation would exceed :data:`NORM_BUFFER_BYTES` (then callers fall back to
-        the index vectors' norms, an estimate). With a record cache, factor-stored layers and a
-        matrix-product preconditioner (identity, K-FAC) they are exact at any size
-        (:meth:`_gram_sq_norms`)."""
+        """(n, L) ``‖H_l^{-1/2} Σ_r w_r X_{r,l}‖²`` of every row and layer (summed over the
+        layers: self-influence, the cosine denominator; per layer: the re-rank's bounds,
+        :mod:`.rerank`), or None when the per-row accumulation would exceed
+        :data:`NORM_BUFFER_BYTES` (then callers fall back to the index vectors' norms, an
+        estimate). With a record cache, factor-stored layers and a matrix-product preconditioner
+        (identity, K-FAC) they are exact at any size (:meth:`_gram_sq_norms`)."""
         if self.cache is not None and all(
             info.rank and lp.scale is None
             for info, lp in zip(self.store.layers, self.pre.layers, strict=True)
         ):
             return self._gram_sq_norms()
-        out = np.zeros(self.n_rows)
+        out = np.zeros((self.n_rows, len(self.pre.layers)))
         for li, lp in enumerate(self.pre.layers):
             exact = dataclasses.replace(lp, index_left=None, index_right=None)
             if self.n_rows * exact.dim * 4 > NORM_BUFFER_BYTES:
@@ -189,15 +205,15 @@ class ExactScorer:
                 x = exact.apply(self.store.sketches(li, start, stop))
                 w = self.rec_weight[start:stop].astype(np.float32)[:, None]
                 np.add.at(acc, self.rec_row[start:stop], x * w)
-            out += np.einsum("ij,ij->i", acc, acc, dtype=np.float64)
+            out[:, li] = np.einsum("ij,ij->i", acc, acc, dtype=np.float64)
         return out
 
     def _gram_sq_norms(self, block: int = 32_768) -> np.ndarray:
-        """``‖Σ_r w_r U_r V_rᵀ‖²`` of every row from the factors alone:
+        """(n, L) ``‖Σ_r w_r U_r V_rᵀ‖²`` of every row and layer from the factors alone:
         ``Σ_{r,s} w_r w_s Σ_ab (U_rᵀU_s)_ab (V_rᵀV_s)_ab`` over the pairs of records of a row
         with ``U, V`` the factors of ``L X R`` (identity or K-FAC preconditioner; read from the
         record cache, never materialising a sketch)."""
-        out = np.zeros(self.n_rows)
+        out = np.zeros((self.n_rows, len(self.store.layers)))
         counts = np.diff(self._row_start)  # records per row (records sorted by row: _by_row)
         pairs = np.concatenate([[0], np.cumsum(counts.astype(np.int64) ** 2)])
         r0 = 0
@@ -219,7 +235,7 @@ class ExactScorer:
                 gu = np.einsum("pka,pkb->pab", u[i], u[j])
                 gv = np.einsum("pka,pkb->pab", v[i], v[j])
                 val = ww * (gu * gv).sum(axis=(1, 2))
-                out[r0:r1] += np.bincount(self.rec_row[recs][i] - r0, val, minlength=r1 - r0)
+                out[r0:r1, li] = np.bincount(self.rec_row[recs][i] - r0, val, minlength=r1 - r0)
             r0 = r1
         return out
 

@@ -1,0 +1,122 @@
+"""The exact re-rank of a query's candidates, layer by layer, dropping rows that cannot place.
+
+The score of index row ``j`` is a sum over layers, ``τ_j = Σ_l ⟨T'_l, x_{j,l}⟩`` with
+``T'_l = H_l⁻¹ T_l`` (:mod:`.scoring`). Every preconditioner here is one positive-definite
+``H_l`` per layer, so by Cauchy–Schwarz in the ``H_l⁻¹`` metric
+
+    |⟨T'_l, x_{j,l}⟩| ≤ ‖H_l^{-1/2} T_l‖ · ‖H_l^{-1/2} x_{j,l}‖ = q_l · n_{j,l}
+
+and after the layers ``S`` are scored, ``τ_j`` lies within ``Σ_{l∉S} q_l n_{j,l}`` of the
+partial sum. The query's norms ``q_l`` cost one inner product per layer; the rows' ``n_{j,l}``
+are kept with the index (``layer_norms.npy``, exact, rounded up). The layers are scored in the
+order of the query's ``q_l``, largest first, and after each one a row is dropped when its
+upper bound is below the ``k``-th largest lower bound (it cannot be a top-``k`` proponent) and
+its lower bound above the ``k``-th smallest upper bound (nor an opponent), or when its bounds
+rule out the sign. Rows dropped this way cannot change the result: the ranking of the rows
+left is the full re-rank's, with every score and every per-layer share exact.
+
+A query whose score sits in one layer (on the runs measured, the LM head's share is above
+0.99 for half the questions) then scores its thousands of candidates at that layer only and
+the few dozen left at the others (benchmarks/README.md §2b).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MARGIN = 1e-4
+"""Slack added to every bound, relative to ``‖q‖ · ‖x_j‖`` (cosine units: a score of 1e-4):
+the partial sums are computed in float32 for float32 queries, the bounds must cover that."""
+
+
+def bounded_rerank(
+    scorer,
+    prepared: list,
+    query_sq: np.ndarray,
+    rows: np.ndarray,
+    layer_sq: np.ndarray,
+    top_k: int,
+    opponents: bool = True,
+    divisor: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact per-layer scores of the candidate ``rows`` of one query that can still place.
+
+    Args:
+        scorer: the index's :class:`~.scoring.ExactScorer`.
+        prepared: the query's ``scorer.prepared(...)`` (one query).
+        query_sq: (L,) ``‖H_l^{-1/2} T_l‖²`` of the query, per layer.
+        rows: candidate index rows (int64), in the order ties are broken.
+        layer_sq: (n_rows, L) ``‖H_l^{-1/2} x_{j,l}‖²`` of the index (rounded up).
+        top_k: how many rows a side the caller keeps.
+        opponents: whether the negative end is kept too.
+        divisor: (len(rows),) positive numbers the ranked scores are divided by (cosine: the
+            rows' norms), or None.
+
+    Returns:
+        ``(kept rows, (L, n_kept) per-layer scores)``: the rows in their given order, each with
+        every layer scored; the top ``top_k`` of each side among them are those of ``rows``.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    n_layers = len(prepared)
+    qn = np.sqrt(np.maximum(np.asarray(query_sq, dtype=np.float64), 0.0))
+    order = [int(li) for li in np.argsort(-qn, kind="stable") if qn[li] > 0]
+    # a layer with q_l = 0 has T'_l = 0 (H_l is positive definite): its scores are 0
+    xn = np.sqrt(np.asarray(layer_sq[rows], dtype=np.float64))  # (n, L)
+    slack = MARGIN * float(np.sqrt(np.sum(qn**2))) * np.sqrt(np.sum(xn**2, axis=1))
+    alive = np.arange(len(rows))
+    per = np.zeros((n_layers, len(rows)))
+    for step, li in enumerate(order):
+        per[li, alive] = scorer.row_scores(prepared, rows[alive], [li], 1)[0, li]
+        rest = order[step + 1 :]
+        if not rest:
+            break
+        part = per[:, alive].sum(0)
+        bound = xn[alive][:, rest] @ qn[rest] + slack[alive]
+        lo, hi = part - bound, part + bound
+        if divisor is not None:
+            lo, hi = lo / divisor[alive], hi / divisor[alive]
+        keep = _placeable(lo, hi, top_k, opponents)
+        alive = alive[keep]
+    return rows[alive], per[:, alive]
+
+
+def _placeable(lo: np.ndarray, hi: np.ndarray, top_k: int, opponents: bool) -> np.ndarray:
+    """Mask of the rows whose score bounds ``[lo, hi]`` leave them a place in the top ``top_k``
+    proponents (score > 0) or, with ``opponents``, opponents (score < 0)."""
+    n = len(lo)
+    if n <= top_k:
+        return np.ones(n, dtype=bool)
+    kth_lo = np.partition(lo, n - top_k)[n - top_k]  # k rows score at least this
+    keep = (hi >= kth_lo) & (hi >= 0)
+    if opponents:
+        kth_hi = np.partition(hi, top_k - 1)[top_k - 1]  # k rows score at most this
+        keep |= (lo <= kth_hi) & (lo <= 0)
+    return keep
+
+
+def rerank_candidates(
+    indexes, s, sketches, cand: np.ndarray, top_k: int, opponents: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`bounded_rerank` of one query's candidates ``cand`` against the index ``s``
+    of ``indexes`` (:class:`~.index_store.RunIndexes`), with its scores as ``exact_scores``
+    gives them (cosine: divided by both norms); None when the index keeps no per-layer norms
+    (built before them, or too large to norm exactly) or for several queries at once."""
+    layer_sq = indexes.row_layer_sq_norms(s)
+    if layer_sq is None or len(sketches[0]) != 1:
+        return None
+    scorer = indexes.scorer(s)
+    pb = scorer.pullbacks(sketches)
+    query_sq = np.array(
+        [scorer.query_sq_norm([t], [p])[0] for t, p in zip(sketches, pb, strict=True)]
+    )
+    xn = None
+    if s.cosine:  # the same divisions as exact_scores'
+        xn = np.sqrt(np.maximum(indexes.row_sq_norms(s)[cand], 1e-60))
+    prepared = scorer.prepared(sketches, pb)
+    kept, per_layer = bounded_rerank(
+        scorer, prepared, query_sq, cand, layer_sq, top_k, opponents, divisor=xn
+    )
+    if s.cosine:
+        xn = np.sqrt(np.maximum(indexes.row_sq_norms(s)[kept], 1e-60))
+        per_layer = per_layer / np.sqrt(max(float(query_sq.sum()), 1e-60)) / xn
+    return kept, per_layer
