@@ -50,9 +50,7 @@ def main() -> None:
     s = IndexSettings()
     index, _, _ = run.index(s)
     ranged, from_bytes = factor_scores._range_factors, LowRankTest.inner_int8
-    if run.indexes.row_layer_sq_norms(s) is None:  # an index built before layer_norms.npy
-        scorer = run.indexes.scorer(s)
-        scorer.layer_sq_norms = np.nextafter(scorer.example_sq_norms().astype(np.float32), np.inf)
+    e2e.with_layer_norms(run, s)  # an index built before layer_norms.npy
     layer_norms = run.indexes.row_layer_sq_norms
 
     def decoded(low, uv, scale, k_out, q):  # the former route: decode, then the products

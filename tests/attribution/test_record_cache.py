@@ -385,6 +385,7 @@ def _full_and_bounded(ix, s, tests, top_k, opponents=True):
     [
         ("identity", True, (1.0, 1e-2, 1e-2)),  # one layer holds the score: most rows drop
         ("kfac", False, (1e-2, 1.0, 1e-3)),
+        ("ekfac", True, (1e-3, 1e-2, 1.0)),  # norms from the accumulated vectors, not Grams
         ("identity", True, (1.0, 1.0, 1.0)),  # balanced: the bounds may keep every row
     ],
 )

@@ -1,10 +1,11 @@
 """The exact re-rank of a query's candidates, layer by layer, dropping rows that cannot place.
 
 The score of index row ``j`` is a sum over layers, ``τ_j = Σ_l ⟨T'_l, x_{j,l}⟩`` with
-``T'_l = H_l⁻¹ T_l`` (:mod:`.scoring`). Every preconditioner here is one positive-definite
-``H_l`` per layer, so by Cauchy–Schwarz in the ``H_l⁻¹`` metric
+``T'_l = pullback_l(T_l)`` (:mod:`.scoring`), and every preconditioner here is one linear map
+per layer, ``apply_l`` (identity, K-FAC's ``L X R``, EK-FAC's scaled eigenbasis), with
+``⟨T'_l, x⟩ = ⟨apply_l(T_l), apply_l(x)⟩``. So by Cauchy–Schwarz
 
-    |⟨T'_l, x_{j,l}⟩| ≤ ‖H_l^{-1/2} T_l‖ · ‖H_l^{-1/2} x_{j,l}‖ = q_l · n_{j,l}
+    |⟨T'_l, x_{j,l}⟩| ≤ ‖apply_l(T_l)‖ · ‖apply_l(x_{j,l})‖ = q_l · n_{j,l}
 
 and after the layers ``S`` are scored, ``τ_j`` lies within ``Σ_{l∉S} q_l n_{j,l}`` of the
 partial sum. The query's norms ``q_l`` cost one inner product per layer; the rows' ``n_{j,l}``
@@ -44,9 +45,9 @@ def bounded_rerank(
     Args:
         scorer: the index's :class:`~.scoring.ExactScorer`.
         prepared: the query's ``scorer.prepared(...)`` (one query).
-        query_sq: (L,) ``‖H_l^{-1/2} T_l‖²`` of the query, per layer.
+        query_sq: (L,) ``‖apply_l(T_l)‖²`` of the query, per layer.
         rows: candidate index rows (int64), in the order ties are broken.
-        layer_sq: (n_rows, L) ``‖H_l^{-1/2} x_{j,l}‖²`` of the index (rounded up).
+        layer_sq: (n_rows, L) ``‖apply_l(x_{j,l})‖²`` of the index (rounded up).
         top_k: how many rows a side the caller keeps.
         opponents: whether the negative end is kept too.
         divisor: (len(rows),) positive numbers the ranked scores are divided by (cosine: the
@@ -60,7 +61,7 @@ def bounded_rerank(
     n_layers = len(prepared)
     qn = np.sqrt(np.maximum(np.asarray(query_sq, dtype=np.float64), 0.0))
     order = [int(li) for li in np.argsort(-qn, kind="stable") if qn[li] > 0]
-    # a layer with q_l = 0 has T'_l = 0 (H_l is positive definite): its scores are 0
+    # a layer with q_l = 0 has apply_l(T_l) = 0: its scores are 0 and are not computed
     xn = np.sqrt(np.asarray(layer_sq[rows], dtype=np.float64))  # (n, L)
     slack = MARGIN * float(np.sqrt(np.sum(qn**2))) * np.sqrt(np.sum(xn**2, axis=1))
     alive = np.arange(len(rows))

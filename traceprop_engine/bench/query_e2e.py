@@ -134,6 +134,15 @@ def real_queries(base_dir: str | os.PathLike, n_queries: int) -> list[list[np.nd
         run.close()
 
 
+def with_layer_norms(run, s) -> None:
+    """Give the index ``s`` of an open run the per-layer row norms of the layer-by-layer re-rank
+    (``layer_norms.npy``) in memory when it was built before they were kept: the same numbers a
+    build writes, without rebuilding a large index for a benchmark."""
+    if run.indexes.row_layer_sq_norms(s) is None:
+        scorer = run.indexes.scorer(s)
+        scorer.layer_sq_norms = np.nextafter(scorer.example_sq_norms().astype(np.float32), np.inf)
+
+
 def _recall(got: np.ndarray, ref: np.ndarray) -> float:
     return len(set(got.tolist()) & set(ref.tolist())) / max(1, len(ref))
 
