@@ -4,6 +4,7 @@ projection, against brute force from full sketches; the end-to-end query bench's
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -446,3 +447,19 @@ def test_placeable_never_drops_a_top_row():
         sub = exact[idx]
         got = [idx[j] for j in np.argsort(-sub, kind="stable") if sub[j] > 0][:k]
         assert got == [j for j in pos if exact[j] > 0][:k]
+
+
+@pytest.mark.skipif(not (ROOT / "sample_runs/facts/store.h5").exists(), reason="no sample run")
+def test_end_to_end_bench_command_makes_its_work_dir(tmp_path, capsys):
+    """``traceprop bench query --end-to-end --work-dir NEW``: the folder is made, the stores
+    written there are removed afterwards, and every returned score is the brute-force one."""
+    from traceprop_engine.cli.main import main
+
+    work = tmp_path / "not" / "yet"
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "query", "--end-to-end", "--sizes", "800", "--queries", "4"]
+    assert main([*argv, "--work-dir", str(work), "--json", str(out)]) == 0
+    assert work.is_dir() and not any(work.iterdir())
+    row = json.loads(out.read_text())
+    row = row[0] if isinstance(row, list) else row
+    assert row["n"] == 800 and row["max_abs_score_error"] < 1e-6

@@ -123,6 +123,8 @@ def _cmd_bench_query(a) -> int:
 
         from ..bench.query_e2e import run_end_to_end
 
+        if a.work_dir:  # a folder that does not exist yet is made, as for every other output
+            Path(a.work_dir).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=a.work_dir, prefix="traceprop-e2e-") as work:
             rows = run_end_to_end(
                 a.run or default_root() / "facts",
