@@ -188,6 +188,28 @@ def test_stale_index_is_rebuilt_not_used(run_dir, tmp_path):
     assert json.loads(meta.read_text())["fingerprint"] != "from-another-store"
 
 
+def test_an_index_of_an_older_build_answers_exactly_and_says_so(run_dir, tmp_path, monkeypatch):
+    from traceprop_engine.attribution import index_store
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    s = IndexSettings()
+    with monkeypatch.context() as m:  # an index as an earlier release wrote it
+        m.setattr(index_store, "BUILD_FORMAT", 1)
+        before = open_run(copy)
+        before.index(s, rebuild=True)
+        old = before.query(eval_example=0, settings=s, top_k=5)
+    assert index_store.OLD_BUILD_NOTE not in old.notes  # its own build, in this process
+    fresh = open_run(copy)  # a later release opens it: reused, exact, and says so
+    got = fresh.query(eval_example=0, settings=s, top_k=5)
+    assert index_store.OLD_BUILD_NOTE in got.notes
+    assert got.rows["example_id"].to_list() == old.rows["example_id"].to_list()
+    np.testing.assert_allclose(got.rows["score"].to_numpy(), old.rows["score"].to_numpy())
+    fresh.index(s, rebuild=True)
+    assert index_store.OLD_BUILD_NOTE not in fresh.query(eval_example=0, settings=s).notes
+    assert index_store.OLD_BUILD_NOTE not in open_run(copy).query(eval_example=0).notes
+
+
 def test_partial_run_is_queryable_and_says_so(data, tmp_path):
     stop = StopFlag()
 

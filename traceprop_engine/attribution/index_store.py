@@ -41,6 +41,16 @@ PRECOND_FILE = "preconditioner.npz"
 NORMS_FILE = "norms.npy"  # exact ‖H^{-1/2} x_i‖² per row (cosine, self-influence)
 LAYER_NORMS_FILE = "layer_norms.npy"  # the same per row and layer, float32 rounded up (rerank)
 BUILD_FILE = "build.json"
+BUILD_FORMAT = 2
+"""What a build writes, recorded in ``build.json`` (absent: 1). 2: the rows' per-layer norms
+(the layer-by-layer re-rank, :mod:`.rerank`) and the index projection split by energy. An index
+of an older format still answers exactly (its vectors only pick candidates) and is reused;
+its queries get :data:`OLD_BUILD_NOTE`."""
+OLD_BUILD_NOTE = (
+    "this index was built by an earlier version of Traceprop: every score is still exact, but "
+    "rebuilding it (`traceprop index RUN --rebuild` with the same settings) makes queries "
+    "faster and lets the candidate search find more of the true top examples"
+)
 _READ_ROWS = 65536  # vectors read from the memory map at a time
 
 Progress = Callable[[str, int, int], None]
@@ -60,6 +70,7 @@ class RunIndexes:
         self._indexes: dict[str, tuple[VectorIndex, np.ndarray, Preconditioner]] = {}
         self._scorers: dict[str, ExactScorer] = {}
         self._vector_maps: dict[str, np.ndarray] = {}  # the memory-mapped vectors.npy of each
+        self._build_formats: dict[str, int] = {}  # build.json's build_format of each
 
     def dir(self, s: IndexSettings) -> Path:
         """The folder of the index ``s`` (it may not exist yet)."""
@@ -183,6 +194,7 @@ class RunIndexes:
                 "n_vectors": int(len(ids)),
                 "dim": pre.dim,
                 "build_s": round(time.perf_counter() - t0, 3),
+                "build_format": BUILD_FORMAT,
                 "store_fingerprint": self.store.fingerprint,
             }
             (out / BUILD_FILE).write_text(json.dumps(meta, indent=2))
@@ -195,6 +207,7 @@ class RunIndexes:
         self._indexes[s.name] = (index, ids, pre)
         self._vector_maps[s.name] = vectors
         self._scorers[s.name] = scorer  # the queries reuse its record map and norms
+        self._build_formats[s.name] = BUILD_FORMAT
         return index
 
     def _load(self, s: IndexSettings):
@@ -227,6 +240,7 @@ class RunIndexes:
         index.fetch = lambda rows: np.asarray(vectors[np.sort(rows)])
         hit = (index, ids, pre)
         self._indexes[s.name] = hit
+        self._build_formats.pop(s.name, None)  # read again from this build's build.json
         self._vector_maps[s.name] = vectors
         return hit
 
@@ -265,6 +279,16 @@ class RunIndexes:
             path = self.dir(s) / LAYER_NORMS_FILE
             scorer.layer_sq_norms = np.load(path, mmap_mode="r") if path.exists() else False
         return None if scorer.layer_sq_norms is False else scorer.layer_sq_norms
+
+    def notes(self, s: IndexSettings) -> list[str]:
+        """What a query on the index ``s`` should tell its reader about the index itself."""
+        if s.name not in self._build_formats:
+            try:
+                meta = json.loads((self.dir(s) / BUILD_FILE).read_text())
+            except (OSError, ValueError):
+                meta = {}
+            self._build_formats[s.name] = int(meta.get("build_format", 1))
+        return [OLD_BUILD_NOTE] if self._build_formats[s.name] < BUILD_FORMAT else []
 
     def _read_row_sq_norms(self, s: IndexSettings) -> np.ndarray:
         path = self.dir(s) / NORMS_FILE
