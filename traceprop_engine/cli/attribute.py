@@ -25,6 +25,10 @@ def add_index(sub) -> None:
     p.set_defaults(func=_cmd_index)
 
 
+_UNITS = {"preconditioner": "rec", "vectors": "rec", "records": "layer", "index": "vec"}
+"""What each stage of an index build counts (``RunIndexes.build``'s progress)."""
+
+
 def _bar_progress():
     from tqdm.auto import tqdm
 
@@ -33,7 +37,8 @@ def _bar_progress():
     def cb(stage, done, total):
         b = bars.get(stage)
         if b is None:
-            b = bars[stage] = tqdm(total=total, desc=stage, unit="vec", leave=False)
+            unit = _UNITS.get(stage, "it")
+            b = bars[stage] = tqdm(total=total, desc=stage, unit=unit, leave=False)
         b.n = done
         b.refresh()
 
