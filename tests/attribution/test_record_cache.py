@@ -80,9 +80,9 @@ def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
     return Store(path)
 
 
-def _brute(store, pre, ids, tests):
-    """Exact per-example vectors from full sketches (float64, no index projection), their
-    squared norms and the cosine scores of ``tests``."""
+def _layer_vectors(store, pre, ids) -> list[np.ndarray]:
+    """Per layer the (n, dim) exact per-example vectors ``L (Σ_r w_r X_r) R`` from full
+    sketches, in float64."""
     rec = store.records()
     row = np.searchsorted(ids, rec[C.REC_EXAMPLE])
     parts = []
@@ -94,7 +94,13 @@ def _brute(store, pre, ids, tests):
         acc = np.zeros((len(ids), x[0].size))
         np.add.at(acc, row, x.reshape(len(x), -1) * rec[C.REC_LR].astype(np.float64)[:, None])
         parts.append(acc)
-    vec = np.concatenate(parts, axis=1)
+    return parts
+
+
+def _brute(store, pre, ids, tests):
+    """Exact per-example vectors from full sketches (float64, no index projection), their
+    squared norms and the cosine scores of ``tests``."""
+    vec = np.concatenate(_layer_vectors(store, pre, ids), axis=1)
     tv = []
     for lp, t in zip(pre.layers, tests, strict=True):
         t = t.astype(np.float64)
@@ -345,23 +351,13 @@ def test_inner_int8_from_bytes_equals_decoding_first(tmp_path, dtype):
     ("kind", "dtype", "rank"), [("identity", "int8", 1), ("kfac", "float32", 2)]
 )
 def test_layer_norms_bound_every_layer_and_sum_to_the_row_norms(tmp_path, kind, dtype, rank):
-    store = _store(tmp_path / "store.h5", dtype, rank)
-    ix = RunIndexes(tmp_path, store)
+    ix = RunIndexes(tmp_path, _store(tmp_path / "store.h5", dtype, rank))
     s = IndexSettings(preconditioner=kind)
-    ix.build(s)
-    _, ids, pre = ix.get(s)
+    _, ids, pre = ix.get(s)  # built here
     got = np.load(ix.dir(s) / "layer_norms.npy")  # as written, read back from the folder
     assert got.dtype == np.float32 and got.shape == (len(ids), len(SHAPES))
-    rec = store.records()
-    row = np.searchsorted(ids, rec[C.REC_EXAMPLE])
-    for li, lp in enumerate(pre.layers):  # brute force: each row's full vector of the layer
-        u, v = (f.astype(np.float64) for f in store.factors(li))
-        x = u @ v.transpose(0, 2, 1)
-        if lp.left is not None:
-            x = lp.left @ x @ lp.right
-        acc = np.zeros((len(ids), x[0].size))
-        np.add.at(acc, row, x.reshape(len(x), -1) * rec[C.REC_LR].astype(np.float64)[:, None])
-        want = (acc**2).sum(1)
+    for li, x in enumerate(_layer_vectors(ix.store, pre, ids)):  # brute force, per layer
+        want = (x**2).sum(1)
         assert np.all(got[:, li] >= want)  # rounded up: the re-rank's bounds stay bounds
         np.testing.assert_allclose(got[:, li], want, rtol=3e-7)
     np.testing.assert_allclose(got.sum(1), ix.row_sq_norms(s), rtol=1e-6)
