@@ -282,8 +282,8 @@ class AttributionRun:
     def rank(
         self, sketches: list[np.ndarray], s: IndexSettings, top_k: int = 10, opponents: bool = True
     ) -> tuple[pl.DataFrame, list[str]]:
-        """The ranked rows of a query's sketches and notes (signs, an index's own: RunIndexes.notes):
-        FAISS proposes candidates from both ends, every returned score is recomputed exactly."""
+        """The ranked rows of a query's sketches, with notes on the signs and on the index: FAISS
+        proposes candidates from both ends, every returned score is recomputed exactly."""
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
             qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
