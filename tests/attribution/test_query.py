@@ -188,7 +188,9 @@ def test_stale_index_is_rebuilt_not_used(run_dir, tmp_path):
     assert json.loads(meta.read_text())["fingerprint"] != "from-another-store"
 
 
-def test_an_index_of_an_older_build_answers_exactly_and_says_so(run_dir, tmp_path, monkeypatch):
+def test_an_index_of_an_older_build_answers_exactly_and_says_so(
+    run_dir, tmp_path, monkeypatch, capsys
+):
     from traceprop_engine.attribution import index_store
 
     copy = tmp_path / "copy"
@@ -205,8 +207,14 @@ def test_an_index_of_an_older_build_answers_exactly_and_says_so(run_dir, tmp_pat
     assert index_store.OLD_BUILD_NOTE in got.notes
     assert got.rows["example_id"].to_list() == old.rows["example_id"].to_list()
     np.testing.assert_allclose(got.rows["score"].to_numpy(), old.rows["score"].to_numpy())
+    from traceprop_engine.cli.main import main
+
+    assert main(["index", str(copy)]) == 0  # the command reuses it and says so too
+    assert index_store.OLD_BUILD_NOTE in capsys.readouterr().err
     fresh.index(s, rebuild=True)
     assert index_store.OLD_BUILD_NOTE not in fresh.query(eval_example=0, settings=s).notes
+    assert main(["index", str(copy)]) == 0
+    assert index_store.OLD_BUILD_NOTE not in capsys.readouterr().err
     assert index_store.OLD_BUILD_NOTE not in open_run(copy).query(eval_example=0).notes
 
 

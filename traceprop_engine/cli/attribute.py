@@ -53,6 +53,8 @@ def _cmd_index(a) -> int:
         print(f"note: {n}", file=sys.stderr)
     s = index_settings(a)
     index, ids, pre = run.index(s, rebuild=a.rebuild, progress=_bar_progress())
+    for n in run.indexes.notes(s):  # reused as an earlier release built it
+        print(f"note: {n}", file=sys.stderr)
     print(
         f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.dir / C.INDEX_DIR / s.name}"
     )
