@@ -30,6 +30,7 @@ from .index_build import build_index
 from .index_files import index_lock, publish_dir
 from .precondition import Preconditioner
 from .record_cache import RecordCache, write_record_cache
+from .rerank import as_bounds
 from .scoring import ExactScorer
 from .vectors import fit_preconditioner, write_vectors
 
@@ -169,8 +170,7 @@ class RunIndexes:
             if layer_norms is not None:  # exact self-influence and cosine denominators
                 scorer.row_sq_norms = layer_norms.sum(1)
                 np.save(out / NORMS_FILE, scorer.row_sq_norms)
-                # float32 rounded up: the re-rank's bounds stay bounds (rerank.py)
-                scorer.layer_sq_norms = np.nextafter(layer_norms.astype(np.float32), np.inf)
+                scorer.layer_sq_norms = as_bounds(layer_norms)
                 np.save(out / LAYER_NORMS_FILE, scorer.layer_sq_norms)
                 files += (NORMS_FILE, LAYER_NORMS_FILE)
 
@@ -269,6 +269,12 @@ class RunIndexes:
         if scorer.row_sq_norms is None:
             scorer.row_sq_norms = self._read_row_sq_norms(s)
         return scorer.row_sq_norms
+
+    def row_norms(self, s: IndexSettings, rows: np.ndarray | None = None) -> np.ndarray:
+        """``‖H^{-1/2} x_i‖`` of ``rows`` (all when None), floored: the cosine denominators."""
+        sq = self.row_sq_norms(s)
+        sq = sq if rows is None else sq[np.asarray(rows, dtype=np.int64)]  # rows first
+        return np.sqrt(np.maximum(sq, 1e-60))
 
     def row_layer_sq_norms(self, s: IndexSettings) -> np.ndarray | None:
         """Exact ``‖H_l^{-1/2} x_{i,l}‖²`` per index row and layer, float32 rounded up

@@ -327,9 +327,7 @@ class AttributionRun:
             out = scorer.scores(sketches, rows=rows, per_layer=per_layer, pullbacks=pb)
             if s.cosine:
                 qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
-                xn = self.indexes.row_sq_norms(s)
-                xn = xn if rows is None else xn[np.asarray(rows, dtype=np.int64)]  # rows first
-                xn = np.sqrt(np.maximum(xn, 1e-60))
+                xn = self.indexes.row_norms(s, rows)
                 out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
         return out
 

@@ -30,6 +30,12 @@ MARGIN = 1e-4
 the partial sums are computed in float32 for float32 queries, the bounds must cover that."""
 
 
+def as_bounds(layer_sq: np.ndarray) -> np.ndarray:
+    """(n, L) per-layer squared norms as the index keeps them: float32, each rounded up to the
+    next float32 so that it stays an upper bound (``layer_norms.npy``)."""
+    return np.nextafter(np.asarray(layer_sq).astype(np.float32), np.inf)
+
+
 def bounded_rerank(
     scorer,
     prepared: list,
@@ -110,14 +116,12 @@ def rerank_candidates(
     query_sq = np.array(
         [scorer.query_sq_norm([t], [p])[0] for t, p in zip(sketches, pb, strict=True)]
     )
-    xn = None
-    if s.cosine:  # the same divisions as exact_scores'
-        xn = np.sqrt(np.maximum(indexes.row_sq_norms(s)[cand], 1e-60))
+    xn = indexes.row_norms(s, cand) if s.cosine else None  # exact_scores' divisions
     prepared = scorer.prepared(sketches, pb)
     kept, per_layer = bounded_rerank(
         scorer, prepared, query_sq, cand, layer_sq, top_k, opponents, divisor=xn
     )
     if s.cosine:
-        xn = np.sqrt(np.maximum(indexes.row_sq_norms(s)[kept], 1e-60))
-        per_layer = per_layer / np.sqrt(max(float(query_sq.sum()), 1e-60)) / xn
+        per_layer = per_layer / np.sqrt(max(float(query_sq.sum()), 1e-60))
+        per_layer /= indexes.row_norms(s, kept)
     return kept, per_layer
