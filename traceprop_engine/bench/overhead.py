@@ -11,12 +11,15 @@ reported beside wall time. Arms:
 - ``logging``: hooks + sketches into the device buffer + flushes to the HDF5 writer, no covariance;
 - ``tracked``: logging + inline K-FAC covariance (the default configuration).
 
-Honest accounting of the flushes. ``buffer_records`` is small (256 by default, one flush every
-32 steps at batch 8), so flushes happen inside the timed loop. A median of per-round ratios
-would silently drop the few rounds that contain a flush, so each tracked step's time is taken
-*without* the flush it may contain, and the flush cost of the arm's timed rounds is amortised
-over the arm's timed steps and added to every step (``overhead_pct``: the per-step cost of a
-run). The final flush, covariance write, store digest and close happen once per run, whatever
+Honest accounting of the flushes and the K-FAC statistics. ``buffer_records`` is small (256 by
+default, one flush every 32 steps at batch 8), so flushes happen inside the timed loop, and the
+full-space factors accumulate the K-FAC statistics ``A``, ``S`` from every
+``covariance_stride``-th batch only (32 by default: a projection of every token of that batch).
+A median of per-round ratios would silently drop the few rounds that contain either, so each
+tracked step's time is taken *without* the flush and the statistics it may contain (both timed
+where they run), and their cost over the arm's timed rounds is amortised over the arm's timed
+steps and added to every step (``overhead_pct``: the per-step cost of a run;
+``flush_ms_per_step`` and ``covariance_batch_ms_per_step`` say how much of it they are). The final flush, covariance write, store digest and close happen once per run, whatever
 its length: they are reported apart (``close_ms``) and, as an upper bound for a run as short as
 this bench, amortised over its steps (``overhead_with_close_pct``; a 1000-step run pays a
 twentieth of that). The HDF5 write itself runs on the background writer thread; its thread CPU
@@ -83,6 +86,22 @@ def _timed_writer(tr: Tracker, acc: dict) -> None:
     tr.writer.append = timed  # BackgroundSink looks the method up on the writer at call time
 
 
+def _timed_covariance(tr: Tracker, acc: dict) -> None:
+    """Count the wall time of the K-FAC statistics of the due batches (every
+    ``covariance_stride``-th, in the backward hooks) in ``acc['covariance_s']``."""
+    cap = tr.capture
+    project = cap._covariance_projected
+
+    def timed(layer, a, g, scale):
+        t0 = time.perf_counter()
+        try:
+            project(layer, a, g, scale)
+        finally:
+            acc["covariance_s"] += time.perf_counter() - t0
+
+    cap._covariance_projected = timed  # looked up on the instance by _covariance_if_due
+
+
 class _Arms:
     """One model, one batch, and the trackers of the ``logging`` and ``tracked`` arms (hooks
     attached only while their arm runs)."""
@@ -111,8 +130,10 @@ class _Arms:
             ),
         }
         self.writer_acc = {name: {"writer_s": 0.0} for name in self.trackers}
+        self.covariance_acc = {name: {"covariance_s": 0.0} for name in self.trackers}
         for name, tr in self.trackers.items():
             _timed_writer(tr, self.writer_acc[name])
+            _timed_covariance(tr, self.covariance_acc[name])
 
     def _train_step(self, tr: Tracker | None, i: int) -> None:
         logits = lambda: self.model(input_ids=self.ids, attention_mask=self.mask).logits  # noqa: E731
@@ -126,22 +147,25 @@ class _Arms:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def step(self, arm: str, i: int) -> tuple[float, float, float]:
-        """(wall ms, process CPU ms, flush ms inside the step) per training step."""
+    def step(self, arm: str, i: int) -> tuple[float, float, float, float]:
+        """(wall ms, process CPU ms, flush ms and covariance-batch ms inside the step) per
+        training step."""
         tr = self.trackers.get(arm)
         if tr is not None:
             tr.capture.attach()
             f0 = tr.buffer.flush_s
+            v0 = self.covariance_acc[arm]["covariance_s"]
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(self.steps_per_arm):
             self._train_step(tr, i)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        flush = 0.0
+        flush = cov = 0.0
         if tr is not None:
             flush = tr.buffer.flush_s - f0
+            cov = self.covariance_acc[arm]["covariance_s"] - v0
             tr.capture.detach()
         k = self.steps_per_arm
-        return wall * 1e3 / k, cpu * 1e3 / k, flush * 1e3 / k
+        return wall * 1e3 / k, cpu * 1e3 / k, flush * 1e3 / k, cov * 1e3 / k
 
     def writer_s(self) -> dict[str, float]:
         return {name: acc["writer_s"] for name, acc in self.writer_acc.items()}
@@ -156,11 +180,14 @@ class _Arms:
         return final_flush_ms
 
 
+_MEASURES = ("wall", "cpu", "flush", "covariance")
+
+
 def _interleave(arms: _Arms, repeats: int, first_step: int, progress: bool) -> dict[str, dict]:
     """``repeats`` rounds of one step per arm, cycling through all six orders of the arms.
 
-    Returns ``{"wall"|"cpu"|"flush": {arm: [ms per round]}}``."""
-    got = {what: {a: [] for a in ARMS} for what in ("wall", "cpu", "flush")}
+    Returns ``{"wall"|"cpu"|"flush"|"covariance": {arm: [ms per round]}}``."""
+    got = {what: {a: [] for a in ARMS} for what in _MEASURES}
     orders = list(itertools.permutations(ARMS))  # all six orders, cycled
     bar = None
     if progress:
@@ -169,9 +196,7 @@ def _interleave(arms: _Arms, repeats: int, first_step: int, progress: bool) -> d
         bar = tqdm(total=repeats, desc="bench overhead", unit="round")
     for r in range(repeats):
         for arm in orders[r % len(orders)]:
-            for what, v in zip(
-                ("wall", "cpu", "flush"), arms.step(arm, first_step + r), strict=True
-            ):
+            for what, v in zip(_MEASURES, arms.step(arm, first_step + r), strict=True):
                 got[what][arm].append(v)
         if bar is not None:
             bar.update(1)
@@ -185,19 +210,23 @@ def _overheads(
 ) -> tuple[dict, dict[str, np.ndarray]]:
     """Paired-ratio overheads (percent) of the tracked arms against the plain one, and the
     per-round ratios ``arm/plain - 1``."""
-    times, cpu, inflush = got["wall"], got["cpu"], got["flush"]
+    times, cpu = got["wall"], got["cpu"]
     plain = np.array(times["plain"])
     plain_cpu = np.array(cpu["plain"])
-    adj, adj_cpu, amort = {}, {}, {}
+    adj, adj_cpu, amort, cov_amort = {}, {}, {}, {}
     with_close = {}
     for a in ("tracked", "logging"):
-        # the flushes of the timed rounds recur every buffer_records / batch steps: amortised
+        # the flushes of the timed rounds recur every buffer_records / batch steps, the K-FAC
+        # statistics every covariance_stride-th batch: a median of per-round ratios would drop
+        # the few rounds holding them, so each is taken out of its round and its total spread
         # over the steps; the final flush + covariance + close happens once per run: reported
         # apart (close_ms) and, for the record, amortised over this bench's few steps too
-        in_loop = float(np.sum(inflush[a]))
-        amort[a] = in_loop / n_steps
-        adj[a] = np.array(times[a]) - np.array(inflush[a]) + amort[a]
-        adj_cpu[a] = np.array(cpu[a]) - np.array(inflush[a]) + amort[a]
+        inflush, incov = np.array(got["flush"][a]), np.array(got["covariance"][a])
+        amort[a] = float(np.sum(inflush)) / n_steps
+        cov_amort[a] = float(np.sum(incov)) / n_steps
+        spread = amort[a] + cov_amort[a] - inflush - incov
+        adj[a] = np.array(times[a]) + spread
+        adj_cpu[a] = np.array(cpu[a]) + spread
         with_close[a] = adj[a] + final_flush_ms[a] / n_steps
     ratio = {a: adj[a] / plain - 1 for a in adj}
     cpu_ratio = {a: adj_cpu[a] / plain_cpu - 1 for a in adj_cpu}
@@ -223,10 +252,14 @@ def _overheads(
         "tracked_step_ms": float(np.median(adj["tracked"])),
         "logging_step_ms": float(np.median(adj["logging"])),
         "flush_ms_per_step": amort,
-        "flush_ms_in_loop": {a: float(np.sum(inflush[a])) for a in amort},
+        "flush_ms_in_loop": {a: float(np.sum(got["flush"][a])) for a in amort},
+        "covariance_batch_ms_per_step": cov_amort,
+        "n_covariance_batches_in_loop": {
+            a: int(np.count_nonzero(got["covariance"][a])) for a in cov_amort
+        },
         "final_flush_ms": final_flush_ms,
         "writer_ms_per_step": {a: writer_ms[a] / n_steps for a in writer_ms},
-        "n_flushes_in_loop": {a: int(np.count_nonzero(inflush[a])) for a in amort},
+        "n_flushes_in_loop": {a: int(np.count_nonzero(got["flush"][a])) for a in amort},
     }
     return result, ratio
 
@@ -347,7 +380,10 @@ def summarize(result: dict) -> str:
     ci = lambda k: f"(95% CI {r[k][0]:+.2f} .. {r[k][1]:+.2f})"  # noqa: E731
     lines = [
         f"plain step     {r['plain_step_ms']:.1f} ms (median of {r['repeats']} interleaved rounds)",
-        f"tracked step   {r['tracked_step_ms']:.1f} ms (flushes amortised: {r['flush_ms_per_step']['tracked']:.3f} ms/step)",
+        f"tracked step   {r['tracked_step_ms']:.1f} ms (amortised: flushes "
+        f"{r['flush_ms_per_step']['tracked']:.3f} ms/step, K-FAC statistics "
+        f"{r.get('covariance_batch_ms_per_step', {}).get('tracked', 0.0):.3f} ms/step from "
+        f"{r.get('n_covariance_batches_in_loop', {}).get('tracked', 0)} batches)",
         f"close          {r['close_ms']['tracked']:.1f} ms once per run (final flush, covariance, "
         f"digest); amortised over these {r['repeats'] * r['steps_per_arm']} steps: "
         f"{r['overhead_with_close_pct']:+.2f} %",
