@@ -14,7 +14,8 @@ An arm is a small object (see :class:`Arm`): ``attach()``/``detach()`` around it
 ``step(i)`` = forward + backward of the batch with its logging (the harness then does the
 optimizer step inside the same timing), ``excluded_s()`` = cumulative seconds of periodic work
 inside steps that is *amortised* instead of being sampled by the median (Traceprop's buffer
-flushes, a peer's periodic saves), ``close()`` = final flush / save, also amortised over the
+flushes and the K-FAC statistics of every ``covariance_stride``-th batch, a peer's periodic
+saves), ``close()`` = final flush / save, also amortised over the
 arm's timed steps.  Timing matters only for arms that do work at irregular steps; every other
 cost is inside the per-step wall time.
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from traceprop_engine.bench.overhead import time_covariance_batches
 from traceprop_engine.capture.tracker import Tracker
 from traceprop_engine.settings import TrackSettings
 from traceprop_engine.training.losses import causal_lm_losses
@@ -119,6 +121,10 @@ class TraceArm(Arm):
         s = TrackSettings(covariance=covariance, scope="all", seed=CFG["seed"], **k)
         self.tr = Tracker(model, store, s)
         self.idx = np.arange(len(self.ids))
+        # the K-FAC statistics of every covariance_stride-th batch are periodic work like the
+        # flushes: timed where they run, amortised (a median would drop their rounds)
+        self._cov = {"covariance_s": 0.0}
+        time_covariance_batches(self.tr, self._cov)
 
     def attach(self):
         self.tr.capture.attach()
@@ -135,7 +141,7 @@ class TraceArm(Arm):
             rec.losses = losses
 
     def excluded_s(self):
-        return self.tr.buffer.flush_s
+        return self.tr.buffer.flush_s + self._cov["covariance_s"]
 
     def close(self):
         self.tr.close()

@@ -86,7 +86,7 @@ def _timed_writer(tr: Tracker, acc: dict) -> None:
     tr.writer.append = timed  # BackgroundSink looks the method up on the writer at call time
 
 
-def _timed_covariance(tr: Tracker, acc: dict) -> None:
+def time_covariance_batches(tr: Tracker, acc: dict) -> None:
     """Count the wall time of the K-FAC statistics of the due batches (every
     ``covariance_stride``-th, in the backward hooks) in ``acc['covariance_s']``."""
     cap = tr.capture
@@ -133,7 +133,7 @@ class _Arms:
         self.covariance_acc = {name: {"covariance_s": 0.0} for name in self.trackers}
         for name, tr in self.trackers.items():
             _timed_writer(tr, self.writer_acc[name])
-            _timed_covariance(tr, self.covariance_acc[name])
+            time_covariance_batches(tr, self.covariance_acc[name])
 
     def _train_step(self, tr: Tracker | None, i: int) -> None:
         logits = lambda: self.model(input_ids=self.ids, attention_mask=self.mask).logits  # noqa: E731
