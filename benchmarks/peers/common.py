@@ -118,11 +118,14 @@ class TraceArm(Arm):
         self.model, (self.ids, self.mask, self.labels) = model, batch
         self.name = name or self.name
         k = {} if CFG["k"] is None else {"k_in": CFG["k"], "k_out": CFG["k"]}
-        s = TrackSettings(covariance=covariance, scope="all", seed=CFG["seed"], **k)
-        self.tr = Tracker(model, store, s)
+        self.track(store, TrackSettings(covariance=covariance, scope="all", seed=CFG["seed"], **k))
+
+    def track(self, store: Path, settings: TrackSettings) -> None:
+        """The arm's Tracker; the K-FAC statistics of every ``covariance_stride``-th batch are
+        periodic work like the flushes: timed where they run and amortised (a median would
+        drop their rounds)."""
+        self.tr = Tracker(self.model, store, settings)
         self.idx = np.arange(len(self.ids))
-        # the K-FAC statistics of every covariance_stride-th batch are periodic work like the
-        # flushes: timed where they run, amortised (a median would drop their rounds)
         self._cov = {"covariance_s": 0.0}
         time_covariance_batches(self.tr, self._cov)
 

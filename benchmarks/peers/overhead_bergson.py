@@ -35,13 +35,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from traceprop_engine.capture.tracker import Tracker  # noqa: E402
 from traceprop_engine.settings import TrackSettings  # noqa: E402
 from traceprop_engine.training.losses import causal_lm_losses  # noqa: E402
 
@@ -58,8 +56,7 @@ class TraceBaseArm(C.TraceArm):
             seed=C.CFG["seed"],
             **({} if C.CFG["k"] is None else {"k_in": C.CFG["k"], "k_out": C.CFG["k"]}),
         )
-        self.tr = Tracker(model, store, s)
-        self.idx = np.arange(len(self.ids))
+        self.track(store, s)
 
 
 class BergsonArm(C.Arm):
