@@ -11,9 +11,12 @@ scores, to float32 rounding, whose near-ties may swap places):
 - ``range``: the sketch factored from a few random directions (``_range_factors``, checked);
 - ``range+bytes``: also the products straight from the int8 bytes (``LowRankTest.inner_int8``);
 - ``bounded``: also layer by layer, the query's largest layers first, dropping the candidates
-  whose score bounds cannot place (``rerank.bounded_rerank``), the default. It needs the index's
+  whose score bounds cannot place (``rerank.bounded_rerank``). It needs the index's
   ``layer_norms.npy``: an index built before it gets them here first (the same numbers a build
-  writes).
+  writes);
+- ``bounded+lazy``: also each layer's query factored only when it scores many rows (the few
+  rows left at most layers take the raw pulled-back sketch, ``scoring.PreparedQuery``), and a
+  one-record-per-row candidate set scattered without a summing matrix; the default.
 
 Prints the median per-query time of each arm and its ratio to ``former``.
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.attribution import factor_scores
+from traceprop_engine.attribution import factor_scores, scoring
 from traceprop_engine.attribution.factor_scores import LowRankTest
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.bench import query_e2e as e2e
@@ -62,11 +65,19 @@ def main() -> None:
     def spectral(t, rtol):
         return None
 
+    accumulate, raw_max = scoring.ExactScorer._accumulate, scoring.RAW_PRODUCTS_MAX
+
+    def summed(self, out, pb, recs, cols, where, layers=None, distinct=False):
+        return accumulate(self, out, pb, recs, cols, where, layers)  # always the summing matrix
+
+    lazy = (accumulate, raw_max)
+    eager = (summed, -1)  # every layer factored, the sparse summing matrix: stop 15's route
     arms = {
-        "former": (spectral, decoded, False),
-        "range": (ranged, decoded, False),
-        "range+bytes": (ranged, from_bytes, False),
-        "bounded": (ranged, from_bytes, True),
+        "former": (spectral, decoded, False, eager),
+        "range": (ranged, decoded, False, eager),
+        "range+bytes": (ranged, from_bytes, False, eager),
+        "bounded": (ranged, from_bytes, True, eager),
+        "bounded+lazy": (ranged, from_bytes, True, lazy),
     }
     times: dict[str, list[float]] = {k: [] for k in arms}
     seen: dict[str, list] = {k: [] for k in arms}
@@ -74,7 +85,8 @@ def main() -> None:
         run.rank(q, s, 10, True)
     for rep in range(a.repeats):
         for name in list(arms) if rep % 2 == 0 else list(arms)[::-1]:
-            factor_scores._range_factors, LowRankTest.inner_int8, bounded = arms[name]
+            factor_scores._range_factors, LowRankTest.inner_int8, bounded, route = arms[name]
+            scoring.ExactScorer._accumulate, scoring.RAW_PRODUCTS_MAX = route
             run.indexes.row_layer_sq_norms = layer_norms if bounded else (lambda s: None)
             out = []
             t = time.perf_counter()
@@ -84,6 +96,7 @@ def main() -> None:
             if rep == 0:
                 seen[name] = out
     factor_scores._range_factors, LowRankTest.inner_int8 = ranged, from_bytes
+    scoring.ExactScorer._accumulate, scoring.RAW_PRODUCTS_MAX = lazy
     for name in arms:
         for x, y in zip(seen[name], seen["former"], strict=True):
             # the same rows; an order may differ only between float32 near-ties

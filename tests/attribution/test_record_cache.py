@@ -25,6 +25,7 @@ from traceprop_engine.store.writer import StoreWriter
 
 SHAPES = [(20, 12), (12, 20), (16, 16)]  # (k_out, k_in): every layer gets an 8 x 8 projection
 N_EX, EPOCHS = 150, 3
+F32_SCORE_ATOL = 1e-6  # two exact routes over float32-rounded factors, relative to the top score
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -406,6 +407,38 @@ def test_bounded_rerank_returns_the_full_rerank(tmp_path, kind, cosine, weights)
                 np.testing.assert_allclose(g[4], w[4], rtol=1e-9, atol=1e-12)
         if weights[1] < 0.1:
             assert len(kept) < N_EX // 4  # the dominant layer alone placed most rows out
+
+
+@pytest.mark.parametrize("raw_max", [0, 1 << 40])  # always factored / always the raw T'
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_bounded_rerank_of_low_rank_queries_either_way(tmp_path, monkeypatch, raw_max, dtype):
+    """Real queries' ``T'`` have rank ≤ their tokens, so every layer is factored
+    (:class:`LowRankTest`) unless few rows are left at it, which then take the raw ``T'``
+    (``RAW_PRODUCTS_MAX``): both routes give the full re-rank's rows and scores."""
+    from traceprop_engine.attribution import scoring
+
+    monkeypatch.setattr(scoring, "RAW_PRODUCTS_MAX", raw_max)
+    store = _store(tmp_path / "store.h5", "int8", 2)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings()
+    ix.build(s)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        tests = [
+            (w * rng.normal(size=(1, ko, 2)) @ rng.normal(size=(1, 2, ki))).astype(dtype)
+            for w, (ko, ki) in zip((1.0, 3e-2, 1e-2), SHAPES, strict=True)
+        ]
+        prepared = ix.scorer(s).prepared(tests)
+        assert all(isinstance(p, scoring.LowRankTest) for p in prepared)  # rank 2: factored
+        (want, wn), (got, gn), _ = _full_and_bounded(ix, s, tests, 10)
+        assert gn == wn
+        assert [h[:3] for h in got] == [h[:3] for h in want]
+        # the raw route reads the factors decoded to float32 (scale folded into U), the
+        # factored one the int8 bytes: equal to float32 rounding of the record
+        scale = max(abs(h[3]) for h in want)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g[3], w[3], rtol=0, atol=F32_SCORE_ATOL * scale)
+            np.testing.assert_allclose(g[4], w[4], rtol=0, atol=F32_SCORE_ATOL * scale)
 
 
 def test_bounded_rerank_of_an_all_zero_query_keeps_the_note(tmp_path):

@@ -50,7 +50,8 @@ def bounded_rerank(
 
     Args:
         scorer: the index's :class:`~.scoring.ExactScorer`.
-        prepared: the query's ``scorer.prepared(...)`` (one query).
+        prepared: the query's ``scorer.prepared(...)`` (one query), or its
+            ``scorer.prepared_lazily(...)`` (each layer factored only when many rows need it).
         query_sq: (L,) ``‖apply_l(T_l)‖²`` of the query, per layer.
         rows: candidate index rows (int64), in the order ties are broken.
         layer_sq: (n_rows, L) ``‖apply_l(x_{j,l})‖²`` of the index (rounded up).
@@ -73,7 +74,11 @@ def bounded_rerank(
     alive = np.arange(len(rows))
     per = np.zeros((n_layers, len(rows)))
     for step, li in enumerate(order):
-        per[li, alive] = scorer.row_scores(prepared, rows[alive], [li], 1)[0, li]
+        one = [None] * n_layers  # this layer's entry only, raw T' for a few rows (lazy prepared)
+        one[li] = (
+            prepared.for_rows(li, len(alive)) if hasattr(prepared, "for_rows") else prepared[li]
+        )
+        per[li, alive] = scorer.row_scores(one, rows[alive], [li], 1)[0, li]
         rest = order[step + 1 :]
         if not rest:
             break
@@ -117,7 +122,7 @@ def rerank_candidates(
         [scorer.query_sq_norm([t], [p])[0] for t, p in zip(sketches, pb, strict=True)]
     )
     xn = indexes.row_norms(s, cand) if s.cosine else None  # exact_scores' divisions
-    prepared = scorer.prepared(sketches, pb)
+    prepared = scorer.prepared_lazily(sketches, pb)
     kept, per_layer = bounded_rerank(
         scorer, prepared, query_sq, cand, layer_sq, top_k, opponents, divisor=xn
     )

@@ -119,16 +119,28 @@ class ExactScorer:
     ) -> list:
         """Per layer the query side the products take: ``T'`` (:meth:`pullbacks`), or its exact
         low-rank factorisation (:class:`LowRankTest`) where the records are factors."""
+        lazy = self.prepared_lazily(test_sketches, pullbacks)
+        return [lazy[li] for li in range(len(lazy))]
+
+    def prepared_lazily(
+        self, test_sketches: Sequence[np.ndarray], pullbacks: list[np.ndarray] | None = None
+    ) -> PreparedQuery:
+        """:meth:`prepared`, each layer computed on first use (:class:`PreparedQuery`)."""
         pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
+        f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
+        return PreparedQuery(self, pb, f32)
+
+    def _prepare_layer(self, li: int, t: np.ndarray, f32: bool):
+        """One layer's entry of :meth:`prepared`."""
         # T' of one query has rank ≤ its tokens: ⟨T', U Vᵀ⟩ then costs O((k_out + k_in) r t)
         # per record instead of O(k_out k_in r) (exact: only round-off singular values dropped)
         # float32 queries: cut at their own rounding, factored products in float32 too
-        f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
+        if not self.store.layers[li].rank:
+            return t
         rtol, dt = (FLOAT32_RTOL, np.float32) if f32 else (LOWRANK_RTOL, np.float64)
-        return [  # EK-FAC's elementwise scale makes T' full rank: no random-range tries
-            LowRankTest.maybe(t, dt, rtol, ranged=lp.scale is None) or t if info.rank else t
-            for t, info, lp in zip(pb, self.store.layers, self.pre.layers, strict=True)
-        ]
+        # EK-FAC's elementwise scale makes T' full rank: no random-range tries
+        ranged = self.pre.layers[li].scale is None
+        return LowRankTest.maybe(t, dt, rtol, ranged=ranged) or t
 
     def row_scores(self, pb: list, rows: np.ndarray, layers, q: int) -> np.ndarray:
         """(q, L, len(rows)) exact scores of index ``rows`` at ``layers`` only (the other
@@ -142,20 +154,25 @@ class ExactScorer:
         recs = self._by_row[starts + np.arange(len(cols))]  # the records of each row, in turn
         order = np.argsort(recs)
         recs, cols = recs[order], cols[order]
+        distinct = len(counts) == 0 or int(counts.max()) <= 1  # one record a row (one epoch)
         for start in range(0, len(recs), CHUNK):
             sel = recs[start : start + CHUNK]
-            self._accumulate(out, pb, sel, cols[start : start + CHUNK], sel, layers)
+            self._accumulate(out, pb, sel, cols[start : start + CHUNK], sel, layers, distinct)
         return out
 
-    def _accumulate(self, out, pb, recs, cols, where, layers=None) -> None:
+    def _accumulate(self, out, pb, recs, cols, where, layers=None, distinct=False) -> None:
         """Add ``w_r ⟨T', X_r⟩`` of records ``recs`` into ``out[:, layer, cols]`` (every layer,
-        or ``layers``)."""
+        or ``layers``); ``distinct``: no two records share a column (then no summing matrix)."""
         w = self.rec_weight[recs]
+        q = out.shape[0]
+        if distinct:  # the re-rank of a one-epoch run: a weighted scatter, no sparse matrix
+            for li in range(len(pb)) if layers is None else layers:
+                out[:, li, cols] += self._record_scores(li, pb[li], where, q) * w
+            return
         # only the output columns these records touch: a matrix over all columns made every
         # chunk of a full scan cost O(rows), i.e. O(n²) over a store of n examples
         touched, inv = np.unique(cols, return_inverse=True)
         m = sp.csr_matrix((w, (inv, np.arange(len(recs)))), shape=(len(touched), len(recs)))
-        q = out.shape[0]
         for li in range(len(pb)) if layers is None else layers:
             s = self._record_scores(li, pb[li], where, q)  # (q, n)
             out[:, li, touched] += (m @ s.T).T
@@ -238,6 +255,38 @@ class ExactScorer:
                 out[r0:r1, li] = np.bincount(self.rec_row[recs][i] - r0, val, minlength=r1 - r0)
             r0 = r1
         return out
+
+
+RAW_PRODUCTS_MAX = 1 << 20
+"""Largest ``rows · k_out · k_in`` a layer's records are scored for with the raw pullback
+``T'`` (one dense product per record) instead of its low-rank factorisation, which costs a
+fixed ≈ 0.4 ms a layer (random range, QR, SVD) however few rows it then serves."""
+
+
+class PreparedQuery:
+    """One query's per-layer product side (:meth:`ExactScorer.prepared`), each layer factored
+    on first use: the bounded re-rank (:mod:`.rerank`) reaches most layers with a few dozen
+    rows, for which :meth:`for_rows` hands out the raw pullback instead (exact too)."""
+
+    def __init__(self, scorer: ExactScorer, pullbacks: list[np.ndarray], f32: bool) -> None:
+        self.scorer, self.raw, self.f32 = scorer, pullbacks, f32
+        self._entries: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, li: int):
+        if li not in self._entries:
+            self._entries[li] = self.scorer._prepare_layer(li, self.raw[li], self.f32)
+        return self._entries[li]
+
+    def for_rows(self, li: int, n_rows: int):
+        """Layer ``li``'s entry for scoring ``n_rows`` rows: the raw ``T'`` when that is cheaper
+        than factoring it (and it is not factored yet)."""
+        t = self.raw[li]
+        if li not in self._entries and n_rows * t.shape[-2] * t.shape[-1] <= RAW_PRODUCTS_MAX:
+            return t
+        return self[li]
 
 
 def _read(store, what: str, li: int, where):
