@@ -19,8 +19,9 @@ A median of per-round ratios would silently drop the few rounds that contain eit
 tracked step's time is taken *without* the flush and the statistics it may contain (both timed
 where they run), and their cost over the arm's timed rounds is amortised over the arm's timed
 steps and added to every step (``overhead_pct``: the per-step cost of a run;
-``flush_ms_per_step`` and ``covariance_batch_ms_per_step`` say how much of it they are). The final flush, covariance write, store digest and close happen once per run, whatever
-its length: they are reported apart (``close_ms``) and, as an upper bound for a run as short as
+``flush_ms_per_step`` and ``covariance_batch_ms_per_step`` say how much of it they are). The
+final flush, covariance write, store digest and close happen once per run, whatever its
+length: they are reported apart (``close_ms``) and, as an upper bound for a run as short as
 this bench, amortised over its steps (``overhead_with_close_pct``; a 1000-step run pays a
 twentieth of that). The HDF5 write itself runs on the background writer thread; its thread CPU
 time is reported (``writer_ms_per_step``) and ``overhead_sync_writer_pct`` adds it (and the
