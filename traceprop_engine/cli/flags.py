@@ -83,7 +83,9 @@ def add_track_flags(p) -> None:
         "--covariance-stride",
         type=int,
         default=d["covariance_stride"],
-        help="K-FAC statistics over every n-th token (full-space factors)",
+        help="K-FAC statistics from all tokens of every n-th batch, the first included "
+        "(full-space factors; such a batch costs about a sixth of a step on the default tiny "
+        "model: benchmarks/README.md section 1)",
     )
 
 
