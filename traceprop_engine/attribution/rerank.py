@@ -23,7 +23,12 @@ the few dozen left at the others (benchmarks/README.md §2b).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from .scoring import PreparedQuery
 
 MARGIN = 1e-4
 """Slack added to every bound, relative to ``‖q‖ · ‖x_j‖`` (cosine units: a score of 1e-4):
@@ -38,7 +43,7 @@ def as_bounds(layer_sq: np.ndarray) -> np.ndarray:
 
 def bounded_rerank(
     scorer,
-    prepared: list,
+    prepared: PreparedQuery,
     query_sq: np.ndarray,
     rows: np.ndarray,
     layer_sq: np.ndarray,
@@ -50,8 +55,8 @@ def bounded_rerank(
 
     Args:
         scorer: the index's :class:`~.scoring.ExactScorer`.
-        prepared: the query's ``scorer.prepared(...)`` (one query), or its
-            ``scorer.prepared_lazily(...)`` (each layer factored only when many rows need it).
+        prepared: the query's ``scorer.prepared_lazily(...)`` (one query; each layer factored
+            only when many rows need it).
         query_sq: (L,) ``‖apply_l(T_l)‖²`` of the query, per layer.
         rows: candidate index rows (int64), in the order ties are broken.
         layer_sq: (n_rows, L) ``‖apply_l(x_{j,l})‖²`` of the index (rounded up).
@@ -74,10 +79,8 @@ def bounded_rerank(
     alive = np.arange(len(rows))
     per = np.zeros((n_layers, len(rows)))
     for step, li in enumerate(order):
-        one = [None] * n_layers  # this layer's entry only, raw T' for a few rows (lazy prepared)
-        one[li] = (
-            prepared.for_rows(li, len(alive)) if hasattr(prepared, "for_rows") else prepared[li]
-        )
+        one = [None] * n_layers  # this layer's entry only (the raw T' for a few rows)
+        one[li] = prepared.for_rows(li, len(alive))
         per[li, alive] = scorer.row_scores(one, rows[alive], [li], 1)[0, li]
         rest = order[step + 1 :]
         if not rest:
