@@ -24,9 +24,7 @@ Prints the median per-query time of each arm and its ratio to ``former``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -113,10 +111,8 @@ def main() -> None:
         med = float(np.median(times[name]))
         row[f"{name}_ms"] = round(med * 1e3, 1)
         row[f"{name}_speedup"] = round(base / med, 2)
-    print(json.dumps(row))
+    e2e.emit(row, a.json)
     run.close()
-    if a.json:
-        Path(a.json).write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ started from the app would). Prints the median per-query time of each arm and th
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -86,10 +84,8 @@ def main() -> None:
     for name in arms:
         row[f"{name.replace(' ', '_')}_ms"] = round(float(np.median(times[name])) * 1e3, 2)
     row["speedup"] = round(row["two_calls_ms"] / row["one_call_ms"], 2)
-    print(json.dumps(row))
+    e2e.emit(row, a.json)
     run.close()
-    if a.json:
-        Path(a.json).write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

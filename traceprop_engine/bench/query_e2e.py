@@ -134,6 +134,14 @@ def real_queries(base_dir: str | os.PathLike, n_queries: int) -> list[list[np.nd
         run.close()
 
 
+def emit(row: dict, json_path: str | None) -> None:
+    """A benchmark script's result row: one JSON line on stdout, and indented into
+    ``json_path`` when given."""
+    print(json.dumps(row))
+    if json_path:
+        Path(json_path).write_text(json.dumps(row, indent=2) + "\n")
+
+
 def with_layer_norms(run, s) -> None:
     """Give the index ``s`` of an open run the per-layer row norms of the layer-by-layer re-rank
     (``layer_norms.npy``) in memory when it was built before they were kept: the same numbers a
