@@ -36,3 +36,18 @@ def test_readme_python_api_example_runs(capsys):
     assert res.rows.height == 6  # top 3 proponents + top 3 opponents
     assert res.proponents["example_id"][0] == int(scores.argmax())
     assert "rank" in capsys.readouterr().out
+
+
+def test_readme_query_worker_example_runs(monkeypatch):
+    """The querying example, then the query worker's: the worker's test side ranks the same."""
+    text = README.read_text()
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (query,) = [b for b in blocks if 'open_run("sample_runs/facts")' in b]
+    (worker,) = [b for b in blocks if "QueryWorker(" in b]
+    monkeypatch.chdir(README.parent)  # the examples' relative path to the sample run
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(query + worker, "README.md", "exec"), ns)  # noqa: S102 - the README's own code
+    direct = ns["run"].query(eval_example=154, top_k=10)
+    assert ns["res"].rows.equals(direct.rows)
+    assert not ns["worker"].alive  # the with block stopped it

@@ -8,35 +8,15 @@ influencers and warns on a mismatch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ..training.losses import example_losses
 from ..training.models import collate, model_inputs
 from .encode import pad_id
+from .result import ModelAnswer
 
-
-@dataclass(frozen=True)
-class ModelAnswer:
-    """What the run's final model does on a query.
-
-    Attributes:
-        loss: the query's loss (mean cross-entropy over its target tokens; the same number as
-            ``QueryResult.query["query_loss"]``).
-        queried: the queried output (completion text, or label).
-        greedy: the model's own greedy output of the same length (or its predicted label).
-        matches: the greedy output equals the queried one, token for token.
-        queried_ids / greedy_ids: the token ids (causal LM) or label index (classification).
-    """
-
-    loss: float
-    queried: str
-    greedy: str
-    matches: bool
-    queried_ids: tuple[int, ...]
-    greedy_ids: tuple[int, ...]
+__all__ = ["ModelAnswer", "model_answer"]
 
 
 def _decode(tok, ids) -> str:

@@ -18,25 +18,22 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
 
 from .. import constants as C
-from ..capture.layers import TrackedLayer
 from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings
 from ..store.sharded import open_run_store
 from .blas_threads import one_blas_thread
-from .encode import QueryEncoder, query_batch
 from .index import VectorIndex
 from .index_store import Progress, RunIndexes
 from .precondition import Preconditioner
 from .ranking import (
-    SIGN_NOTE,
     ZERO_LR_NOTE,
     example_table,
     hit_rows,
@@ -45,31 +42,17 @@ from .ranking import (
     source_influence,
 )
 from .rerank import rerank_candidates
+from .result import QueryResult, TestSide
+from .test_side import TestSideMixin
 from .vectors import fit_preconditioner, gradient_norms
 
+if TYPE_CHECKING:
+    from .encode import QueryEncoder
 
-@dataclass
-class QueryResult:
-    """A ranked answer with everything needed to show, export or audit it."""
-
-    rows: pl.DataFrame
-    query: dict
-    notes: list[str] = field(default_factory=list)
-    layer_names: list[str] = field(default_factory=list)
-    elapsed_ms: float = 0.0
-    sign_note: str = SIGN_NOTE
-    sketches: list[np.ndarray] | None = field(default=None, repr=False)  # the query's raw sketches
-
-    @property
-    def proponents(self) -> pl.DataFrame:
-        return self.rows.filter(pl.col("kind") == "proponent")
-
-    @property
-    def opponents(self) -> pl.DataFrame:
-        return self.rows.filter(pl.col("kind") == "opponent")
+__all__ = ["AttributionRun", "QueryResult", "TestSide", "open_run"]
 
 
-class AttributionRun:
+class AttributionRun(TestSideMixin):
     """One run opened for attribution: its store, manifest, saved model and indexes.
 
     The facade the CLI and the app share; the work is done by the run's
@@ -94,9 +77,7 @@ class AttributionRun:
         self.store = open_run_store(self.dir, self.manifest.shards)
         self.device = device
         self.indexes = RunIndexes(self.dir, self.store)
-        self.encoder = QueryEncoder(
-            self.dir, self.manifest, self.store, self.task, self.examples, device
-        )
+        self._encoder: QueryEncoder | None = None  # the model side (torch), made on first use
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
         self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
@@ -169,50 +150,6 @@ class AttributionRun:
         used stale, half-written or changed after its build)."""
         return self.indexes.get(s or IndexSettings(), rebuild=rebuild, progress=progress)
 
-    # -- test side ------------------------------------------------------------------------------
-    def model(self):
-        """The run's final model, tokenizer and labels (a ``LoadedModel``), loaded once."""
-        return self.encoder.model()
-
-    def tracked_layers(self) -> list[TrackedLayer]:
-        """The store's tracked layers on the loaded model (what the query-side hooks capture)."""
-        return self.encoder.tracked_layers()
-
-    def encode(
-        self,
-        prompt: str | None = None,
-        completion: str | None = None,
-        *,
-        eval_example: int | None = None,
-        label: str | None = None,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
-    ):
-        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``.
-
-        A query is text (``prompt``/``completion``, through the run's tokenizer), an example of
-        the run (``eval_example``), or token ids (``input_ids``, with ``labels`` -100 where no
-        loss is taken, or a 0/1 ``loss_mask``; neither: the loss on every token after the first).
-        """
-        return self.encoder.encode(
-            prompt,
-            completion,
-            eval_example=eval_example,
-            label=label,
-            input_ids=input_ids,
-            labels=labels,
-            loss_mask=loss_mask,
-        )
-
-    def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
-        """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
-        return self.encoder.query_sketches(enc)
-
-    def representations(self, encs) -> np.ndarray:
-        """Mean-pooled final hidden state of each encoded example (representation-similarity baseline)."""
-        return self.encoder.representations(encs)
-
     # -- query --------------------------------------------------------------------------------
     def query(
         self,
@@ -227,12 +164,14 @@ class AttributionRun:
         input_ids=None,
         labels=None,
         loss_mask=None,
+        test_side: TestSide | None = None,
     ) -> QueryResult:
         """Rank training examples by influence on the query's loss.
 
         The query is text (``prompt``/``completion``), an example of the run
         (``eval_example``), or token ids: ``input_ids`` (1-D) with ``labels`` (-100 where no
-        loss is taken, Hugging Face style) or a 0/1 ``loss_mask``.
+        loss is taken, Hugging Face style) or a 0/1 ``loss_mask``; or its :meth:`test_side`,
+        computed already (e.g. by a query worker), in which case no torch is needed here.
 
         Raises:
             QueryError: empty prompt, unknown example, bad top_k, bad token ids, text on a run
@@ -242,7 +181,7 @@ class AttributionRun:
             raise QueryError(f"top_k must be at least 1, got {top_k}")
         s = settings or IndexSettings()
         t0 = time.perf_counter()
-        enc, desc, notes = self.encode(
+        ts = test_side or self.test_side(
             prompt,
             completion,
             eval_example=eval_example,
@@ -251,21 +190,13 @@ class AttributionRun:
             labels=labels,
             loss_mask=loss_mask,
         )
-        if input_ids is not None:
-            desc = {
-                "prompt": None,
-                "completion": None,
-                "input_ids": enc.ids.tolist(),
-                "loss_mask": enc.loss_mask.tolist(),
-            }
-        sk, qloss = self.query_sketches(enc)
-        rows, sign_notes = self.rank(sk, s, top_k, opponents)
-        notes += sign_notes
+        encode_ms = ts.elapsed_ms if test_side is not None else 0.0
+        rows, sign_notes = self.rank(ts.sketches, s, top_k, opponents)
         index, _, pre = self.index(s)
         q = {
-            **desc,
+            **ts.query,
             "run_id": self.run_id,
-            "query_loss": qloss,
+            "query_loss": ts.loss,
             "top_k": top_k,
             **s.to_dict(),
             "n_vectors": int(index.n),
@@ -273,10 +204,10 @@ class AttributionRun:
         return QueryResult(
             rows,
             q,
-            notes=self.notes + notes,
+            notes=self.notes + list(ts.notes) + sign_notes,
             layer_names=pre.layer_names,
-            elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            sketches=sk,
+            elapsed_ms=encode_ms + (time.perf_counter() - t0) * 1e3,
+            sketches=ts.sketches,
         )
 
     def rank(
@@ -381,6 +312,8 @@ class AttributionRun:
             raise QueryError(
                 "scores() gives one score per example: use settings with per_record=False"
             )
+        from .encode import query_batch  # torch: the queries run through the model
+
         queries, batched = query_batch(
             prompt, completion, input_ids, labels, loss_mask, eval_example, label
         )

@@ -19,8 +19,6 @@ example's records over the training steps that saw it (``stored_score``, shown b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -30,21 +28,9 @@ from ..settings import IndexSettings
 from ..training.losses import example_losses
 from ..training.models import Encoded, collate, model_inputs
 from .encode import pad_id
+from .result import TokenContributions
 
 MAX_TOKENS_PER_BATCH = 64  # per-token copies backpropagated at once
-
-
-@dataclass
-class TokenContributions:
-    """Per token of one training example: its share of the example's score against a query."""
-
-    example_id: int
-    token_ids: np.ndarray  # (n,) the example's tokens
-    loss_mask: np.ndarray  # (n,) 1 where the token is a target (has a loss)
-    contributions: np.ndarray  # (n,) float64; 0 on tokens without a loss
-    score: float  # the recomputed score: the sum of the contributions
-    stored_score: float | None  # the ranking's exact score from the stored records
-    cosine: bool
 
 
 def _target_positions(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -1,0 +1,119 @@
+"""The test side of a run opened for attribution: its saved model and a query's sketches on it.
+
+:class:`TestSideMixin` gives :class:`~traceprop_engine.attribution.query.AttributionRun` the
+methods that need torch (the model, the query's tokens, its backward with the capture hooks),
+through a :class:`~traceprop_engine.attribution.encode.QueryEncoder` made on first use: opening a
+run, its examples, its index and the ranking of given sketches import no torch, so an app can
+leave the model to another process (:mod:`~traceprop_engine.attribution.worker`) and rank here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .result import TestSide
+
+if TYPE_CHECKING:
+    from ..capture.layers import TrackedLayer
+    from .encode import QueryEncoder
+
+
+class TestSideMixin:
+    """Needs ``dir``, ``manifest``, ``store``, ``task``, ``examples``, ``device`` and
+    ``_encoder`` (None until first use) on the class it is mixed into."""
+
+    __test__ = False  # not a pytest test class
+
+    @property
+    def encoder(self) -> QueryEncoder:
+        """The test side (the saved model, torch): opening a run, its examples, index and
+        rankings of given sketches import no torch (a query worker can hold the model)."""
+        if self._encoder is None:
+            from .encode import QueryEncoder
+
+            self._encoder = QueryEncoder(
+                self.dir, self.manifest, self.store, self.task, self.examples, self.device
+            )
+        return self._encoder
+
+    def model(self):
+        """The run's final model, tokenizer and labels (a ``LoadedModel``), loaded once."""
+        return self.encoder.model()
+
+    def tracked_layers(self) -> list[TrackedLayer]:
+        """The store's tracked layers on the loaded model (what the query-side hooks capture)."""
+        return self.encoder.tracked_layers()
+
+    def encode(
+        self,
+        prompt: str | None = None,
+        completion: str | None = None,
+        *,
+        eval_example: int | None = None,
+        label: str | None = None,
+        input_ids=None,
+        labels=None,
+        loss_mask=None,
+    ):
+        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``.
+
+        A query is text (``prompt``/``completion``, through the run's tokenizer), an example of
+        the run (``eval_example``), or token ids (``input_ids``, with ``labels`` -100 where no
+        loss is taken, or a 0/1 ``loss_mask``; neither: the loss on every token after the first).
+        """
+        return self.encoder.encode(
+            prompt,
+            completion,
+            eval_example=eval_example,
+            label=label,
+            input_ids=input_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+        )
+
+    def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
+        """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
+        return self.encoder.query_sketches(enc)
+
+    def representations(self, encs) -> np.ndarray:
+        """Mean-pooled final hidden state of each encoded example (representation-similarity baseline)."""
+        return self.encoder.representations(encs)
+
+    def test_side(
+        self,
+        prompt: str | None = None,
+        completion: str | None = None,
+        *,
+        eval_example: int | None = None,
+        label: str | None = None,
+        input_ids=None,
+        labels=None,
+        loss_mask=None,
+    ) -> TestSide:
+        """The query's sketches and loss on the final model (the torch part of :meth:`query`).
+
+        Raises:
+            QueryError: as for :meth:`query`.
+        """
+        t0 = time.perf_counter()
+        enc, desc, notes = self.encode(
+            prompt,
+            completion,
+            eval_example=eval_example,
+            label=label,
+            input_ids=input_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+        )
+        if input_ids is not None:
+            desc = {
+                "prompt": None,
+                "completion": None,
+                "input_ids": enc.ids.tolist(),
+                "loss_mask": enc.loss_mask.tolist(),
+            }
+        sk, qloss = self.query_sketches(enc)
+        return TestSide(sk, qloss, desc, notes, (time.perf_counter() - t0) * 1e3)
