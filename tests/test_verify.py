@@ -207,3 +207,34 @@ def test_the_committed_sample_verifies_with_its_digest():
     rep = verify_run(default_root() / "facts")
     assert rep["ok"] and rep["store"]["status"] == "ok"
     assert np.all([x["status"] == "ok" for x in rep["files"]])
+
+
+def test_library_versions_are_the_modules_and_import_nothing():
+    """run.json and audit trails record the libraries' versions; reading them imports no torch
+    (the app's server writes audit trails without ever importing torch)."""
+    code = (
+        "import sys, json\n"
+        "from traceprop_engine.run import library_versions\n"
+        "v = library_versions()\n"
+        "print(json.dumps([v, sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    v, imported = json.loads(out.stdout)
+    assert imported == []
+    import faiss
+    import h5py
+    import numpy
+    import torch
+    import transformers
+
+    from traceprop_engine.run import library_versions
+
+    want = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+        "h5py": h5py.__version__,
+        "faiss": faiss.__version__,
+    }
+    assert {k: v[k] for k in want} == want
+    assert library_versions() == v  # the same once they are imported

@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import os
 import platform
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -24,31 +27,43 @@ from pathlib import Path
 from . import constants as C
 from .errors import RunError
 
+# module -> its distribution on the package index (for versions read without importing)
+_DISTRIBUTIONS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "numpy": "numpy",
+    "h5py": "h5py",
+    "faiss": "faiss-cpu",
+    "peft": "peft",
+}
+
+
+def _version(module: str) -> str | None:
+    """The version of ``module``: its ``__version__`` when it is imported already, else its
+    installed distribution's (no import: an audit trail written by the app, whose server never
+    imports torch, costs no torch import), else by importing it; None when not installed."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        try:
+            return importlib.metadata.version(_DISTRIBUTIONS[module])
+        except importlib.metadata.PackageNotFoundError:  # e.g. a source build of torch
+            try:
+                mod = importlib.import_module(module)
+            except ImportError:
+                return None
+    return str(getattr(mod, "__version__", "unknown"))
+
 
 def library_versions() -> dict[str, str]:
-    import faiss
-    import h5py
-    import numpy
-    import torch
-    import transformers
-
+    """The versions of the libraries a run's numbers depend on (recorded in run.json and in
+    audit trails)."""
     from . import __version__
 
-    out = {
-        "traceprop": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "numpy": numpy.__version__,
-        "h5py": h5py.__version__,
-        "faiss": getattr(faiss, "__version__", "unknown"),
-    }
-    try:
-        import peft
-
-        out["peft"] = peft.__version__
-    except ImportError:  # pragma: no cover
-        pass
+    out = {"traceprop": __version__, "python": platform.python_version()}
+    for m in ("torch", "transformers", "numpy", "h5py", "faiss"):
+        out[m] = _version(m) or "unknown"
+    if (peft := _version("peft")) is not None:
+        out["peft"] = peft
     return out
 
 

@@ -14,7 +14,7 @@ from . import constants as C
 from .errors import StoreError
 from .run import DataInfo, RunManifest
 from .training.data import sha256_file
-from .training.models import model_fingerprint
+from .training.fingerprint import model_fingerprint
 
 
 def _data_root(run_dir: Path, d: DataInfo, root_key: str) -> Path:

@@ -7,7 +7,6 @@ Nothing here downloads: every ``from_pretrained`` call is ``local_files_only=Tru
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, RunError
+from .fingerprint import model_fingerprint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -274,18 +274,6 @@ def load_saved_model(model_dir: Path, device: str | torch.device = "cpu") -> Loa
         labels=info.get("labels"),
         base_source=info.get("base"),
     )
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over the saved weight files (name + content), in name order."""
-    h = hashlib.sha256()
-    for p in sorted(model_dir.rglob("*")):
-        if p.suffix in (".safetensors", ".bin") and p.is_file():
-            h.update(str(p.relative_to(model_dir)).encode())
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-    return h.hexdigest()
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
