@@ -12,10 +12,13 @@ One module per concern, each importable on its own (``from services import jobs`
 - :mod:`services.launch`: the Launch form's spec and the measured tracking configurations
 - :mod:`services.jobs`: training jobs: start, state from disk, cancel, wait
 - :mod:`services.queries`: cached runs, queries, overviews and tokens under each run's lock
+- :mod:`services.model_worker`: the query worker holding the runs' models (the server
+  process imports no torch while it runs)
+- :mod:`services.warmup`: the first query's work, started beside the first page
 - :mod:`services.exports`: influencer and audit-trail downloads, verification of a run
 - :mod:`services.text`: markdown escaping and one-line texts
 
-The names below are the package's public API (the tests and ``main.py`` use ``services.X``).
+The names below are the package's public API (the tests and ``navigation.py`` use ``services.X``).
 """
 
 from __future__ import annotations

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import os
 
-from .queries import open_cached
+from . import model_worker
+from .queries import in_process
 
 
 def model_answer(run_dir: str | os.PathLike, **query):
-    """:func:`traceprop_engine.attribution.answer.model_answer` on the cached run, under its lock.
+    """:func:`traceprop_engine.attribution.answer.model_answer` on the run's model: in the query
+    worker, or here under the cached run's lock when there is none.
 
     ``query``: ``prompt``, ``completion``, ``eval_example``, ``label`` as for a query.
 
     Raises:
         TracepropError: the run cannot be opened, or the query is malformed.
     """
-    from traceprop_engine.attribution.answer import model_answer as answer
+    try:
+        return model_worker.call("model_answer", run_dir, **query)
+    except model_worker.WorkerUnavailable:
+        from traceprop_engine.attribution.answer import model_answer as answer
 
-    run, lock = open_cached(run_dir)
-    with lock:
-        return answer(run, **query)
+        run, lock = in_process(run_dir)
+        with lock:
+            return answer(run, **query)
 
 
 def answer_warning(ans) -> str | None:

@@ -10,7 +10,7 @@ import polars as pl
 
 from traceprop_engine.attribution import compare
 
-from .queries import open_cached
+from .queries import open_cached, test_side
 
 
 @dataclass
@@ -46,18 +46,21 @@ def query_text(run_dir: str | os.PathLike, eval_example: int) -> dict:
 
 
 def side_query(run_dir, preconditioner: str, top_k: int, query: dict):
-    """One side's :class:`QueryResult` (under the run's lock)."""
+    """One side's :class:`QueryResult` (its model half from the query worker, when there is one;
+    ranked under the run's lock)."""
     from traceprop_engine.settings import IndexSettings
 
+    ts = test_side(
+        run_dir,
+        prompt=query.get("prompt"),
+        completion=query.get("completion"),
+        eval_example=query.get("eval_example"),
+        label=query.get("label"),
+    )
     run, lock = open_cached(run_dir)
     with lock:
         return run.query(
-            query.get("prompt"),
-            query.get("completion"),
-            eval_example=query.get("eval_example"),
-            label=query.get("label"),
-            top_k=top_k,
-            settings=IndexSettings(preconditioner=preconditioner),
+            top_k=top_k, settings=IndexSettings(preconditioner=preconditioner), test_side=ts
         )
 
 

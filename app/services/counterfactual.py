@@ -18,8 +18,9 @@ from pathlib import Path
 from traceprop_engine.errors import TracepropError
 from traceprop_engine.evaluate import counterfactual as cf
 
+from . import model_worker
 from .jobs import spawn_logged
-from .queries import cached_tokenizer, open_cached
+from .queries import in_process, token_pieces
 
 
 class CounterfactualError(TracepropError, RuntimeError):
@@ -142,21 +143,30 @@ def summary_rows(doc: dict) -> list[dict]:
 # -- per-token view -----------------------------------------------------------------------------
 def token_view(run_dir: str | os.PathLike, res, example_id: int):
     """``(pieces, TokenContributions)``: the example's tokens as text pieces and their shares of
-    its score against the query of ``res``, in the index ``res`` was ranked with (computed under
-    the run's query lock)."""
+    its score against the query of ``res``, in the index ``res`` was ranked with (computed by
+    the query worker, or here under the run's query lock)."""
     import dataclasses
 
-    from traceprop_engine.attribution.tokens import token_contributions
     from traceprop_engine.settings import IndexSettings
 
     names = {f.name for f in dataclasses.fields(IndexSettings)}
-    s = IndexSettings(**{k: v for k, v in res.query.items() if k in names})
-    run, lock = open_cached(run_dir)
-    with lock:
-        tc = token_contributions(run, res.sketches, int(example_id), s)
-    tok = cached_tokenizer(str(Path(run_dir).resolve()))
+    s = {k: v for k, v in res.query.items() if k in names}
+    try:
+        tc = model_worker.call(
+            "token_contributions",
+            run_dir,
+            sketches=res.sketches,
+            example_id=int(example_id),
+            settings=s,
+        )
+    except model_worker.WorkerUnavailable:
+        from traceprop_engine.attribution.tokens import token_contributions
+
+        run, lock = in_process(run_dir)
+        with lock:
+            tc = token_contributions(run, res.sketches, int(example_id), IndexSettings(**s))
     ids = tc.token_ids.tolist()
-    pieces = [tok.decode([t]) if tok is not None else f"[{t}]" for t in ids]
+    pieces = token_pieces(run_dir, ids) or [f"[{t}]" for t in ids]
     return pieces, tc
 
 

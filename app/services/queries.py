@@ -3,6 +3,10 @@
 An opened run is one HDF5 handle shared by every session of the app (``st.cache_resource``);
 h5py handles are not safe to read from two threads, so every read of an opened run here holds
 that run's lock: queries, the example table, overviews and token reads alike.
+
+Opening a run imports no torch. A query's model half (:func:`test_side`, token text) goes to the
+query worker (``model_worker``) when there is one, and runs here otherwise
+(:func:`in_process`, which imports torch then).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import streamlit as st
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import overview
 
+from . import model_worker
 from .runs import step_times
 
 
@@ -43,12 +48,9 @@ def app_threads() -> int:
 
 @st.cache_resource(max_entries=8, show_spinner="Opening the run…")
 def _open_run(run_dir: str, mtime: float):
-    import torch
-
     from traceprop_engine.attribution.query import open_run
 
-    torch.set_num_threads(app_threads())  # process-wide: every later query and the warm-up
-    return open_run(run_dir), threading.Lock()
+    return open_run(run_dir), threading.Lock()  # no torch: the model is loaded on first use
 
 
 def open_cached(run_dir: str | os.PathLike):
@@ -97,6 +99,42 @@ def cached_step_times(run_dir: str, mtime: float) -> pl.DataFrame:
     return step_times(Path(run_dir))
 
 
+def in_process(run_dir: str | os.PathLike):
+    """``(AttributionRun, lock)`` for model work in this process (no query worker): torch is
+    imported here, with the app's thread count."""
+    import torch
+
+    if torch.get_num_threads() != (n := app_threads()):
+        torch.set_num_threads(n)  # process-wide: every later in-process query
+    return open_cached(run_dir)
+
+
+def test_side(run_dir: str | os.PathLike, **query):
+    """The query's sketches and loss on the run's model (``TestSide``): from the query worker,
+    or computed here when there is none.
+
+    Raises:
+        TracepropError: the query is malformed, or the run cannot be queried.
+    """
+    query = {k: v for k, v in query.items() if v is not None}
+    try:
+        return model_worker.call("test_side", run_dir, **query)
+    except model_worker.WorkerUnavailable:
+        run, lock = in_process(run_dir)
+        with lock:
+            return run.test_side(**query)
+
+
+def token_pieces(run_dir: str | os.PathLike, ids) -> list[str] | None:
+    """Each token id as text, by the run's tokenizer (None when the run has none)."""
+    ids = [int(t) for t in ids]
+    try:
+        return model_worker.call("decode", run_dir, ids=ids)
+    except model_worker.WorkerUnavailable:
+        tok = cached_tokenizer(str(Path(run_dir).resolve()))
+        return None if tok is None else [tok.decode([t]) for t in ids]
+
+
 def run_query(run_dir: str | os.PathLike, **query):
     """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run);
     ``query``: the keywords of :func:`run_query_and_scores`."""
@@ -119,12 +157,13 @@ def run_query_and_scores(
     from traceprop_engine.attribution.ranking import source_influence
     from traceprop_engine.settings import IndexSettings
 
+    ts = test_side(
+        run_dir, prompt=prompt, completion=completion, eval_example=eval_example, label=label
+    )
     run, lock = open_cached(run_dir)
     s = IndexSettings(preconditioner=preconditioner)
     with lock:
-        res = run.query(
-            prompt, completion, eval_example=eval_example, label=label, top_k=top_k, settings=s
-        )
+        res = run.query(top_k=top_k, settings=s, test_side=ts)
         table = run.example_scores(res, s)
     by_source = source_influence(table["score"].to_numpy(), table["source"].to_numpy())
     return res, by_source, table
@@ -137,13 +176,14 @@ def layer_scores_table(layer_scores: str) -> pl.DataFrame:
 
 def decode_tokens(run_dir: Path, ids, loss_mask) -> str:
     """Tokens as text, the trained-on (loss) tokens in ⟦brackets⟧; ids when no tokenizer loads."""
-    tok = cached_tokenizer(str(run_dir))
+    ids = ids.tolist()
+    pieces = token_pieces(run_dir, ids)
     out = []
-    for t, m in zip(ids.tolist(), loss_mask.tolist(), strict=True):
-        piece = tok.decode([t]) if tok is not None else str(t)
+    for i, (t, m) in enumerate(zip(ids, loss_mask.tolist(), strict=True)):
+        piece = pieces[i] if pieces is not None else str(t)
         out.append(f"⟦{piece}⟧" if m else piece)
-    return ("" if tok is not None else "ids: ") + (
-        "".join(out) if tok is not None else " ".join(out)
+    return ("" if pieces is not None else "ids: ") + (
+        "".join(out) if pieces is not None else " ".join(out)
     )
 
 

@@ -1,21 +1,20 @@
 """Warm the query path in the background, starting beside the first page.
 
-The first page needs no torch (the engine is imported lazily); the first query does: importing
-torch and transformers and loading the run's model take about 5 s of one core on this project's
-CPUs (``import torch`` 1.6 s, the engine 1.5 s, the tokenizer 0.6 s, the model's transformers
-modules 2 s), and the query page then draws a model answer and a plotly chart for the first
-time. :func:`start` (called by ``app/main.py`` before the first page's script) does all of
-that in a daemon thread: the same server-side calls as the sample question (query with every
-example's score, the model's greedy answer, the by-source chart), so a user's first click finds
-them done or under way (it then waits on the same imports and the run's lock instead of
-starting from scratch).
+The first page needs no torch (the engine is imported lazily), and neither does the server's
+half of a query (opening the run, the index search and re-rank, every example's score); the
+model's half does: importing torch and transformers and loading the run's model take about 4 s
+of one core on this project's CPUs. :func:`start` (called by ``app/navigation.py`` before the first
+page's script) starts the query worker (``model_worker``), which loads the active run's model
+at once in its own process, on the other core, without holding this process's interpreter
+lock; then a daemon thread does the sample question's server side once (open the run and its
+index, the query with every example's score through the worker, the model's answer, the
+by-source chart's figure, the first table's imports), so a user's first click finds them done
+or under way.
 
-It runs without pauses, and stops before its own query once a page has started one
-(:func:`page_query_started`: that query would hold the run's lock the user's waits on).
-Waiting between steps while another page ran (the former design) only delayed the first query:
-the pages shared the interpreter lock with the step under way anyway, and the Runs page was no
-faster (benchmarks/app_speed.py, idle 2-core box: first query 3.72 → 2.86 s and 3.37 → 3.08 s
-in two interleaved A/Bs, first page and Runs page within their noise).
+With no worker (``TRACEPROP_QUERY_WORKER=0``) the same thread loads the model here, as before
+(benchmarks/README.md, "App speed", measured both ways). It stops before its own query once a
+page has started one (:func:`page_query_started`: that query would hold the run's lock the
+user's waits on).
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from . import model_worker, queries
+
 _started: set[str] = set()
 _guard = threading.Lock()
 _page_query = threading.Event()  # a page started a query: the warm-up's own query would delay it
@@ -35,25 +36,33 @@ page, it did not slow that page, whose time is mostly the browser's; benchmarks/
 log = logging.getLogger(__name__)
 
 
-def warm(run_dir: str | os.PathLike) -> None:
+def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
     """What the sample question does on the server, once, for ``run_dir``'s first eval example:
-    open the cached run, load its model and tokenizer, query it with every example's score
-    (builds or loads the index), the model's answer, and the by-source chart's figure."""
+    open the cached run and its index, the model (in the query worker when ``worker``, else
+    here), the query with every example's score, the model's answer, and the by-source chart's
+    figure."""
     from traceprop_engine.errors import TracepropError
 
     from . import answers, charts
-    from .queries import cached_tokenizer, open_cached, run_query_and_scores
+    from .queries import cached_tokenizer, in_process, open_cached, run_query_and_scores
 
     try:
         time.sleep(FIRST_PAGE_GRACE_S)
-        run, lock = open_cached(run_dir)  # imports torch and the engine
-        with lock:
-            run.model()
-        cached_tokenizer(str(Path(run_dir).resolve()))
-        if _page_query.is_set():  # the user's query does the rest, and no longer waits on ours
-            return
+        run, lock = open_cached(run_dir)  # the engine, no torch
         with lock:
             ex = run.examples()
+            run.index()  # loaded (or built) while the worker imports torch
+        try:
+            if not worker:
+                raise model_worker.WorkerUnavailable("no query worker")
+            model_worker.call("warm", run_dir)  # the model (the first run's: already under way)
+        except model_worker.WorkerUnavailable:
+            run, lock = in_process(run_dir)
+            with lock:
+                run.model()
+            cached_tokenizer(str(Path(run_dir).resolve()))
+        if _page_query.is_set():  # the user's query does the rest, and no longer waits on ours
+            return
         evals = ex.filter(ex["split"] == "eval")["example_id"].to_list()
         if evals:
             _, by_source, _ = run_query_and_scores(run_dir, eval_example=int(evals[0]))
@@ -62,7 +71,7 @@ def warm(run_dir: str | os.PathLike) -> None:
         import pandas  # noqa: F401 - the first table's conversion (st.dataframe), 0.4 s
         import pyarrow  # noqa: F401
 
-        from traceprop_engine.attribution import export, tokens  # noqa: F401 - the query page's
+        from traceprop_engine.attribution import export  # noqa: F401 - the query page's
     except (TracepropError, OSError, ValueError) as e:  # the page shows the error on use
         log.info("warm-up of %s skipped: %s", run_dir, e)
 
@@ -71,6 +80,23 @@ def page_query_started() -> None:
     """Called by the Influencers page before its query: the warm-up skips what is left of its
     own query steps (they hold the run's lock the page's query waits on)."""
     _page_query.set()
+
+
+def start_worker() -> bool:
+    """Start the query worker on the default active run (the first run listed: the bundled
+    sample on a fresh install) when the server starts, before any browser connects
+    (``app/main.py``'s lifespan); :func:`start` then finds it under way. Returns whether a
+    worker runs. Off with TRACEPROP_NO_WARMUP=1 or TRACEPROP_QUERY_WORKER=0."""
+    from . import config, runs
+
+    if os.environ.get("TRACEPROP_NO_WARMUP") == "1":
+        return False
+    try:
+        active = runs.ensure_active_run(config.AppConfig.from_env(), {})
+    except Exception:  # noqa: BLE001 - the pages report a bad configuration; the worker can wait
+        log.exception("query worker: no active run to warm")
+        active = None
+    return model_worker.start(active, threads=queries.app_threads()) is not None
 
 
 def start(run_dir: str | os.PathLike | None) -> bool:
@@ -83,5 +109,7 @@ def start(run_dir: str | os.PathLike | None) -> bool:
         if key in _started:
             return False
         _started.add(key)
-    threading.Thread(target=warm, args=(key,), name="traceprop-warmup", daemon=True).start()
+    # the worker's imports start now, in their own process: they need no lock of this one
+    worker = model_worker.start(key, threads=queries.app_threads()) is not None
+    threading.Thread(target=warm, args=(key, worker), name="traceprop-warmup", daemon=True).start()
     return True

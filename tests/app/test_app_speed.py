@@ -18,7 +18,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 REPO = Path(__file__).resolve().parents[2]
-MAIN = str(REPO / "app" / "main.py")
+MAIN = str(REPO / "app" / "navigation.py")  # the pages (main.py: the server, st.App)
 SAMPLE = REPO / "sample_runs" / "facts"
 
 # a fresh interpreter: the test process's own imports (torch from other tests) must not count

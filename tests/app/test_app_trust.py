@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from traceprop_engine import constants as C
 
 REPO = Path(__file__).resolve().parents[2]
-MAIN = str(REPO / "app" / "main.py")
+MAIN = str(REPO / "app" / "navigation.py")  # the pages (main.py: the server, st.App)
 TIMEOUT = 60
 
 

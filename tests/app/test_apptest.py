@@ -11,7 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 REPO = Path(__file__).resolve().parents[2]
-MAIN = str(REPO / "app" / "main.py")
+MAIN = str(REPO / "app" / "navigation.py")  # the pages (main.py: the server, st.App)
 TIMEOUT = 60
 
 

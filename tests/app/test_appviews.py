@@ -26,7 +26,7 @@ from traceprop_engine.settings import IndexSettings
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "sample_runs" / "facts"
-MAIN = str(REPO / "app" / "main.py")
+MAIN = str(REPO / "app" / "navigation.py")  # the pages (main.py: the server, st.App)
 TIMEOUT = 90
 
 

@@ -124,7 +124,7 @@ def server(tmp_path_factory):
                     "streamlit did not start:\n" + (tmp / "streamlit.log").read_text()[-3000:]
                 )
             time.sleep(0.3)
-        yield {"url": url, "runs": tmp / "runs"}
+        yield {"url": url, "runs": tmp / "runs", "pid": proc.pid}
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -159,6 +159,23 @@ def page(server):
         yield pg
         ctx.close()
         browser.close()
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's shared library mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the parent's pid follows the state
+            out.append(int(stat.parent.name))
+    return out
 
 
 def _nav(page, name: str) -> None:
@@ -224,6 +241,11 @@ def test_typed_prompt_influencers_and_csv(page, server):
         assert r["location"] == f"{r['source']}:{r['row']}"
         assert len(r["sha256"]) == 64
     assert not page.blocked, page.blocked
+    # the model's half of every query ran in the query worker: torch is loaded there, never in
+    # the server process (issue 13 item 8; app/services/model_worker.py)
+    assert not _maps_torch(server["pid"])
+    workers = [p for p in _children(server["pid"]) if _maps_torch(p)]
+    assert len(workers) == 1, _children(server["pid"])
 
 
 def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
@@ -362,3 +384,4 @@ def test_find_distribution_compare_and_rankings(page, server):
     page.wait_for_timeout(800)
     page.screenshot(path=str(DOCS_IMG / "rankings.png"), full_page=True)
     assert not page.blocked, page.blocked
+    assert not _maps_torch(server["pid"])  # every page so far: the model stayed in the worker

@@ -65,7 +65,9 @@ def test_banner_and_sidebar_clear_when_the_job_ends(page, server):  # noqa: F811
     from playwright.sync_api import expect
 
     _open(page, server, "Launch")
-    _fill(page, (*SMALL, ("Epochs", "12"), ("Run name (optional)", "live-run")))
+    # long enough that the two page runs below happen while it trains (240 steps could end
+    # first on an idle machine)
+    _fill(page, (*SMALL, ("Epochs", "30"), ("Run name (optional)", "live-run")))
     page.get_by_role("button", name="Start training").click()
     expect(page.get_by_text(re.compile(r"running: step \d+/\d+"))).to_be_visible()
     _nav(page, "Runs")  # a full page run while it trains: the sidebar shows it
@@ -74,8 +76,8 @@ def test_banner_and_sidebar_clear_when_the_job_ends(page, server):  # noqa: F811
     expect(sidebar.get_by_text(re.compile(r"Training live-run: step \d+/\d+"))).to_be_visible()
     expect(page.get_by_text("A training job is running")).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "launch-live-sidebar.png"), full_page=True)
-    # generous: 240 steps took up to ~3 minutes on a loaded 2-core machine
-    expect(page.get_by_text("Training finished")).to_be_visible(timeout=420_000)
+    # generous: 240 steps took up to ~3 minutes on a loaded 2-core machine, ≈ 10 s idle
+    expect(page.get_by_text("Training finished")).to_be_visible(timeout=600_000)
     # no reload, no click: both go within a few seconds of the end
     expect(sidebar.get_by_text(re.compile(r"Training live-run"))).to_have_count(0, timeout=15_000)
     expect(page.get_by_text("A training job is running")).to_have_count(0, timeout=15_000)

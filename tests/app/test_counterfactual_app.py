@@ -13,7 +13,7 @@ from services import counterfactual as cf
 from streamlit.testing.v1 import AppTest
 
 REPO = Path(__file__).resolve().parents[2]
-MAIN = str(REPO / "app" / "main.py")
+MAIN = str(REPO / "app" / "navigation.py")  # the pages (main.py: the server, st.App)
 TIMEOUT = 90
 PROMPT = "Q: Which colour does the planet Ethmor have?\nA:"
 

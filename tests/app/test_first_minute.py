@@ -5,10 +5,13 @@ Values are checked against the engine's own functions."""
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -24,7 +27,7 @@ if str(APP) not in sys.path:
     sys.path.insert(0, str(APP))
 from services.text import md_escape  # noqa: E402
 
-MAIN = str(APP / "main.py")
+MAIN = str(APP / "navigation.py")  # the pages (main.py: the server, st.App)
 SAMPLE = REPO / "sample_runs" / "facts"
 GT = json.loads((REPO / "sample_runs" / "facts-data" / "ground_truth.json").read_text())
 TIMEOUT = 90
@@ -161,10 +164,69 @@ def test_warm_up_loads_the_model_once(app_env, monkeypatch):
     run, _ = queries.open_cached(SAMPLE)
     assert run.encoder._loaded is not None  # the model a first query needs is loaded
     monkeypatch.delenv("TRACEPROP_NO_WARMUP")
+    monkeypatch.setenv("TRACEPROP_QUERY_WORKER", "0")  # the worker: test_warm_up_with_the_worker
     monkeypatch.setattr(warmup, "_started", set())
-    monkeypatch.setattr(warmup, "warm", lambda d: None)
+    calls = []
+    monkeypatch.setattr(warmup, "warm", lambda d, worker: calls.append(worker))
     assert warmup.start(SAMPLE) and not warmup.start(SAMPLE)  # once per run and process
     assert not warmup.start(None)
+    assert calls == [False]  # no worker: the warm-up loads the model in this process
+
+
+def test_warm_up_with_the_worker_leaves_torch_out_of_the_server(app_env, tmp_path):
+    """Item 8: with the query worker (the default), the server process answers the sample
+    question, the model's answer, an influencer's tokens and per-token view without importing
+    torch, and gives what the in-process path gives."""
+    import shutil
+
+    run = tmp_path / "facts"
+    shutil.copytree(SAMPLE, run)  # its index is built here, not in the repository
+    code = f"""
+import sys, threading, pickle
+sys.path[:0] = [{str(APP)!r}, {str(REPO)!r}]
+from services import answers, counterfactual, model_worker, queries, warmup
+assert warmup.start_worker()  # what the server's start does (main.py): the sample's model
+w = model_worker._worker
+assert w is not None and w.alive
+assert warmup.start({str(run)!r})  # a session on another run: the same worker warms it too
+assert model_worker._worker is w
+next(t for t in threading.enumerate() if t.name == "traceprop-warmup").join(120)
+ex = queries.cached_examples({str(run)!r}, queries.manifest_mtime({str(run)!r}), "eval")
+eid = int(ex["example_id"][0])
+res, by_source, table = queries.run_query_and_scores({str(run)!r}, eval_example=eid)
+ans = answers.model_answer({str(run)!r}, eval_example=eid)
+top = int(res.proponents["example_id"][0])
+text = queries.example_tokens_text({str(run)!r}, top)
+pieces, tc = counterfactual.token_view({str(run)!r}, res, top)
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+model_worker.stop()
+assert not w.alive
+sys.stdout.flush()
+with open({str(tmp_path / "out.pkl")!r}, "wb") as f:
+    pickle.dump((eid, res.rows, table, ans, text, pieces, tc.contributions), f)
+"""
+    env = {**os.environ, "TRACEPROP_QUERY_WORKER": "1"}
+    env.pop("TRACEPROP_NO_WARMUP", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    with open(tmp_path / "out.pkl", "rb") as f:
+        eid, rows, table, ans, text, pieces, contributions = pickle.load(f)
+
+    # the same answers in one process (the path the app takes without a worker)
+    from services import answers, counterfactual, queries
+
+    res, _, table_here = queries.run_query_and_scores(run, eval_example=eid)
+    assert rows.equals(res.rows)
+    assert table.equals(table_here)
+    assert ans == answers.model_answer(run, eval_example=eid)
+    top = int(res.proponents["example_id"][0])
+    assert text == queries.example_tokens_text(run, top)
+    pieces_here, tc = counterfactual.token_view(run, res, top)
+    assert pieces == pieces_here
+    np.testing.assert_allclose(contributions, tc.contributions, rtol=1e-9, atol=1e-12)
 
 
 def test_data_root_exists_by_default(tmp_path, monkeypatch):
