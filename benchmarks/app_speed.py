@@ -16,6 +16,12 @@ run opened) on the bundled sample run and drives Debian's chromium through Playw
   completion, click until the new answer is drawn.
 
 Prints the medians over repeats (seconds). The machine is shared: quote them with its load.
+
+``--arms 'worker:TRACEPROP_QUERY_WORKER=1' 'in-process:TRACEPROP_QUERY_WORKER=0'`` measures
+several environments interleaved: every repeat starts each arm once, in turn, and the medians
+are printed per arm with each arm's ratio to the first. ``APP_SPEED_REPO=/path`` in an arm runs
+that checkout's app instead (e.g. ``git worktree add /tmp/before HEAD~3``: before and after in
+the same run).
 """
 
 from __future__ import annotations
@@ -67,13 +73,15 @@ def start_server(tmp: Path, port: int, extra_env: dict | None = None) -> subproc
         "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false",
         **(extra_env or {}),
     }
-    cmd = [sys.executable, "-m", "streamlit", "run", str(REPO / "app" / "main.py")]
+    env.pop("APP_SPEED_REPO", None)
+    repo = Path((extra_env or {}).get("APP_SPEED_REPO") or REPO)  # another checkout's app
+    cmd = [sys.executable, "-m", "streamlit", "run", str(repo / "app" / "main.py")]
     cmd += ["--server.headless", "true", "--server.address", "127.0.0.1"]
     cmd += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
     cmd += ["--server.fileWatcherType", "none"]
     log = open(tmp / "streamlit.log", "wb")  # noqa: SIM115 - the process owns it
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        cmd, cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
 
@@ -161,41 +169,54 @@ def measure_once(page, url: str, proc: subprocess.Popen, t_start: float, later: 
     return out
 
 
-def measure(repeats: int = 3, later: int = 5, shots: Path | None = None) -> dict:
-    """Medians over ``repeats`` cold starts, and every repeat's timings."""
+KEYS = (
+    "server_s",
+    "first_page_s",
+    "page_after_server_s",
+    "runs_page_s",
+    "first_query_s",
+    "later_query_s",
+)
+
+
+def measure(
+    repeats: int = 3, later: int = 5, shots: Path | None = None, arms: dict | None = None
+) -> dict:
+    """Medians over ``repeats`` cold starts, and every repeat's timings; with ``arms`` (name ->
+    extra environment) each repeat starts every arm once, in turn, and the result is per arm."""
     from playwright.sync_api import sync_playwright
 
-    runs = []
+    arms = arms or {"": {}}
+    runs: dict[str, list] = {name: [] for name in arms}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
         for r in range(repeats):
-            with tempfile.TemporaryDirectory() as d:
-                port = _free_port()
-                url = f"http://127.0.0.1:{port}"
-                ctx = browser.new_context(viewport={"width": 1400, "height": 2000})
-                ctx.route("**/*", _local_only(url))
-                page = ctx.new_page()
-                page.set_default_timeout(120_000)
-                t0 = time.monotonic()
-                proc = start_server(Path(d), port)
-                try:
-                    runs.append(measure_once(page, url, proc, t0, later, shots if r == 0 else None))
-                finally:
-                    stop_server(proc)
-                    ctx.close()
+            for name, extra in arms.items():
+                with tempfile.TemporaryDirectory() as d:
+                    port = _free_port()
+                    url = f"http://127.0.0.1:{port}"
+                    ctx = browser.new_context(viewport={"width": 1400, "height": 2000})
+                    ctx.route("**/*", _local_only(url))
+                    page = ctx.new_page()
+                    page.set_default_timeout(120_000)
+                    t0 = time.monotonic()
+                    proc = start_server(Path(d), port, extra)
+                    try:
+                        shot = shots if r == 0 and name == next(iter(arms)) else None
+                        runs[name].append(measure_once(page, url, proc, t0, later, shot))
+                    finally:
+                        stop_server(proc)
+                        ctx.close()
         browser.close()
-    keys = (
-        "server_s",
-        "first_page_s",
-        "page_after_server_s",
-        "runs_page_s",
-        "first_query_s",
-        "later_query_s",
-    )
-    return {
-        "medians": {k: statistics.median(x[k] for x in runs) for k in keys},
-        "repeats": runs,
+    out = {
+        name: {
+            "env": arms[name],
+            "medians": {k: statistics.median(x[k] for x in rs) for k in KEYS},
+            "repeats": rs,
+        }
+        for name, rs in runs.items()
     }
+    return out[""] if list(out) == [""] else {"arms": out}
 
 
 def main(argv=None) -> None:
@@ -204,13 +225,34 @@ def main(argv=None) -> None:
     p.add_argument("--later", type=int, default=5, help="later queries per start")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--screenshots", help="folder for home/runs/influencers screenshots")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="environments measured interleaved (every repeat starts each once, in turn)",
+    )
     a = p.parse_args(argv)
     shots = Path(a.screenshots) if a.screenshots else None
     if shots:
         shots.mkdir(parents=True, exist_ok=True)
-    res = measure(a.repeats, a.later, shots)
-    for k, v in res["medians"].items():
-        print(f"{k:>15}: {v:6.2f} s (median of {a.repeats})")
+    arms = None
+    if a.arms:
+        arms = {}
+        for spec in a.arms:
+            name, _, env = spec.partition(":")
+            arms[name] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    res = measure(a.repeats, a.later, shots, arms)
+    if arms is None:
+        for k, v in res["medians"].items():
+            print(f"{k:>15}: {v:6.2f} s (median of {a.repeats})")
+    else:
+        base = next(iter(arms))
+        for k in KEYS:
+            cells = []
+            for name, r in res["arms"].items():
+                v, b = r["medians"][k], res["arms"][base]["medians"][k]
+                cells.append(f"{name} {v:6.2f} s" + (f" ({v / b:.2f}x)" if name != base else ""))
+            print(f"{k:>19}: " + " | ".join(cells) + f"  (medians of {a.repeats})")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
 
