@@ -15,8 +15,11 @@ from traceprop_engine.evaluate import counterfactual as cf
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Q: Is Ethmor a planet, an inventor, a river or a guild?\nA:"
-# the retrain of the full set with the run's own seed reproduces the run's model: same loss
-SAME_RECIPE_TOL = 1e-5
+# the retrain of the full set with the run's own seed reproduces the run's model: the same
+# loss on the CPU kind the sample was trained on (Intel Xeon: within 1e-5), within float
+# rounding of other kernels elsewhere (AMD EPYC: 9.9e-5 on a loss of 0.50), far below the
+# effects the check measures (removing the top 10: +3.9)
+SAME_RECIPE_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
