@@ -31,4 +31,7 @@ async def _lifespan(_app):
     model_worker.stop()
 
 
-app = st.App(APP_DIR / "navigation.py", lifespan=_lifespan)
+if hasattr(st, "App"):  # Streamlit ≥ 1.5x: `streamlit run` serves this ASGI app
+    app = st.App(APP_DIR / "navigation.py", lifespan=_lifespan)
+else:  # an older Streamlit runs this file as the pages' script: the first session starts the worker
+    exec(compile((APP_DIR / "navigation.py").read_text(), str(APP_DIR / "navigation.py"), "exec"))

@@ -235,3 +235,15 @@ def test_data_root_exists_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(tmp_path / "runs"))
     monkeypatch.setenv("TRACEPROP_DATA_ROOT", str(tmp_path / "fresh" / "data"))
     assert config.AppConfig.from_env().data_root.is_dir()
+
+
+def test_main_runs_the_pages_on_a_streamlit_without_st_app(app_env, monkeypatch):
+    """`streamlit run app/main.py` on a Streamlit that has no st.App runs main.py as the pages'
+    script: it must draw the same landing page (the worker then starts with the first session)."""
+    import streamlit
+
+    monkeypatch.delattr(streamlit, "App")
+    at = AppTest.from_file(str(APP / "main.py"), default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception, at.exception
+    assert at.title[0].value == "Traceprop"
