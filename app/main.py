@@ -31,7 +31,10 @@ async def _lifespan(_app):
     model_worker.stop()
 
 
-if hasattr(st, "App"):  # Streamlit ≥ 1.5x: `streamlit run` serves this ASGI app
+if __name__ != "__main__" and hasattr(st, "App"):
+    # `streamlit run` found the st.App below and imported this module to serve it (uvicorn)
     app = st.App(APP_DIR / "navigation.py", lifespan=_lifespan)
-else:  # an older Streamlit runs this file as the pages' script: the first session starts the worker
+else:
+    # run as the pages' script (AppTest, or a Streamlit without st.App): draw the pages; the
+    # first session then starts the worker
     exec(compile((APP_DIR / "navigation.py").read_text(), str(APP_DIR / "navigation.py"), "exec"))

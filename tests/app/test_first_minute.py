@@ -237,12 +237,14 @@ def test_data_root_exists_by_default(tmp_path, monkeypatch):
     assert config.AppConfig.from_env().data_root.is_dir()
 
 
-def test_main_runs_the_pages_on_a_streamlit_without_st_app(app_env, monkeypatch):
-    """`streamlit run app/main.py` on a Streamlit that has no st.App runs main.py as the pages'
-    script: it must draw the same landing page (the worker then starts with the first session)."""
+@pytest.mark.parametrize("has_st_app", [True, False])
+def test_main_run_as_a_script_draws_the_pages(app_env, monkeypatch, has_st_app):
+    """main.py run as the pages' script (AppTest from main.py, as ../shared/TESTING-UI.md does,
+    or `streamlit run` on a Streamlit without st.App) draws the landing page itself."""
     import streamlit
 
-    monkeypatch.delattr(streamlit, "App")
+    if not has_st_app:
+        monkeypatch.delattr(streamlit, "App")
     at = AppTest.from_file(str(APP / "main.py"), default_timeout=TIMEOUT)
     at.run()
     assert not at.exception, at.exception
