@@ -102,10 +102,8 @@ def cached_step_times(run_dir: str, mtime: float) -> pl.DataFrame:
 def in_process(run_dir: str | os.PathLike):
     """``(AttributionRun, lock)`` for model work in this process (no query worker): torch is
     imported here, with the app's thread count."""
-    import torch
+    import torch  # noqa: F401 - open_cached then sets the app's thread count
 
-    if torch.get_num_threads() != (n := app_threads()):
-        torch.set_num_threads(n)  # process-wide: every later in-process query
     return open_cached(run_dir)
 
 
@@ -116,7 +114,6 @@ def test_side(run_dir: str | os.PathLike, **query):
     Raises:
         TracepropError: the query is malformed, or the run cannot be queried.
     """
-    query = {k: v for k, v in query.items() if v is not None}
     try:
         return model_worker.call("test_side", run_dir, **query)
     except model_worker.WorkerUnavailable:

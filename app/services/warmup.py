@@ -52,11 +52,7 @@ def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
         with lock:
             ex = run.examples()
             run.index()  # loaded (or built) while the worker imports torch
-        try:
-            if not worker:
-                raise model_worker.WorkerUnavailable("no query worker")
-            model_worker.call("warm", run_dir)  # the model (the first run's: already under way)
-        except model_worker.WorkerUnavailable:
+        if not worker:  # the model here; a worker loads it with the first request below
             run, lock = in_process(run_dir)
             with lock:
                 run.model()
@@ -68,11 +64,14 @@ def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
             _, by_source, _ = run_query_and_scores(run_dir, eval_example=int(evals[0]))
             answers.model_answer(run_dir, eval_example=int(evals[0]))
             charts.by_source_figure(by_source)
+        elif worker:  # no eval example to ask: the model alone
+            model_worker.call("warm", run_dir)
         import pandas  # noqa: F401 - the first table's conversion (st.dataframe), 0.4 s
         import pyarrow  # noqa: F401
 
         from traceprop_engine.attribution import export  # noqa: F401 - the query page's
-    except (TracepropError, OSError, ValueError) as e:  # the page shows the error on use
+    except (TracepropError, OSError, ValueError, model_worker.WorkerUnavailable) as e:
+        # the page shows the error on use (and does without a worker that is gone)
         log.info("warm-up of %s skipped: %s", run_dir, e)
 
 
