@@ -7,8 +7,8 @@
    held-out questions in the sample's evaluation wording.
 2. Trains the default tiny model (2 layers, width 128, the sample's settings) for one epoch with
    the default tracking: one record per example, as at scale.
-3. For each index configuration ``m/dims`` (``IndexSettings(index_side=m, index_dims=dims)``;
-   the default first), builds the index and times ``AttributionRun.rank`` (candidate search +
+3. For each index configuration ``m/dims[/lists|/nolists]`` (``IndexSettings(index_side=m,
+   index_dims=dims, lists=...)``; the default first), builds the index and times ``AttributionRun.rank`` (candidate search +
    exact re-rank, not the query's own forward/backward) for ``--queries`` held-out questions,
    and measures recall@10 of the returned proponents / opponents against brute-force exact
    scores over every example.
@@ -19,6 +19,7 @@ Steps 1-2 are skipped when ``--work-dir`` already holds the run. Prints one line
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import subprocess
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.attribution import ranking
+from traceprop_engine.attribution import index_lists, ranking
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.samples.templates import SYLLABLES, TOPICS
@@ -84,11 +85,22 @@ def _measure(run, s, queries, exact, ids) -> dict:
     }
 
 
+def _scan(spec: str) -> tuple[float, float]:
+    """``0.02`` -> (0.02, 0.02); ``0.01/0.03`` -> (0.01, 0.03)."""
+    p, _, o = spec.partition("/")
+    return float(p), float(o or p)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--work-dir", default="/tmp/traceprop-query-real")
-    ap.add_argument("--index", default="16/256,8/0", help="m/dims pairs, comma-separated")
+    ap.add_argument(
+        "--index",
+        default="16/256,8/0",
+        help="m/dims pairs, comma-separated; m/dims/lists or m/dims/nolists sets "
+        "IndexSettings.lists (default: auto)",
+    )
     ap.add_argument("--queries", type=int, default=48)
     ap.add_argument(
         "--candidates",
@@ -97,6 +109,19 @@ def main() -> None:
     )
     ap.add_argument(
         "--nprobe", default="", help="IVF lists probed, comma-separated (default: tuned)"
+    )
+    ap.add_argument(
+        "--scan",
+        default="",
+        help="factor lists: shares of the entries scanned to compare, comma-separated, each one "
+        "share for both sides or PROPONENTS/OPPONENTS (0: the same index without its lists; "
+        "default: index_lists.SCAN_FRACTION)",
+    )
+    ap.add_argument(
+        "--list-candidates",
+        default="",
+        help="factor lists: rows proposed per side to compare, comma-separated "
+        "(default: index_lists.CANDIDATES)",
     )
     ap.add_argument("--json", help="write the result rows here")
     a = ap.parse_args()
@@ -112,9 +137,12 @@ def main() -> None:
     queries = e2e.real_queries(run_dir, a.queries)  # eval questions first
     run = AttributionRun(run_dir)
     out, exact = [], None
+    default_scan, default_lcand = index_lists.SCAN_FRACTION, index_lists.CANDIDATES
     for spec in a.index.split(","):
-        m, dims = (int(x) for x in spec.split("/"))
-        s = IndexSettings(index_side=m, index_dims=dims)
+        m, dims, *rest = spec.split("/")
+        m, dims = int(m), int(dims)
+        lists = {"": None, "lists": True, "nolists": False}[rest[0] if rest else ""]
+        s = IndexSettings(index_side=m, index_dims=dims, lists=lists)
         t = time.perf_counter()
         index, ids, pre = run.index(s)  # built once, then loaded (build_s of the first call)
         build_s = time.perf_counter() - t
@@ -136,16 +164,31 @@ def main() -> None:
         for nprobe in [int(p) for p in a.nprobe.split(",") if p] or [tuned]:
             if nprobe:
                 index.set_nprobe(nprobe)
-            for cand in [int(c) for c in a.candidates.split(",") if c] or [0]:
+            scorer = run.indexes.scorer(s)
+            built = scorer.lists
+            scans = [_scan(f) for f in a.scan.split(",") if f] or [index_lists.SCAN_FRACTION]
+            lcands = [int(c) for c in a.list_candidates.split(",") if c] or [default_lcand]
+            for scan, lcand, cand in itertools.product(
+                scans, lcands, [int(c) for c in a.candidates.split(",") if c] or [0]
+            ):
+                # 0: FAISS alone on the same index (its lists set aside)
+                scorer.lists = built if any(scan) else None
+                index_lists.SCAN_FRACTION = scan if any(scan) else default_scan
+                index_lists.CANDIDATES = lcand
                 ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = (cand, cand) if cand else default
                 row = _measure(run, s, queries, exact, ids)
                 row.update(
                     n=int(index.n), index_side=m, index_dims=dims, dim=int(pre.dim),
+                    lists=scorer.lists is not None,
+                    scan_fraction=index_lists.SCAN_FRACTION if scorer.lists else None,
+                    list_candidates=index_lists.CANDIDATES if scorer.lists else None,
                     kind=index.kind.value, nprobe=index.nprobe, build_s=round(build_s, 1),
-                    candidates=ranking.n_candidates(10, int(index.n)),
+                    candidates=ranking.n_candidates(10, int(index.n), scorer.lists is not None),
                 )  # fmt: skip
                 out.append(row)
                 print(json.dumps(row), flush=True)
+            scorer.lists = built
+            index_lists.SCAN_FRACTION, index_lists.CANDIDATES = default_scan, default_lcand
         ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = default
         if tuned:
             index.set_nprobe(tuned)

@@ -317,8 +317,14 @@ class IndexSettings:
     kind: IndexKind = IndexKind.AUTO
     index_side: int = INDEX_SIDE
     index_dims: int = INDEX_DIMS
+    lists: bool | None = None
+    """A second candidate search over the dominant layer's own records
+    (``attribution/index_lists.py``): None builds it from ``index_lists.MIN_ROWS`` index rows
+    (where FAISS is an IVF index), True on any run, False never."""
 
     def __post_init__(self) -> None:
+        if self.lists is not None and not isinstance(self.lists, bool):
+            raise ConfigError(f"lists must be True, False or None (auto), got {self.lists!r}")
         for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -345,6 +351,8 @@ class IndexSettings:
             parts.append(f"m{self.index_side}")
         if self.index_dims != INDEX_DIMS:
             parts.append(f"r{self.index_dims}")
+        if self.lists is not None:
+            parts.append("lists" if self.lists else "nolists")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -356,4 +364,6 @@ class IndexSettings:
             "kind": self.kind.value,
             "index_side": self.index_side,
             "index_dims": self.index_dims,
+            # only when set: the default's fingerprint (and every index built before) unchanged
+            **({} if self.lists is None else {"lists": self.lists}),
         }

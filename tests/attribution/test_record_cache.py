@@ -487,8 +487,9 @@ def test_end_to_end_bench_command_makes_its_work_dir(tmp_path, capsys):
     work = tmp_path / "not" / "yet"
     out = tmp_path / "e2e.json"
     argv = ["bench", "query", "--end-to-end", "--sizes", "800", "--queries", "4"]
-    assert main([*argv, "--work-dir", str(work), "--json", str(out)]) == 0
+    assert main([*argv, "--work-dir", str(work), "--json", str(out), "--lists", "on"]) == 0
     assert work.is_dir() and not any(work.iterdir())
     row = json.loads(out.read_text())
     row = row[0] if isinstance(row, list) else row
     assert row["n"] == 800 and row["max_abs_score_error"] < 1e-6
+    assert row["lists"] and row["index"] == "identity-cos-lists"  # built on request

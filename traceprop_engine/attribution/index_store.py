@@ -2,7 +2,8 @@
 
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
 (:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, a
-memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), the FAISS index and
+memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), on large runs the
+factor lists of the dominant layer (:mod:`.index_lists`), the FAISS index and
 ``index.json``, which records the digest of every file. Its fingerprint (the
 store's fingerprint + the settings) makes an index built from other records stale; a stale,
 half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).
@@ -28,6 +29,7 @@ from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
 from .index_build import build_index
 from .index_files import index_lock, publish_dir
+from .index_lists import FactorLists, build_lists, dominant_layer, wants_lists
 from .precondition import Preconditioner
 from .record_cache import RecordCache, write_record_cache
 from .rerank import as_bounds
@@ -55,7 +57,8 @@ OLD_BUILD_NOTE = (
 _READ_ROWS = 65536  # vectors read from the memory map at a time
 
 Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``, stage one of "preconditioner", "vectors", "records", "index"."""
+"""``progress(stage, done, total)``, stage one of "preconditioner", "vectors", "records",
+"lists", "index"."""
 
 
 class RunIndexes:
@@ -173,6 +176,19 @@ class RunIndexes:
                 scorer.layer_sq_norms = as_bounds(layer_norms)
                 np.save(out / LAYER_NORMS_FILE, scorer.layer_sq_norms)
                 files += (NORMS_FILE, LAYER_NORMS_FILE)
+                li = dominant_layer(layer_norms, [i.rank == 1 for i in self.store.layers])
+                if li is not None and wants_lists(s.lists, len(ids)):
+                    xn = np.sqrt(np.maximum(scorer.row_sq_norms, 1e-60))
+                    files += tuple(
+                        build_lists(
+                            scorer,
+                            li,
+                            xn if s.cosine else np.ones_like(xn),
+                            out,
+                            progress and (lambda d, n: progress("lists", d, n)),
+                        )
+                    )
+                    scorer.lists = FactorLists(out)
 
             def chunks():
                 for i in range(0, len(ids), _READ_ROWS):
@@ -260,6 +276,10 @@ class RunIndexes:
                 hit.cache = RecordCache.open(self.dir(s), self.store)
             except (OSError, ValueError) as e:
                 log.warning("record cache of %s unusable (%s); reading the store", s.name, e)
+            try:  # none: FAISS alone proposes the candidates
+                hit.lists = FactorLists.open(self.dir(s), hit.n_rows)
+            except (OSError, ValueError, KeyError) as e:
+                log.warning("factor lists of %s unusable (%s); not used", s.name, e)
         return hit
 
     def row_sq_norms(self, s: IndexSettings) -> np.ndarray:

@@ -31,6 +31,7 @@ from ..settings import IndexSettings
 from ..store.sharded import open_run_store
 from .blas_threads import one_blas_thread
 from .index import VectorIndex
+from .index_lists import list_candidates
 from .index_store import Progress, RunIndexes
 from .precondition import Preconditioner
 from .ranking import (
@@ -218,11 +219,17 @@ class AttributionRun(TestSideMixin):
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
             qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
-            res = index.search_both(qv, n_candidates(top_k, index.n))
+            scorer = self.indexes.scorer(s)
+            lists = scorer.lists is not None
+            res = index.search_both(qv, n_candidates(top_k, index.n, lists))
             cand = np.unique(
                 np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
             ).astype(np.int64)
             cand = cand[cand >= 0]
+            # the dominant layer's own records propose more (index_lists.py; large indexes)
+            extra = list_candidates(scorer, sketches, opponents)
+            if len(extra):
+                cand = np.union1d(cand, extra)
             # exact scores of the candidates (the re-rank), split by layer for the rows
             # layer by layer, dropping the rows that cannot place (rerank.py), or every layer
             hit = rerank_candidates(self.indexes, s, sketches, cand, top_k, opponents)

@@ -224,6 +224,7 @@ def measure(
             "recall_at_10": round(float(np.mean(rec_p)), 4),
             "opponent_recall_at_10": round(float(np.mean(rec_o)), 4),
             "max_abs_score_error": max_err,
+            "lists": run.indexes.scorer(s).lists is not None,
             "n_queries": len(queries),
             "n_recall_queries": n_rec,
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
@@ -241,8 +242,10 @@ def run_end_to_end(
     noise: float = 0.5,
     progress: Callable[[str], None] | None = None,
     recall_queries: int | None = None,
+    settings: list[IndexSettings] | None = None,
 ) -> list[dict]:
-    """One row per size (see :func:`measure`); each synthetic run is deleted after it is measured."""
+    """One row per size and index setting (see :func:`measure`; default ``IndexSettings()``);
+    each synthetic run is deleted after it is measured."""
     queries = real_queries(base_dir, n_queries)
     rows = []
     for n in sizes:
@@ -255,17 +258,19 @@ def run_end_to_end(
             write_s = time.perf_counter() - t
             if progress:
                 progress(f"building the index and querying ({n} examples)")
-            row = measure(d, queries, recall_queries=recall_queries)
-            row.update(
-                store_write_s=round(write_s, 1),
-                base_run=str(base_dir),
-                noise=noise,
-                records_per_example=1,
-                store_mb=round((d / C.STORE_FILE).stat().st_size / 2**20, 1),
-            )
-            rows.append(row)
-            if progress:
-                progress(json.dumps(row))
+            for s in settings or [IndexSettings()]:
+                row = measure(d, queries, s, recall_queries=recall_queries)
+                row.update(
+                    index=s.name,
+                    store_write_s=round(write_s, 1),
+                    base_run=str(base_dir),
+                    noise=noise,
+                    records_per_example=1,
+                    store_mb=round((d / C.STORE_FILE).stat().st_size / 2**20, 1),
+                )
+                rows.append(row)
+                if progress:
+                    progress(json.dumps(row))
         finally:
             shutil.rmtree(d, ignore_errors=True)
     return rows

@@ -25,7 +25,13 @@ def add_index(sub) -> None:
     p.set_defaults(func=_cmd_index)
 
 
-_UNITS = {"preconditioner": "rec", "vectors": "rec", "records": "layer", "index": "vec"}
+_UNITS = {
+    "preconditioner": "rec",
+    "vectors": "rec",
+    "records": "layer",
+    "lists": "rec",
+    "index": "vec",
+}
 """What each stage of an index build counts (``RunIndexes.build``'s progress)."""
 
 

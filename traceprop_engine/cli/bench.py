@@ -74,6 +74,13 @@ def add_bench(sub) -> None:
         default=None,
         help="--end-to-end: queries checked against brute force (default: all)",
     )
+    q.add_argument(
+        "--lists",
+        choices=("auto", "on", "off", "both"),
+        default="auto",
+        help="--end-to-end: the index's factor lists (IndexSettings.lists: auto builds them "
+        "from 200k examples on); both measures the default and the same store without them",
+    )
     q.set_defaults(func=_cmd_bench_query)
 
 
@@ -122,6 +129,7 @@ def _cmd_bench_query(a) -> int:
         import tempfile
 
         from ..bench.query_e2e import run_end_to_end
+        from ..settings import IndexSettings
 
         if a.work_dir:  # a folder that does not exist yet is made, as for every other output
             Path(a.work_dir).mkdir(parents=True, exist_ok=True)
@@ -133,6 +141,12 @@ def _cmd_bench_query(a) -> int:
                 n_queries=a.queries,  # the base run's examples, eval first
                 progress=lambda m: print(m, flush=True),
                 recall_queries=a.recall_queries,
+                settings={
+                    "auto": [IndexSettings()],
+                    "on": [IndexSettings(lists=True)],
+                    "off": [IndexSettings(lists=False)],
+                    "both": [IndexSettings(), IndexSettings(lists=False)],
+                }[a.lists],
             )
     else:
         base = run_base_vectors(a.run or default_root() / "facts")

@@ -150,6 +150,13 @@ def add_index_flags(p) -> None:
         choices=choices(IndexKind),
         help="FAISS index (auto: exact up to 200k vectors)",
     )
+    p.add_argument(
+        "--lists",
+        action=argparse.BooleanOptionalAction,
+        default=d["lists"],
+        help="a second candidate search over the dominant layer's own records (default: from "
+        "200k examples on, where FAISS is an IVF index)",
+    )
 
 
 def index_settings(a):
@@ -162,4 +169,5 @@ def index_settings(a):
         cosine=a.cosine,
         per_record=a.per_record,
         kind=a.index_kind,
+        lists=getattr(a, "lists", None),
     )

@@ -1,0 +1,263 @@
+"""The factor lists (a second candidate search over the dominant layer's own records) against
+brute force: every entry's score, the rows a full scan proposes, the ranking of a query, and
+when lists are built, skipped or refused."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from traceprop_engine import constants as C
+from traceprop_engine.attribution import index_lists, ranking, record_cache
+from traceprop_engine.attribution.index_lists import FactorLists, dominant_layer, wants_lists
+from traceprop_engine.attribution.index_store import RunIndexes
+from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.settings import IndexSettings
+from traceprop_engine.store.format import Covariance
+from traceprop_engine.store.reader import Store
+from traceprop_engine.store.writer import StoreWriter
+
+SHAPES = [(12, 10), (10, 12), (24, 16)]  # (k_out, k_in); the last layer dominates (the "head")
+N_EX = 400
+N_ANSWERS = 12  # groups of records whose output factors point the same way (answer tokens)
+F32_RTOL = 2e-5  # entries are stored in float32: their scores against float64 brute force
+
+
+@pytest.fixture(autouse=True)
+def _small(monkeypatch):
+    monkeypatch.setattr(record_cache, "MIN_RECORDS", 0)  # the re-rank's cache on these stores
+    monkeypatch.setattr(index_lists, "ROWS_PER_LIST", 8)  # a few dozen lists, not one
+
+
+def _store(path: Path, epochs: int = 1, rank: int = 1, head: float = 10.0) -> Store:
+    rng = np.random.default_rng(3)
+    layers = [
+        SimpleNamespace(
+            name=f"blk.{i}",
+            kind="linear",
+            d_in=32,
+            d_out=32,
+            k_in=ki,
+            k_out=ko,
+            rank=rank,
+            factor_dtype="int8",
+            P_in=None,
+            P_out=None,
+            record_shape=(ko, ki),
+        )  # fmt: skip
+        for i, (ko, ki) in enumerate(SHAPES)
+    ]
+    w = StoreWriter(path, layers, {"run_id": "lists-test"}, "factored")
+    ex = np.concatenate([rng.permutation(N_EX) for _ in range(epochs)])
+    n = len(ex)
+    answer = rng.integers(0, N_ANSWERS, N_EX)[ex]
+    arrays = []
+    for li, (ko, ki) in enumerate(SHAPES):
+        bu = rng.normal(size=(N_ANSWERS, ko, rank))
+        u = bu[answer] + 0.2 * rng.normal(size=(n, ko, rank))
+        v = rng.normal(size=(n, ki, rank))
+        scale = head if li == len(SHAPES) - 1 else 1.0
+        arrays.append(np.concatenate([u * scale, v], axis=1).astype(np.float32))
+    meta = {
+        C.REC_EXAMPLE: ex,
+        C.REC_STEP: np.arange(n) // 8,
+        C.REC_EPOCH: np.arange(n) // N_EX,
+        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
+        C.REC_LOSS: rng.random(n).astype(np.float32),
+    }
+    for s0 in range(0, n, 64):
+        w.append([a[s0 : s0 + 64] for a in arrays], {k: v[s0 : s0 + 64] for k, v in meta.items()})
+    cov = []
+    for ko, ki in SHAPES:
+        a, g = rng.normal(size=(300, ki)), rng.normal(size=(300, ko))
+        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
+    w.write_covariance(cov)
+    w.close(C.STATUS_COMPLETED)
+    return Store(path)
+
+
+def _run(ix: RunIndexes) -> AttributionRun:
+    run = AttributionRun.__new__(AttributionRun)
+    run.indexes = ix
+    return run
+
+
+def _queries(rng, q: int = 1, rank: int = 2) -> list[np.ndarray]:
+    """Low-rank test sketches, as a query's are (rank ≤ its loss tokens)."""
+    return [
+        np.einsum("qor,qir->qoi", rng.normal(size=(q, ko, rank)), rng.normal(size=(q, ki, rank)))
+        for ko, ki in SHAPES
+    ]
+
+
+@pytest.mark.parametrize(("kind", "cosine", "epochs"), [("identity", True, 3), ("kfac", False, 1)])
+def test_every_entry_scores_exactly_its_record_at_the_dominant_layer(
+    tmp_path, monkeypatch, kind, cosine, epochs
+):
+    """With every principal direction kept, an entry's score is its record's exact score at
+    the dominant layer (lr-weighted, over the row's norm): summed by row, the brute force's."""
+    monkeypatch.setattr(index_lists, "ENERGY_KEEP", 1.0)
+    store = _store(tmp_path / "store.h5", epochs)
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(preconditioner=kind, cosine=cosine, lists=True)
+    ix.build(s)
+    lists = ix.scorer(s).lists
+    assert isinstance(lists, FactorLists)
+    assert lists.layer == len(SHAPES) - 1
+    assert lists.n_entries == store.n_records  # one entry per record
+    assert sorted(np.bincount(np.asarray(lists.rows))) == [epochs] * N_EX
+    rng = np.random.default_rng(7)
+    run = _run(ix)
+    scorer = ix.scorer(s)
+    for _ in range(3):
+        tests = _queries(rng)
+        li = lists.layer
+        t = scorer.pre.layers[li].pullback(tests[li])[0]  # T' of the dominant layer
+        e = np.asarray(lists.entries, np.float64)
+        mu = lists.basis_u.shape[1]
+        reduced = lists.basis_u.T @ t @ lists.basis_w  # T' in the entries' bases
+        entry = np.einsum("ni,ni->n", e[:, :mu] @ reduced, e[:, mu:])
+        per_row = np.zeros(N_EX)
+        np.add.at(per_row, np.asarray(lists.rows), entry)
+        want = run.exact_scores(tests, s, per_layer=True)[0, li]
+        if cosine:  # exact_scores divides by the query's norm too; the entries do not
+            want = want * np.sqrt(scorer.query_sq_norm(tests)[0])
+        np.testing.assert_allclose(per_row, want, rtol=F32_RTOL, atol=F32_RTOL * abs(want).max())
+
+
+def _top(score: np.ndarray, k: int, sign: float) -> tuple[set, set]:
+    """Rows surely in the top ``k`` of ``sign · score`` (above the k-th by more than float32
+    rounding) and rows possibly in it (within it), among those of that sign."""
+    x = sign * score
+    kth = np.sort(x)[::-1][k - 1]
+    tol = F32_RTOL * np.abs(score).max()
+    sure = set(np.flatnonzero((x > kth + tol) & (x > 0)).tolist())
+    maybe = set(np.flatnonzero((x >= kth - tol) & (x > 0)).tolist())
+    return sure, maybe
+
+
+def test_a_full_scan_proposes_the_dominant_layers_top_rows_of_both_signs(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_lists, "SCAN_FRACTION", (1.0, 1.0))
+    monkeypatch.setattr(index_lists, "CANDIDATES", 20)
+    store = _store(tmp_path / "store.h5")
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(lists=True)
+    ix.build(s)
+    scorer = ix.scorer(s)
+    lists = scorer.lists
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        tests = _queries(rng)
+        head = _run(ix).exact_scores(tests, s, per_layer=True)[0, lists.layer]
+        got = set(index_lists.list_candidates(scorer, tests, opponents=True).tolist())
+        only = set(index_lists.list_candidates(scorer, tests, opponents=False).tolist())
+        (ps, pm), (os_, om) = _top(head, 20, 1.0), _top(head, 20, -1.0)
+        assert ps | os_ <= got <= pm | om
+        assert len(got) == 40
+        assert ps <= only <= pm
+
+
+def test_lists_find_the_top_rows_that_few_faiss_candidates_miss(tmp_path, monkeypatch):
+    """A query decided by the dominant layer: a coarse summary (2 × 2 a layer, 4 dims) and a
+    handful of FAISS candidates miss much of the true top 10; the lists' candidates restore
+    it, every score exact."""
+    monkeypatch.setattr(ranking, "MIN_CANDIDATES", 12)
+    monkeypatch.setattr(ranking, "CANDIDATE_FRACTION", 10**9)
+    monkeypatch.setattr(index_lists, "SCAN_FRACTION", (0.5, 0.5))
+    store = _store(tmp_path / "store.h5", head=30.0)
+    ix = RunIndexes(tmp_path, store)
+    coarse = {"index_side": 2, "index_dims": 4}
+    with_lists, without = IndexSettings(lists=True, **coarse), IndexSettings(lists=False, **coarse)
+    for s in (with_lists, without):
+        ix.build(s)
+    run = _run(ix)
+    rng = np.random.default_rng(9)
+    found = {True: [], False: []}
+    for _ in range(6):
+        tests = [t.astype(np.float32) for t in _queries(rng)]
+        exact = run.exact_scores(tests, with_lists)[0]
+        for s in (with_lists, without):
+            index, _, pre = ix.get(s)
+            res = index.search_both(pre.apply(tests), ranking.n_candidates(10, index.n))
+            cand = np.unique(np.concatenate([res.proponent_ids[0], res.opponent_ids[0]]))
+            if s.lists:
+                cand = np.union1d(cand, index_lists.list_candidates(ix.scorer(s), tests))
+            got = run.exact_scores(tests, s, rows=cand)[0]
+            # exact whatever proposed them (float32 queries: the float32 factored route)
+            tol = F32_RTOL * abs(exact).max()
+            np.testing.assert_allclose(got, exact[cand], rtol=F32_RTOL, atol=tol)
+            for sign in (1, -1):
+                top = set(np.argsort(-sign * exact)[:10].tolist())
+                mine = set(cand[np.argsort(-sign * got)[:10]].tolist())
+                found[bool(s.lists)].append(len(top & mine) / 10)
+    assert np.mean(found[True]) >= 0.95
+    assert np.mean(found[True]) > np.mean(found[False]) + 0.2
+
+
+def test_when_lists_are_built(tmp_path, monkeypatch):
+    assert "lists" not in IndexSettings().to_dict()  # the default's fingerprint is unchanged
+    assert IndexSettings().name == "identity-cos"
+    assert IndexSettings(lists=True).name == "identity-cos-lists"
+    assert IndexSettings(lists=False).name == "identity-cos-nolists"
+    with pytest.raises(ConfigError, match="lists"):
+        IndexSettings(lists="yes")
+    assert not wants_lists(None, index_lists.MIN_ROWS - 1)
+    assert wants_lists(None, index_lists.MIN_ROWS)
+    assert wants_lists(True, 10) and not wants_lists(False, 10**9)
+    # no one layer dominates, or the dominant one's records are not rank 1: no lists
+    assert dominant_layer(np.ones((5, 3)), [True] * 3) is None
+    assert dominant_layer(np.array([[1.0, 1.0, 8.0]]), [True, True, False]) is None
+    assert dominant_layer(np.array([[1.0, 1.0, 8.0]]), [True] * 3) == 2
+    store = _store(tmp_path / "store.h5", head=0.3)  # no layer holds half the energy
+    ix = RunIndexes(tmp_path, store)
+    ix.build(IndexSettings(lists=True))
+    assert ix.scorer(IndexSettings(lists=True)).lists is None
+    assert not any((ix.dir(IndexSettings(lists=True)) / f).exists() for f in index_lists.FILES)
+    # the auto default on a small run: none either
+    (tmp_path / "b").mkdir()
+    ix2 = RunIndexes(tmp_path / "b", _store(tmp_path / "b" / "store.h5"))
+    ix2.build(IndexSettings())
+    assert ix2.scorer(IndexSettings()).lists is None
+
+
+def test_cli_flag_and_a_damaged_or_foreign_lists_file(tmp_path, caplog):
+    from traceprop_engine.cli.flags import add_index_flags, index_settings
+
+    p = argparse.ArgumentParser()
+    add_index_flags(p)
+    assert index_settings(p.parse_args([])).lists is None
+    assert index_settings(p.parse_args(["--lists"])).lists is True
+    assert index_settings(p.parse_args(["--no-lists"])).lists is False
+    store = _store(tmp_path / "store.h5")
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(lists=True)
+    ix.build(s)
+    d = ix.dir(s)
+    with pytest.raises(ValueError, match="rows"):
+        FactorLists.open(d, N_EX + 1)  # another index's lists
+    # a changed byte: the index's digests catch it and the index is rebuilt, lists included
+    w = np.load(d / index_lists.LIST_ENTRIES_FILE)
+    before = w[0, 0].copy()
+    w[0, 0] += 1.0
+    np.save(d / index_lists.LIST_ENTRIES_FILE, w)
+    ix2 = RunIndexes(tmp_path, Store(tmp_path / "store.h5"))
+    with caplog.at_level("WARNING"):
+        ix2.get(s)
+    assert "rebuilding" in caplog.text
+    np.testing.assert_array_equal(np.load(d / index_lists.LIST_ENTRIES_FILE)[0, 0], before)
+
+
+def test_principal_basis_keeps_the_asked_share_of_the_energy():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(500, 6)) @ rng.normal(size=(6, 20)) + 1e-3 * rng.normal(size=(500, 20))
+    q = index_lists.principal_basis(x, 0.999)
+    assert q.shape == (20, 6)  # the six directions that carry it, and not the noise
+    np.testing.assert_allclose(q.T @ q, np.eye(6), atol=1e-6)
+    kept = ((x @ q) ** 2).sum() / (x**2).sum()
+    assert 0.999 <= kept <= 1.0
+    assert index_lists.principal_basis(np.zeros((4, 3))).shape == (3, 1)  # nothing to keep

@@ -1,0 +1,298 @@
+"""A second candidate search: the dominant layer's own rank-1 records, in lists by output factor.
+
+Why. The index vectors (:mod:`.index_projection`) summarise every layer of an example in 256
+numbers. At 10⁶ examples of a language model the true top 10 are among thousands of rows that
+share the query's answer token (proponents) or a competing one (opponents), and the summary
+does not order them as the exact scores do (benchmarks/README.md §2b: recall@10 0.87 / 0.63).
+On those runs one layer, the LM head, holds ≈ 0.99 of the records' energy, and its records are
+rank 1, ``x = u vᵀ``. Against a query whose pulled-back sketch is ``T' = A Bᵀ`` (rank ≤ its loss
+tokens, :class:`~.factor_scores.LowRankTest`) a record scores exactly
+
+    ``lr · (uᵀA)·(vᵀB) / ‖x_row‖``  (cosine; the query's norm is the same for every row),
+
+``O((k_out + k_in) · r)`` numbers per record, with no summary in between.
+
+Build (:func:`build_lists`). The entries are the layer's records (a row with several records
+has several entries). ``ū = u/‖u‖`` is the direction of the record's logit gradient, so records
+of one answer token point the same way. Each entry keeps ``ū`` and ``w = γ v`` with
+``γ = lr · ‖u‖ / ‖x_row‖``, so that its score is ``Σ_t (ū·a_t)(w·b_t)``, both sides reduced to
+their principal directions holding :data:`ENERGY_KEEP` of their energy (float32, 116 numbers
+instead of 252 at 10⁶ real rows). Spherical k-means on the reduced ``ū`` makes
+:func:`n_lists` lists, stored contiguously; each list keeps its centroid ``c``, the mean ``m``
+of its ``w`` and their root-mean-square spread ``σ``.
+
+Query (:meth:`FactorLists.candidates`). A list's estimate on the proponents' side is
+``cᵀT'm + ‖T'ᵀc‖·σ`` (its mean entry's score if every ``ū`` were ``c``, plus one spread), on
+the opponents' side ``−cᵀT'm + ‖T'ᵀc‖·σ``. The lists with the largest estimates are scanned
+per side until a share of the entries (:data:`SCAN_FRACTION`), every scanned entry is scored
+at that layer (to the reduction's rounding), and the :data:`CANDIDATES` best rows per side
+join FAISS's candidates. The exact re-rank (:mod:`.rerank`) then scores every candidate at
+every layer as before: the lists only propose rows, every returned score is still the exact
+one.
+
+Measured on a real run of 10⁶ examples (``benchmarks/query_real_run.py``, 96 held-out
+questions, benchmarks/README.md §2b): recall@10 of the proponents / opponents 0.83 / 0.79
+(FAISS alone, 4000 candidates a side) → 0.98 / 0.93 (lists + 1000 FAISS candidates), ``rank``
+p50 21.6 → 16.6 ms. The opponents still missed score at the early layers (a query whose LM
+head holds ≈ 0.6 of its norm, rows whose head holds ≈ 5 % of their score): neither the lists
+(one layer) nor the summary (dominated by that layer) ranks them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+LISTS_FILE = "lists.npz"
+LIST_ROWS_FILE = "lists-rows.npy"
+LIST_ENTRIES_FILE = "lists-entries.npy"
+FILES = (LISTS_FILE, LIST_ROWS_FILE, LIST_ENTRIES_FILE)
+
+MIN_ROWS = 200_000
+"""``IndexSettings(lists=None)`` (auto) builds the lists from this many index rows: where FAISS
+is an IVF index (``AUTO_FLAT_MAX``). Below it the summary alone finds the true top 10 (10⁵
+real rows: recall@10 0.998 / 0.992)."""
+ROWS_PER_LIST = 64
+MAX_LISTS = 1024
+SCAN_FRACTION = (0.01, 0.04)
+"""Entries scanned for the proponents and for the opponents (a share of all entries each), the
+lists with the largest estimates on that side. On the real run of 10⁶ examples (48 questions)
+the proponents found by 0.01 / 0.025 were 0.985 / 0.988, the opponents by 0.025 / 0.04
+0.935 / 0.958; every 0.01 more costs ≈ 0.5 ms a query."""
+CANDIDATES = 300
+"""Rows per side the lists add to FAISS's candidates."""
+MIN_SHARE = 0.5
+"""The lists are built on the layer holding the largest share of the rows' squared norms, when
+that share is at least this (otherwise no one layer decides the ranking)."""
+ENERGY_KEEP = 0.999
+"""Each side of the entries keeps the principal directions holding this share of its energy
+(measured at 10⁶ real rows, LM head: ``ū`` 64 of 126 hold 0.9997, ``w`` 32 hold 0.996,
+48 0.9988): a query reads 96 numbers an entry instead of 252."""
+_BASIS_SAMPLE = 65_536
+_KMEANS_SAMPLE = 64
+_KMEANS_ITERS = 20
+_CHUNK = 65_536
+
+
+def principal_basis(x: np.ndarray, keep: float = ENERGY_KEEP) -> np.ndarray:
+    """``(d, m)`` orthonormal: the fewest principal directions of the rows of ``x`` (through the
+    origin) holding ``keep`` of their energy."""
+    x = np.asarray(x, np.float64)
+    _, s, vt = np.linalg.svd(x, full_matrices=False)
+    energy = np.cumsum(s**2)
+    if not energy[-1] > 0:
+        return np.eye(x.shape[1], 1, dtype=np.float32)
+    m = int(np.searchsorted(energy / energy[-1], keep) + 1)
+    return np.ascontiguousarray(vt[: min(m, len(s))].T, dtype=np.float32)
+
+
+def n_lists(n_entries: int) -> int:
+    return int(min(MAX_LISTS, max(1, n_entries // ROWS_PER_LIST)))
+
+
+def wants_lists(setting: bool | None, n_rows: int) -> bool:
+    """Whether an index of ``n_rows`` rows with ``IndexSettings.lists == setting`` gets lists."""
+    return setting if setting is not None else n_rows >= MIN_ROWS
+
+
+def dominant_layer(layer_sq: np.ndarray, rank1: list[bool]) -> int | None:
+    """The layer with the largest share of the rows' summed squared norms (``layer_sq`` (n, L)),
+    if that share is at least :data:`MIN_SHARE` and its records are rank-1 factors."""
+    tot = np.asarray(layer_sq, dtype=np.float64).sum(0)
+    if not tot.sum() > 0:
+        return None
+    li = int(np.argmax(tot))
+    return li if rank1[li] and tot[li] / tot.sum() >= MIN_SHARE else None
+
+
+def build_lists(
+    scorer,
+    li: int,
+    row_norms: np.ndarray,
+    out_dir: Path,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Write the lists of layer ``li`` of ``scorer``'s rows into ``out_dir``; returns the file
+    names. ``row_norms``: the cosine denominators of the rows (ones for raw scores)."""
+    import faiss
+
+    store = scorer.store
+    info = store.layers[li]
+    ko = info.k_out
+    keep = np.flatnonzero(scorer.rec_row >= 0)  # records of indexed rows
+    m = len(keep)
+    u_all = np.empty((m, ko), np.float32)
+    w_all = np.empty((m, info.k_in), np.float32)
+    for start in range(0, m, _CHUNK):
+        recs = keep[start : start + _CHUNK]
+        if scorer.cache is not None:
+            u, v = scorer.cache.factors_at(li, recs)
+        else:
+            u, v = store.factors_at(li, recs)
+        u, v = u[:, :, 0], v[:, :, 0]  # rank 1
+        un = np.linalg.norm(u, axis=1)
+        gamma = scorer.rec_weight[recs] * un / row_norms[scorer.rec_row[recs]]
+        u_all[start : start + len(recs)] = u / np.maximum(un, 1e-30)[:, None]
+        w_all[start : start + len(recs)] = v * gamma[:, None]
+        if progress is not None:
+            progress(min(start + _CHUNK, m), 2 * m)
+    rng = np.random.default_rng(0)
+    sample = np.sort(rng.choice(m, min(m, _BASIS_SAMPLE), replace=False))
+    basis_u, basis_w = principal_basis(u_all[sample]), principal_basis(w_all[sample])
+    mu = basis_u.shape[1]
+    entries = np.empty((m, mu + basis_w.shape[1]), np.float32)
+    for i in range(0, m, _CHUNK):  # [ū Qu | w Qw]: the entry's two sides, reduced
+        entries[i : i + _CHUNK, :mu] = u_all[i : i + _CHUNK] @ basis_u
+        entries[i : i + _CHUNK, mu:] = w_all[i : i + _CHUNK] @ basis_w
+    del u_all, w_all
+    nl = n_lists(m)
+    sample = np.sort(rng.choice(m, min(m, nl * _KMEANS_SAMPLE), replace=False))
+    km = faiss.Kmeans(
+        mu, nl, niter=_KMEANS_ITERS, spherical=True, seed=0, max_points_per_centroid=_KMEANS_SAMPLE
+    )
+    km.train(np.ascontiguousarray(entries[sample, :mu]))
+    assign = np.concatenate(
+        [
+            km.index.search(np.ascontiguousarray(entries[i : i + _CHUNK, :mu]), 1)[1][:, 0]
+            for i in range(0, m, _CHUNK)
+        ]
+    )
+    order = np.argsort(assign, kind="stable")
+    starts = np.searchsorted(assign[order], np.arange(nl + 1)).astype(np.int64)
+    counts = np.diff(starts)
+    cent = km.centroids / np.maximum(np.linalg.norm(km.centroids, axis=1, keepdims=True), 1e-30)
+    np.save(out_dir / LIST_ROWS_FILE, scorer.rec_row[keep][order].astype(np.int64))
+    entries = entries[order]  # list by list: each list's mean and spread are sums over a slice
+    np.save(out_dir / LIST_ENTRIES_FILE, entries)
+    w = entries[:, mu:]
+    full = np.flatnonzero(counts)
+    mean = np.zeros((nl, w.shape[1]))
+    mean[full] = np.add.reduceat(w, starts[full], dtype=np.float64) / counts[full, None]
+    dev = np.einsum("ni,ni->n", w, w, dtype=np.float64)  # Σ‖w − m‖² = Σ‖w‖² − n‖m‖²
+    spread = np.zeros(nl)
+    spread[full] = np.add.reduceat(dev, starts[full]) / counts[full] - (mean[full] ** 2).sum(1)
+    spread = np.sqrt(np.maximum(spread, 0.0))
+    np.savez(
+        out_dir / LISTS_FILE,
+        layer=np.int64(li),
+        n_rows=np.int64(scorer.n_rows),
+        starts=starts,
+        centroids=cent.astype(np.float64),
+        mean=mean,
+        spread=spread,
+        basis_u=basis_u,
+        basis_w=basis_w,
+    )
+    if progress is not None:
+        progress(2 * m, 2 * m)
+    log.info("factor lists: layer %d, %d entries in %d lists", li, m, nl)
+    return list(FILES)
+
+
+def list_candidates(scorer, sketches, opponents: bool = True) -> np.ndarray:
+    """The rows ``scorer.lists`` propose for one query's ``sketches`` (per layer (1, ...)), or
+    none: no lists, several queries, or a full-rank ``T'`` at the lists' layer (EK-FAC)."""
+    from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
+
+    lists = scorer.lists
+    if lists is None or len(sketches[0]) != 1:
+        return np.zeros(0, np.int64)
+    li = lists.layer
+    t = np.asarray(scorer.pre.layers[li].pullback(sketches[li]))
+    f32 = np.asarray(sketches[li]).dtype.itemsize <= 4
+    low = LowRankTest.maybe(t, np.float32, FLOAT32_RTOL if f32 else LOWRANK_RTOL)
+    if low is None:
+        return np.zeros(0, np.int64)
+    return lists.candidates(low.a, low.b, opponents)
+
+
+class FactorLists:
+    """The lists of an index folder (see the module doc), memory-mapped."""
+
+    def __init__(self, directory: Path) -> None:
+        with np.load(directory / LISTS_FILE) as z:
+            self.layer = int(z["layer"])
+            self.n_rows = int(z["n_rows"])
+            self.starts = z["starts"]
+            self.centroids = z["centroids"]
+            self.mean = z["mean"]
+            self.spread = z["spread"]
+            self.basis_u = z["basis_u"]
+            self.basis_w = z["basis_w"]
+        self.rows = np.load(directory / LIST_ROWS_FILE, mmap_mode="r")
+        self.entries = np.load(directory / LIST_ENTRIES_FILE, mmap_mode="r")
+        n = int(self.starts[-1])
+        width = self.basis_u.shape[1] + self.basis_w.shape[1]
+        if len(self.rows) != n or self.entries.shape != (n, width):
+            raise ValueError(
+                f"factor lists hold {len(self.rows)} rows and {self.entries.shape} entries, "
+                f"not {n} x {width}"
+            )
+
+    @classmethod
+    def open(cls, directory: Path, n_rows: int) -> FactorLists | None:
+        """The lists of ``directory`` (an index of ``n_rows`` rows), or None when it has none
+        (a small run, ``lists=False``, or built before them)."""
+        if not all((directory / f).exists() for f in FILES):
+            return None
+        lists = cls(directory)
+        if lists.n_rows != n_rows:
+            raise ValueError(f"factor lists of {lists.n_rows} rows, index of {n_rows}")
+        return lists
+
+    @property
+    def n_entries(self) -> int:
+        return int(self.starts[-1])
+
+    def _scan_order(self, a: np.ndarray, b: np.ndarray, opponents: bool) -> np.ndarray:
+        """The lists to scan, both sides' choices merged, in list order (``a``, ``b``: the
+        query in the entries' bases)."""
+        ca = self.centroids @ a  # (L, r)
+        mean = np.einsum("lr,lr->l", ca, self.mean @ b)  # cᵀ T' m
+        spread = np.linalg.norm(ca @ b.T, axis=1) * self.spread  # ‖T'ᵀc‖ σ
+        sizes = np.diff(self.starts)
+        chosen = []
+        sides = zip((mean + spread, -mean + spread), SCAN_FRACTION, strict=True)
+        for est, share in list(sides)[: 2 if opponents else 1]:
+            lists = np.argsort(-est, kind="stable")
+            taken = np.cumsum(sizes[lists])
+            chosen.append(lists[: int(np.searchsorted(taken, share * self.n_entries)) + 1])
+        return np.unique(np.concatenate(chosen))
+
+    def candidates(
+        self, a: np.ndarray, b: np.ndarray, opponents: bool = True, k: int | None = None
+    ) -> np.ndarray:
+        """Index rows the lists propose for a query whose pulled-back sketch at :attr:`layer` is
+        ``A Bᵀ`` (``a`` (k_out, r), ``b`` (k_in, r)): the best ``k`` per side among the scanned
+        entries' exact scores at that layer (``k``: :data:`CANDIDATES`)."""
+        k = CANDIDATES if k is None else k
+        a = self.basis_u.T @ np.asarray(a, np.float32)  # the query in the entries' bases
+        b = self.basis_w.T @ np.asarray(b, np.float32)
+        r, mu = a.shape[1], a.shape[0]
+        both = np.zeros((self.entries.shape[1], 2 * r), np.float32)  # [A 0; 0 B]
+        both[:mu, :r] = a
+        both[mu:, r:] = b
+        lists = self._scan_order(a, b, opponents)
+        # runs of consecutive chosen lists: one product over each contiguous slice, no copy
+        cut = np.flatnonzero(np.diff(lists) != 1) + 1
+        first, last = lists[np.r_[0, cut]], lists[np.r_[cut - 1, len(lists) - 1]]
+        scores, rows = [], []
+        for lo, hi in zip(self.starts[first], self.starts[last + 1], strict=True):
+            if hi > lo:
+                y = self.entries[lo:hi] @ both
+                scores.append(np.einsum("nr,nr->n", y[:, :r], y[:, r:]))
+                rows.append(self.rows[lo:hi])
+        if not scores:
+            return np.zeros(0, np.int64)
+        score, row = np.concatenate(scores), np.concatenate(rows)
+        out = []
+        for sign in (1.0, -1.0) if opponents else (1.0,):
+            kk = min(k, len(score))
+            top = np.argpartition(-sign * score, kk - 1)[:kk]
+            out.append(row[top[sign * score[top] > 0]])
+        return np.unique(np.concatenate(out)).astype(np.int64)
