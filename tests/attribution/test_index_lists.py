@@ -13,7 +13,13 @@ import pytest
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import index_lists, ranking, record_cache
-from traceprop_engine.attribution.index_lists import FactorLists, dominant_layer, wants_lists
+from traceprop_engine.attribution.index_lists import (
+    FactorLists,
+    file_names,
+    list_layers,
+    open_lists,
+    wants_lists,
+)
 from traceprop_engine.attribution.index_store import RunIndexes
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.errors import ConfigError
@@ -106,9 +112,12 @@ def test_every_entry_scores_exactly_its_record_at_the_dominant_layer(
     ix = RunIndexes(tmp_path, store)
     s = IndexSettings(preconditioner=kind, cosine=cosine, lists=True)
     ix.build(s)
-    lists = ix.scorer(s).lists
-    assert isinstance(lists, FactorLists)
-    assert lists.layer == len(SHAPES) - 1
+    both = ix.scorer(s).lists
+    energy = np.asarray(ix.row_layer_sq_norms(s)).sum(0)
+    # the dominant layer, then the next by energy
+    assert [x.layer for x in both] == [2, int(np.argmax(energy[:2]))]
+    assert all(isinstance(x, FactorLists) for x in both)
+    lists = both[0]
     assert lists.n_entries == store.n_records  # one entry per record
     assert sorted(np.bincount(np.asarray(lists.rows))) == [epochs] * N_EX
     rng = np.random.default_rng(7)
@@ -149,7 +158,8 @@ def test_a_full_scan_proposes_the_dominant_layers_top_rows_of_both_signs(tmp_pat
     s = IndexSettings(lists=True)
     ix.build(s)
     scorer = ix.scorer(s)
-    lists = scorer.lists
+    monkeypatch.setattr(scorer, "lists", scorer.lists[:1])  # the dominant layer's alone
+    lists = scorer.lists[0]
     rng = np.random.default_rng(8)
     for _ in range(3):
         tests = _queries(rng)
@@ -210,19 +220,31 @@ def test_when_lists_are_built(tmp_path, monkeypatch):
     assert wants_lists(None, index_lists.MIN_ROWS)
     assert wants_lists(True, 10) and not wants_lists(False, 10**9)
     # no one layer dominates, or the dominant one's records are not rank 1: no lists
-    assert dominant_layer(np.ones((5, 3)), [True] * 3) is None
-    assert dominant_layer(np.array([[1.0, 1.0, 8.0]]), [True, True, False]) is None
-    assert dominant_layer(np.array([[1.0, 1.0, 8.0]]), [True] * 3) == 2
+    assert list_layers(np.ones((5, 3)), [True] * 3) == []
+    assert list_layers(np.array([[1.0, 1.0, 8.0]]), [True, True, False]) == []
+    assert list_layers(np.array([[1.0, 2.0, 8.0]]), [True] * 3) == [2, 1]
+    assert list_layers(np.array([[1.0, 2.0, 8.0]]), [True, False, True]) == [2, 0]
     store = _store(tmp_path / "store.h5", head=0.3)  # no layer holds half the energy
     ix = RunIndexes(tmp_path, store)
     ix.build(IndexSettings(lists=True))
     assert ix.scorer(IndexSettings(lists=True)).lists is None
-    assert not any((ix.dir(IndexSettings(lists=True)) / f).exists() for f in index_lists.FILES)
+    assert not list(ix.dir(IndexSettings(lists=True)).glob("lists-*"))
     # the auto default on a small run: none either
     (tmp_path / "b").mkdir()
     ix2 = RunIndexes(tmp_path / "b", _store(tmp_path / "b" / "store.h5"))
     ix2.build(IndexSettings())
     assert ix2.scorer(IndexSettings()).lists is None
+
+
+def _swapped(d: Path) -> None:
+    """Open layer 2's lists file under layer 0's name (a file moved by hand)."""
+    import shutil
+
+    other = d.parent / "swapped"
+    shutil.copytree(d, other)
+    (other / file_names(0)[0]).unlink(missing_ok=True)
+    shutil.copy(d / file_names(2)[0], other / file_names(0)[0])
+    FactorLists(other, 0)
 
 
 def test_cli_flag_and_a_damaged_or_foreign_lists_file(tmp_path, caplog):
@@ -239,17 +261,20 @@ def test_cli_flag_and_a_damaged_or_foreign_lists_file(tmp_path, caplog):
     ix.build(s)
     d = ix.dir(s)
     with pytest.raises(ValueError, match="rows"):
-        FactorLists.open(d, N_EX + 1)  # another index's lists
+        open_lists(d, N_EX + 1)  # another index's lists
+    with pytest.raises(ValueError, match="layer 2"):
+        _swapped(d)
+    entries = file_names(2)[2]
     # a changed byte: the index's digests catch it and the index is rebuilt, lists included
-    w = np.load(d / index_lists.LIST_ENTRIES_FILE)
+    w = np.load(d / entries)
     before = w[0, 0].copy()
     w[0, 0] += 1.0
-    np.save(d / index_lists.LIST_ENTRIES_FILE, w)
+    np.save(d / entries, w)
     ix2 = RunIndexes(tmp_path, Store(tmp_path / "store.h5"))
     with caplog.at_level("WARNING"):
         ix2.get(s)
     assert "rebuilding" in caplog.text
-    np.testing.assert_array_equal(np.load(d / index_lists.LIST_ENTRIES_FILE)[0, 0], before)
+    np.testing.assert_array_equal(np.load(d / entries)[0, 0], before)
 
 
 def test_principal_basis_keeps_the_asked_share_of_the_energy():
@@ -261,3 +286,24 @@ def test_principal_basis_keeps_the_asked_share_of_the_energy():
     kept = ((x @ q) ** 2).sum() / (x**2).sum()
     assert 0.999 <= kept <= 1.0
     assert index_lists.principal_basis(np.zeros((4, 3))).shape == (3, 1)  # nothing to keep
+
+
+def test_an_index_built_before_lists_says_so_only_where_it_would_have_them(tmp_path, monkeypatch):
+    from traceprop_engine.attribution import index_store
+
+    store = _store(tmp_path / "store.h5")
+    with monkeypatch.context() as m:  # as the previous release built them: no lists
+        m.setattr(index_store, "BUILD_FORMAT", 2)
+        m.setattr(index_store, "wants_lists", lambda setting, n: False)
+        ix = RunIndexes(tmp_path, store)
+        for s in (IndexSettings(), IndexSettings(lists=True)):
+            ix.build(s)
+    ix = RunIndexes(tmp_path, Store(tmp_path / "store.h5"))
+    for s in (IndexSettings(), IndexSettings(lists=True)):
+        ix.get(s)
+    assert index_store.OLD_BUILD_NOTE not in ix.notes(IndexSettings())  # small: none expected
+    assert ix.scorer(IndexSettings(lists=True)).lists is None  # reused as built, without lists
+    assert index_store.OLD_BUILD_NOTE in ix.notes(IndexSettings(lists=True))
+    ix.build(IndexSettings(lists=True))  # a rebuild adds them and the note goes
+    assert ix.scorer(IndexSettings(lists=True)).lists
+    assert index_store.OLD_BUILD_NOTE not in ix.notes(IndexSettings(lists=True))

@@ -30,12 +30,16 @@ join FAISS's candidates. The exact re-rank (:mod:`.rerank`) then scores every ca
 every layer as before: the lists only propose rows, every returned score is still the exact
 one.
 
+The layers: the dominant one and the next by energy (:func:`list_layers`); a query scans a
+layer's lists only where it holds :data:`MIN_QUERY_SHARE` of its norm.
+
 Measured on a real run of 10⁶ examples (``benchmarks/query_real_run.py``, 96 held-out
-questions, benchmarks/README.md §2b): recall@10 of the proponents / opponents 0.83 / 0.79
-(FAISS alone, 4000 candidates a side) → 0.98 / 0.93 (lists + 1000 FAISS candidates), ``rank``
-p50 21.6 → 16.6 ms. The opponents still missed score at the early layers (a query whose LM
-head holds ≈ 0.6 of its norm, rows whose head holds ≈ 5 % of their score): neither the lists
-(one layer) nor the summary (dominated by that layer) ranks them.
+questions, AMD EPYC, benchmarks/README.md §2b): recall@10 of the proponents / opponents
+0.826 / 0.791 (FAISS alone, 4000 candidates a side) → 0.985 / 0.972 (the lists of the LM
+head and the first layer + 1000 FAISS candidates), ``rank`` p50 15.3 → 15.9 ms in the same
+process. The LM head's lists alone gave 0.978 / 0.925: the opponents they missed score at the
+first layers (queries whose head holds ≈ 0.6 of their norm, rows whose head holds ≈ 5 % of
+their score), which neither they nor the summary (dominated by the head) rank.
 """
 
 from __future__ import annotations
@@ -48,10 +52,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-LISTS_FILE = "lists.npz"
-LIST_ROWS_FILE = "lists-rows.npy"
-LIST_ENTRIES_FILE = "lists-entries.npy"
-FILES = (LISTS_FILE, LIST_ROWS_FILE, LIST_ENTRIES_FILE)
+
+def file_names(li: int) -> tuple[str, str, str]:
+    """The files of layer ``li``'s lists: the lists (``.npz``), the entries' rows, the entries."""
+    return f"lists-{li:03d}.npz", f"lists-{li:03d}-rows.npy", f"lists-{li:03d}-entries.npy"
+
 
 MIN_ROWS = 200_000
 """``IndexSettings(lists=None)`` (auto) builds the lists from this many index rows: where FAISS
@@ -68,7 +73,16 @@ CANDIDATES = 300
 """Rows per side the lists add to FAISS's candidates."""
 MIN_SHARE = 0.5
 """The lists are built on the layer holding the largest share of the rows' squared norms, when
-that share is at least this (otherwise no one layer decides the ranking)."""
+that share is at least this (otherwise no one layer decides the ranking) ..."""
+LIST_LAYERS = 2
+"""... and on the next ``LIST_LAYERS - 1`` layers by that share. On the real run of 10⁶ examples
+the opponents that the LM head's lists missed scored at the first layers (queries whose head
+holds ≈ 0.6 of their norm, rows whose head holds ≈ 5 % of their score): the second layer's
+lists (the first block's attention input, 0.3 % of the energy) took the opponents the lists
+find from 0.916 to 0.967 (96 questions)."""
+MIN_QUERY_SHARE = 0.05
+"""A layer's lists are scanned for a query holding at least this share of its squared norm
+there (a query whose score sits in the LM head scans only the head's lists)."""
 ENERGY_KEEP = 0.999
 """Each side of the entries keeps the principal directions holding this share of its energy
 (measured at 10⁶ real rows, LM head: ``ū`` 64 of 126 hold 0.9997, ``w`` 32 hold 0.996,
@@ -100,14 +114,18 @@ def wants_lists(setting: bool | None, n_rows: int) -> bool:
     return setting if setting is not None else n_rows >= MIN_ROWS
 
 
-def dominant_layer(layer_sq: np.ndarray, rank1: list[bool]) -> int | None:
-    """The layer with the largest share of the rows' summed squared norms (``layer_sq`` (n, L)),
-    if that share is at least :data:`MIN_SHARE` and its records are rank-1 factors."""
+def list_layers(layer_sq: np.ndarray, rank1: list[bool]) -> list[int]:
+    """The layers that get lists: the one with the largest share of the rows' summed squared
+    norms (``layer_sq`` (n, L)) if that share is at least :data:`MIN_SHARE` and its records are
+    rank-1 factors, then the next rank-1 layers by share, :data:`LIST_LAYERS` in all; none when
+    no layer dominates."""
     tot = np.asarray(layer_sq, dtype=np.float64).sum(0)
     if not tot.sum() > 0:
-        return None
-    li = int(np.argmax(tot))
-    return li if rank1[li] and tot[li] / tot.sum() >= MIN_SHARE else None
+        return []
+    order = [int(li) for li in np.argsort(-tot, kind="stable")]
+    if not (rank1[order[0]] and tot[order[0]] / tot.sum() >= MIN_SHARE):
+        return []
+    return [li for li in order if rank1[li] and tot[li] > 0][:LIST_LAYERS]
 
 
 def build_lists(
@@ -166,9 +184,10 @@ def build_lists(
     starts = np.searchsorted(assign[order], np.arange(nl + 1)).astype(np.int64)
     counts = np.diff(starts)
     cent = km.centroids / np.maximum(np.linalg.norm(km.centroids, axis=1, keepdims=True), 1e-30)
-    np.save(out_dir / LIST_ROWS_FILE, scorer.rec_row[keep][order].astype(np.int64))
+    lists_file, rows_file, entries_file = file_names(li)
+    np.save(out_dir / rows_file, scorer.rec_row[keep][order].astype(np.int64))
     entries = entries[order]  # list by list: each list's mean and spread are sums over a slice
-    np.save(out_dir / LIST_ENTRIES_FILE, entries)
+    np.save(out_dir / entries_file, entries)
     w = entries[:, mu:]
     full = np.flatnonzero(counts)
     mean = np.zeros((nl, w.shape[1]))
@@ -178,7 +197,7 @@ def build_lists(
     spread[full] = np.add.reduceat(dev, starts[full]) / counts[full] - (mean[full] ** 2).sum(1)
     spread = np.sqrt(np.maximum(spread, 0.0))
     np.savez(
-        out_dir / LISTS_FILE,
+        out_dir / lists_file,
         layer=np.int64(li),
         n_rows=np.int64(scorer.n_rows),
         starts=starts,
@@ -191,31 +210,49 @@ def build_lists(
     if progress is not None:
         progress(2 * m, 2 * m)
     log.info("factor lists: layer %d, %d entries in %d lists", li, m, nl)
-    return list(FILES)
+    return list(file_names(li))
 
 
 def list_candidates(scorer, sketches, opponents: bool = True) -> np.ndarray:
-    """The rows ``scorer.lists`` propose for one query's ``sketches`` (per layer (1, ...)), or
-    none: no lists, several queries, or a full-rank ``T'`` at the lists' layer (EK-FAC)."""
+    """The rows ``scorer.lists`` propose for one query's ``sketches`` (per layer (1, ...)): the
+    lists of every layer where the query holds :data:`MIN_QUERY_SHARE` of its squared norm
+    (none: no lists, several queries, or a full-rank ``T'`` there, as EK-FAC's)."""
     from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
 
-    lists = scorer.lists
-    if lists is None or len(sketches[0]) != 1:
+    if not scorer.lists or len(sketches[0]) != 1:
         return np.zeros(0, np.int64)
-    li = lists.layer
-    t = np.asarray(scorer.pre.layers[li].pullback(sketches[li]))
-    f32 = np.asarray(sketches[li]).dtype.itemsize <= 4
-    low = LowRankTest.maybe(t, np.float32, FLOAT32_RTOL if f32 else LOWRANK_RTOL)
-    if low is None:
-        return np.zeros(0, np.int64)
-    return lists.candidates(low.a, low.b, opponents)
+    pb = scorer.pullbacks(sketches)
+    sq = np.array([float(np.vdot(t, p)) for t, p in zip(sketches, pb, strict=True)])
+    total = float(sq.sum())
+    out = [np.zeros(0, np.int64)]
+    for lists in scorer.lists:
+        li = lists.layer
+        if not total > 0 or sq[li] < MIN_QUERY_SHARE * total:
+            continue
+        f32 = np.asarray(sketches[li]).dtype.itemsize <= 4
+        low = LowRankTest.maybe(pb[li], np.float32, FLOAT32_RTOL if f32 else LOWRANK_RTOL)
+        if low is not None:
+            out.append(lists.candidates(low.a, low.b, opponents))
+    return np.unique(np.concatenate(out))
+
+
+def open_lists(directory: Path, n_rows: int) -> list[FactorLists] | None:
+    """Every layer's lists in ``directory`` (an index of ``n_rows`` rows), or None when it has
+    none (a small run, ``lists=False``, or built before them)."""
+    found = sorted(directory.glob("lists-[0-9][0-9][0-9].npz"))
+    out = [FactorLists(directory, int(p.stem.split("-")[1])) for p in found]
+    for lists in out:
+        if lists.n_rows != n_rows:
+            raise ValueError(f"factor lists of {lists.n_rows} rows, index of {n_rows}")
+    return out or None
 
 
 class FactorLists:
     """The lists of an index folder (see the module doc), memory-mapped."""
 
-    def __init__(self, directory: Path) -> None:
-        with np.load(directory / LISTS_FILE) as z:
+    def __init__(self, directory: Path, li: int) -> None:
+        lists_file, rows_file, entries_file = file_names(li)
+        with np.load(directory / lists_file) as z:
             self.layer = int(z["layer"])
             self.n_rows = int(z["n_rows"])
             self.starts = z["starts"]
@@ -224,8 +261,10 @@ class FactorLists:
             self.spread = z["spread"]
             self.basis_u = z["basis_u"]
             self.basis_w = z["basis_w"]
-        self.rows = np.load(directory / LIST_ROWS_FILE, mmap_mode="r")
-        self.entries = np.load(directory / LIST_ENTRIES_FILE, mmap_mode="r")
+        if self.layer != li:
+            raise ValueError(f"{lists_file} holds the lists of layer {self.layer}")
+        self.rows = np.load(directory / rows_file, mmap_mode="r")
+        self.entries = np.load(directory / entries_file, mmap_mode="r")
         n = int(self.starts[-1])
         width = self.basis_u.shape[1] + self.basis_w.shape[1]
         if len(self.rows) != n or self.entries.shape != (n, width):
@@ -233,17 +272,6 @@ class FactorLists:
                 f"factor lists hold {len(self.rows)} rows and {self.entries.shape} entries, "
                 f"not {n} x {width}"
             )
-
-    @classmethod
-    def open(cls, directory: Path, n_rows: int) -> FactorLists | None:
-        """The lists of ``directory`` (an index of ``n_rows`` rows), or None when it has none
-        (a small run, ``lists=False``, or built before them)."""
-        if not all((directory / f).exists() for f in FILES):
-            return None
-        lists = cls(directory)
-        if lists.n_rows != n_rows:
-            raise ValueError(f"factor lists of {lists.n_rows} rows, index of {n_rows}")
-        return lists
 
     @property
     def n_entries(self) -> int:

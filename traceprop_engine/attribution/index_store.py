@@ -29,7 +29,7 @@ from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
 from .index_build import build_index
 from .index_files import index_lock, publish_dir
-from .index_lists import FactorLists, build_lists, dominant_layer, wants_lists
+from .index_lists import FactorLists, build_lists, list_layers, open_lists, wants_lists
 from .precondition import Preconditioner
 from .record_cache import RecordCache, write_record_cache
 from .rerank import as_bounds
@@ -44,11 +44,12 @@ PRECOND_FILE = "preconditioner.npz"
 NORMS_FILE = "norms.npy"  # exact ‖H^{-1/2} x_i‖² per row (cosine, self-influence)
 LAYER_NORMS_FILE = "layer_norms.npy"  # the same per row and layer, float32 rounded up (rerank)
 BUILD_FILE = "build.json"
-BUILD_FORMAT = 2
+BUILD_FORMAT = 3
 """What a build writes, recorded in ``build.json`` (absent: 1). 2: the rows' per-layer norms
-(the layer-by-layer re-rank, :mod:`.rerank`) and the index projection split by energy. An index
-of an older format still answers exactly (its vectors only pick candidates) and is reused;
-its queries get :data:`OLD_BUILD_NOTE`."""
+(the layer-by-layer re-rank, :mod:`.rerank`) and the index projection split by energy. 3: the
+factor lists of large runs (:mod:`.index_lists`). An index of an older format still answers
+exactly (its vectors only pick candidates) and is reused; its queries get
+:data:`OLD_BUILD_NOTE` (a format-2 index only where this release would have built lists)."""
 OLD_BUILD_NOTE = (
     "this index was built by an earlier version of Traceprop: every score is still exact, but "
     "rebuilding it (`traceprop index RUN --rebuild` with the same settings) makes queries "
@@ -176,19 +177,20 @@ class RunIndexes:
                 scorer.layer_sq_norms = as_bounds(layer_norms)
                 np.save(out / LAYER_NORMS_FILE, scorer.layer_sq_norms)
                 files += (NORMS_FILE, LAYER_NORMS_FILE)
-                li = dominant_layer(layer_norms, [i.rank == 1 for i in self.store.layers])
-                if li is not None and wants_lists(s.lists, len(ids)):
+                layers = list_layers(layer_norms, [i.rank == 1 for i in self.store.layers])
+                if layers and wants_lists(s.lists, len(ids)):
                     xn = np.sqrt(np.maximum(scorer.row_sq_norms, 1e-60))
-                    files += tuple(
-                        build_lists(
-                            scorer,
-                            li,
-                            xn if s.cosine else np.ones_like(xn),
-                            out,
-                            progress and (lambda d, n: progress("lists", d, n)),
+                    for li in layers:
+                        files += tuple(
+                            build_lists(
+                                scorer,
+                                li,
+                                xn if s.cosine else np.ones_like(xn),
+                                out,
+                                progress and (lambda d, n: progress("lists", d, n)),
+                            )
                         )
-                    )
-                    scorer.lists = FactorLists(out)
+                    scorer.lists = [FactorLists(out, li) for li in layers]
 
             def chunks():
                 for i in range(0, len(ids), _READ_ROWS):
@@ -277,7 +279,7 @@ class RunIndexes:
             except (OSError, ValueError) as e:
                 log.warning("record cache of %s unusable (%s); reading the store", s.name, e)
             try:  # none: FAISS alone proposes the candidates
-                hit.lists = FactorLists.open(self.dir(s), hit.n_rows)
+                hit.lists = open_lists(self.dir(s), hit.n_rows)
             except (OSError, ValueError, KeyError) as e:
                 log.warning("factor lists of %s unusable (%s); not used", s.name, e)
         return hit
@@ -314,7 +316,10 @@ class RunIndexes:
             except (OSError, ValueError):
                 meta = {}
             self._build_formats[s.name] = int(meta.get("build_format", 1))
-        return [OLD_BUILD_NOTE] if self._build_formats[s.name] < BUILD_FORMAT else []
+        fmt = self._build_formats[s.name]
+        n = self._indexes[s.name][0].n if s.name in self._indexes else 0
+        old = fmt < BUILD_FORMAT and (fmt < 2 or wants_lists(s.lists, n))
+        return [OLD_BUILD_NOTE] if old else []
 
     def _read_row_sq_norms(self, s: IndexSettings) -> np.ndarray:
         path = self.dir(s) / NORMS_FILE

@@ -51,7 +51,8 @@ class ExactScorer:
         self.layer_sq_norms: np.ndarray | None | bool = None
         # a RecordCache (memory-mapped records of the index) for scattered reads, or None
         self.cache = None
-        # the index's FactorLists (a second candidate search, index_lists.py), or None
+        # the index's FactorLists, one per listed layer (a second candidate search,
+        # index_lists.py), or None
         self.lists = None
         self.ids = np.asarray(ids)
         rec = store.records()
