@@ -177,20 +177,7 @@ class RunIndexes:
                 scorer.layer_sq_norms = as_bounds(layer_norms)
                 np.save(out / LAYER_NORMS_FILE, scorer.layer_sq_norms)
                 files += (NORMS_FILE, LAYER_NORMS_FILE)
-                layers = list_layers(layer_norms, [i.rank == 1 for i in self.store.layers])
-                if layers and wants_lists(s.lists, len(ids)):
-                    xn = np.sqrt(np.maximum(scorer.row_sq_norms, 1e-60))
-                    for li in layers:
-                        files += tuple(
-                            build_lists(
-                                scorer,
-                                li,
-                                xn if s.cosine else np.ones_like(xn),
-                                out,
-                                progress and (lambda d, n: progress("lists", d, n)),
-                            )
-                        )
-                    scorer.lists = [FactorLists(out, li) for li in layers]
+                files += self._build_lists(s, scorer, layer_norms, out, progress)
 
             def chunks():
                 for i in range(0, len(ids), _READ_ROWS):
@@ -227,6 +214,27 @@ class RunIndexes:
         self._scorers[s.name] = scorer  # the queries reuse its record map and norms
         self._build_formats[s.name] = BUILD_FORMAT
         return index
+
+    def _build_lists(self, s: IndexSettings, scorer, layer_norms, out: Path, progress) -> tuple:
+        """The factor lists of a build (:mod:`.index_lists`), when ``s`` and the run want them:
+        written into ``out`` and given to ``scorer``; returns their file names."""
+        layers = list_layers(layer_norms, [i.rank == 1 for i in self.store.layers])
+        if not layers or not wants_lists(s.lists, scorer.n_rows):
+            return ()
+        xn = np.sqrt(np.maximum(scorer.row_sq_norms, 1e-60))
+        files: tuple = ()
+        for li in layers:
+            files += tuple(
+                build_lists(
+                    scorer,
+                    li,
+                    xn if s.cosine else np.ones_like(xn),
+                    out,
+                    progress and (lambda d, n: progress("lists", d, n)),
+                )
+            )
+        scorer.lists = [FactorLists(out, li) for li in layers]
+        return files
 
     def _load(self, s: IndexSettings):
         """The persisted index for ``s`` if it is fresh and complete, else None (logged why)."""
