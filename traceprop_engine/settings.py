@@ -318,9 +318,10 @@ class IndexSettings:
     index_side: int = INDEX_SIDE
     index_dims: int = INDEX_DIMS
     lists: bool | None = None
-    """A second candidate search over the dominant layer's own records
-    (``attribution/index_lists.py``): None builds it from ``index_lists.MIN_ROWS`` index rows
-    (where FAISS is an IVF index), True on any run, False never."""
+    """A second candidate search over the own records of the layers holding most of the
+    gradient energy (``attribution/index_lists.py``): None builds it from
+    ``index_lists.MIN_ROWS`` index rows (where FAISS is an IVF index), True on any run whose
+    records allow it, False never."""
 
     def __post_init__(self) -> None:
         if self.lists is not None and not isinstance(self.lists, bool):

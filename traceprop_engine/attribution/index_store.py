@@ -3,7 +3,7 @@
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
 (:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, a
 memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), on large runs the
-factor lists of the dominant layer (:mod:`.index_lists`), the FAISS index and
+factor lists of the layers holding most of the energy (:mod:`.index_lists`), the FAISS index and
 ``index.json``, which records the digest of every file. Its fingerprint (the
 store's fingerprint + the settings) makes an index built from other records stale; a stale,
 half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).

@@ -226,7 +226,7 @@ class AttributionRun(TestSideMixin):
                 np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
             ).astype(np.int64)
             cand = cand[cand >= 0]
-            # the dominant layer's own records propose more (index_lists.py; large indexes)
+            # the dominant layers' own records propose more (index_lists.py; large indexes)
             extra = list_candidates(scorer, sketches, opponents)
             if len(extra):
                 cand = np.union1d(cand, extra)

@@ -154,8 +154,9 @@ def add_index_flags(p) -> None:
         "--lists",
         action=argparse.BooleanOptionalAction,
         default=d["lists"],
-        help="a second candidate search over the dominant layer's own records (default: from "
-        "200k examples on, where FAISS is an IVF index)",
+        help="factor lists: a second candidate search over the records of the layers holding "
+        "most of the gradient energy (default: from 200k examples on, where FAISS is an IVF "
+        "index)",
     )
 
 
