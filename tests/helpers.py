@@ -289,3 +289,59 @@ def torchrun(world: int) -> list[str]:
         "--master_port",
         str(port),
     ]
+
+
+def write_factor_store(
+    path: Path,
+    shapes: Sequence[tuple[int, int]],
+    arrays: Sequence[np.ndarray],
+    examples: np.ndarray,
+    rng: np.random.Generator,
+    run_id: str,
+    rank: int = 1,
+    dtype: str = "int8",
+) -> Store:
+    """A completed synthetic store of rank-``rank`` factor records: ``arrays`` per layer (n,
+    k_out + k_in, rank) float32 (``U`` on ``V``), record ``i`` of example ``examples[i]`` (lr
+    falling from 1e-3 to 2e-4, 8 records a step), K-FAC statistics of random tokens."""
+    from types import SimpleNamespace
+
+    from traceprop_engine import constants as C
+    from traceprop_engine.store.format import Covariance
+    from traceprop_engine.store.writer import StoreWriter
+
+    layers = [
+        SimpleNamespace(
+            name=f"blk.{i}",
+            kind="linear",
+            d_in=32,
+            d_out=32,
+            k_in=ki,
+            k_out=ko,
+            rank=rank,
+            factor_dtype=dtype,
+            P_in=None,
+            P_out=None,
+            record_shape=(ko, ki),
+        )  # fmt: skip
+        for i, (ko, ki) in enumerate(shapes)
+    ]
+    w = StoreWriter(path, layers, {"run_id": run_id}, "factored")
+    n = len(examples)
+    per_epoch = int(np.max(examples, initial=0)) + 1
+    meta = {
+        C.REC_EXAMPLE: examples,
+        C.REC_STEP: np.arange(n) // 8,
+        C.REC_EPOCH: np.arange(n) // per_epoch,
+        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
+        C.REC_LOSS: rng.random(n).astype(np.float32),
+    }
+    for s0 in range(0, n, 64):
+        w.append([a[s0 : s0 + 64] for a in arrays], {k: v[s0 : s0 + 64] for k, v in meta.items()})
+    cov = []
+    for ko, ki in shapes:
+        a, g = rng.normal(size=(300, ki)), rng.normal(size=(300, ko))
+        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
+    w.write_covariance(cov)
+    w.close(C.STATUS_COMPLETED)
+    return Store(path)

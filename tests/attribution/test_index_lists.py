@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import write_factor_store
 
-from traceprop_engine import constants as C
 from traceprop_engine.attribution import index_lists, ranking, record_cache
 from traceprop_engine.attribution.index_lists import (
     FactorLists,
@@ -24,9 +23,7 @@ from traceprop_engine.attribution.index_store import RunIndexes
 from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.errors import ConfigError
 from traceprop_engine.settings import IndexSettings
-from traceprop_engine.store.format import Covariance
 from traceprop_engine.store.reader import Store
-from traceprop_engine.store.writer import StoreWriter
 
 SHAPES = [(12, 10), (10, 12), (24, 16)]  # (k_out, k_in); the last layer dominates (the "head")
 N_EX = 400
@@ -41,24 +38,8 @@ def _small(monkeypatch):
 
 
 def _store(path: Path, epochs: int = 1, rank: int = 1, head: float = 10.0) -> Store:
+    """Records whose output factors cluster by "answer"; the last layer ``head`` times larger."""
     rng = np.random.default_rng(3)
-    layers = [
-        SimpleNamespace(
-            name=f"blk.{i}",
-            kind="linear",
-            d_in=32,
-            d_out=32,
-            k_in=ki,
-            k_out=ko,
-            rank=rank,
-            factor_dtype="int8",
-            P_in=None,
-            P_out=None,
-            record_shape=(ko, ki),
-        )  # fmt: skip
-        for i, (ko, ki) in enumerate(SHAPES)
-    ]
-    w = StoreWriter(path, layers, {"run_id": "lists-test"}, "factored")
     ex = np.concatenate([rng.permutation(N_EX) for _ in range(epochs)])
     n = len(ex)
     answer = rng.integers(0, N_ANSWERS, N_EX)[ex]
@@ -69,22 +50,7 @@ def _store(path: Path, epochs: int = 1, rank: int = 1, head: float = 10.0) -> St
         v = rng.normal(size=(n, ki, rank))
         scale = head if li == len(SHAPES) - 1 else 1.0
         arrays.append(np.concatenate([u * scale, v], axis=1).astype(np.float32))
-    meta = {
-        C.REC_EXAMPLE: ex,
-        C.REC_STEP: np.arange(n) // 8,
-        C.REC_EPOCH: np.arange(n) // N_EX,
-        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
-        C.REC_LOSS: rng.random(n).astype(np.float32),
-    }
-    for s0 in range(0, n, 64):
-        w.append([a[s0 : s0 + 64] for a in arrays], {k: v[s0 : s0 + 64] for k, v in meta.items()})
-    cov = []
-    for ko, ki in SHAPES:
-        a, g = rng.normal(size=(300, ki)), rng.normal(size=(300, ko))
-        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
-    w.write_covariance(cov)
-    w.close(C.STATUS_COMPLETED)
-    return Store(path)
+    return write_factor_store(path, SHAPES, arrays, ex, rng, "lists-test", rank)
 
 
 def _run(ix: RunIndexes) -> AttributionRun:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import write_factor_store
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import record_cache
@@ -19,9 +19,7 @@ from traceprop_engine.attribution.precondition import Preconditioner
 from traceprop_engine.attribution.record_cache import RecordCache
 from traceprop_engine.attribution.vectors import _vectors
 from traceprop_engine.settings import IndexSettings
-from traceprop_engine.store.format import Covariance
 from traceprop_engine.store.reader import Store
-from traceprop_engine.store.writer import StoreWriter
 
 SHAPES = [(20, 12), (12, 20), (16, 16)]  # (k_out, k_in): every layer gets an 8 x 8 projection
 N_EX, EPOCHS = 150, 3
@@ -37,23 +35,6 @@ def _cache_small_stores(monkeypatch):
 
 def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
     rng = np.random.default_rng(1)
-    layers = [
-        SimpleNamespace(
-            name=f"blk.{i}",
-            kind="linear",
-            d_in=32,
-            d_out=32,
-            k_in=ki,
-            k_out=ko,
-            rank=rank,
-            factor_dtype=dtype,
-            P_in=None,
-            P_out=None,
-            record_shape=(ko, ki),
-        )  # fmt: skip
-        for i, (ko, ki) in enumerate(SHAPES)
-    ]
-    w = StoreWriter(path, layers, {"run_id": "cache-test"}, "factored")
     ex = np.concatenate([rng.permutation(N_EX) for _ in range(EPOCHS)])
     n = len(ex)
     base = [(rng.normal(size=(5, ko, rank)), rng.normal(size=(5, ki, rank))) for ko, ki in SHAPES]
@@ -63,22 +44,7 @@ def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
         u = bu[c] + 0.3 * rng.normal(size=(n, ko, rank))
         v = bv[c] + 0.3 * rng.normal(size=(n, ki, rank))
         arrays.append(np.concatenate([u, v], axis=1).astype(np.float32))
-    meta = {
-        C.REC_EXAMPLE: ex,
-        C.REC_STEP: np.arange(n) // 8,
-        C.REC_EPOCH: np.arange(n) // N_EX,
-        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
-        C.REC_LOSS: rng.random(n).astype(np.float32),
-    }
-    for s0 in range(0, n, 64):
-        w.append([a[s0 : s0 + 64] for a in arrays], {k: v[s0 : s0 + 64] for k, v in meta.items()})
-    cov = []
-    for ko, ki in SHAPES:
-        a, g = rng.normal(size=(300, ki)), rng.normal(size=(300, ko))
-        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
-    w.write_covariance(cov)
-    w.close(C.STATUS_COMPLETED)
-    return Store(path)
+    return write_factor_store(path, SHAPES, arrays, ex, rng, "cache-test", rank, dtype)
 
 
 def _layer_vectors(store, pre, ids) -> list[np.ndarray]:
