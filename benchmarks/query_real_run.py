@@ -94,6 +94,9 @@ def _scan(spec: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seed of the data, the model and its training"
+    )
     ap.add_argument("--work-dir", default="/tmp/traceprop-query-real")
     ap.add_argument(
         "--index",
@@ -128,11 +131,12 @@ def main() -> None:
     work = Path(a.work_dir)
     run_dir = work / "run"
     if not (run_dir / "store.h5").exists():
-        write_data(work / "data", a.n)
+        write_data(work / "data", a.n, a.seed)
         cmd = [sys.executable, "-m", "traceprop_engine", "train", "--data", str(work / "data/train"),
                "--eval-data", str(work / "data/eval"), "--out", str(run_dir), "--epochs", "1",
                "--batch-size", "32", "--lr", "0.003", "--tiny-layers", "2", "--tiny-width", "128",
-               "--tiny-vocab", "768", "--max-length", "64", "--threads", "1"]  # fmt: skip
+               "--tiny-vocab", "768", "--max-length", "64", "--threads", "1",
+               "--seed", str(a.seed)]  # fmt: skip
         subprocess.run(cmd, check=True)
     queries = e2e.real_queries(run_dir, a.queries)  # eval questions first
     run = AttributionRun(run_dir)
