@@ -213,25 +213,28 @@ def build_lists(
     return list(file_names(li))
 
 
-def list_candidates(scorer, sketches, opponents: bool = True) -> np.ndarray:
+def list_candidates(scorer, sketches, opponents: bool = True, prepared=None) -> np.ndarray:
     """The rows ``scorer.lists`` propose for one query's ``sketches`` (per layer (1, ...)): the
     lists of every layer where the query holds :data:`MIN_QUERY_SHARE` of its squared norm
-    (none: no lists, several queries, or a full-rank ``T'`` there, as EK-FAC's)."""
-    from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
+    (none: no lists, several queries, or a full-rank ``T'`` there, as EK-FAC's).
+
+    ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it (the
+    re-rank then reuses the pullbacks and the factored ``T'`` of the lists' layers)."""
+    from .factor_scores import LowRankTest
 
     if not scorer.lists or len(sketches[0]) != 1:
         return np.zeros(0, np.int64)
-    pb = scorer.pullbacks(sketches)
-    sq = np.array([float(np.vdot(t, p)) for t, p in zip(sketches, pb, strict=True)])
+    if prepared is None:
+        prepared = scorer.prepared_lazily(sketches)
+    sq = np.array([float(np.vdot(t, p)) for t, p in zip(sketches, prepared.raw, strict=True)])
     total = float(sq.sum())
     out = [np.zeros(0, np.int64)]
     for lists in scorer.lists:
         li = lists.layer
         if not total > 0 or sq[li] < MIN_QUERY_SHARE * total:
             continue
-        f32 = np.asarray(sketches[li]).dtype.itemsize <= 4
-        low = LowRankTest.maybe(pb[li], np.float32, FLOAT32_RTOL if f32 else LOWRANK_RTOL)
-        if low is not None:
+        low = prepared[li]  # T' = A Bᵀ, factored once for the lists and the re-rank
+        if isinstance(low, LowRankTest):
             out.append(lists.candidates(low.a, low.b, opponents))
     return np.unique(np.concatenate(out))
 

@@ -110,22 +110,23 @@ def _placeable(lo: np.ndarray, hi: np.ndarray, top_k: int, opponents: bool) -> n
 
 
 def rerank_candidates(
-    indexes, s, sketches, cand: np.ndarray, top_k: int, opponents: bool
+    indexes, s, sketches, cand: np.ndarray, top_k: int, opponents: bool, prepared=None
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`bounded_rerank` of one query's candidates ``cand`` against the index ``s``
     of ``indexes`` (:class:`~.index_store.RunIndexes`), with its scores as ``exact_scores``
     gives them (cosine: divided by both norms); None when the index keeps no per-layer norms
-    (built before them, or too large to norm exactly) or for several queries at once."""
+    (built before them, or too large to norm exactly) or for several queries at once.
+    ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it."""
     layer_sq = indexes.row_layer_sq_norms(s)
     if layer_sq is None or len(sketches[0]) != 1:
         return None
     scorer = indexes.scorer(s)
-    pb = scorer.pullbacks(sketches)
+    if prepared is None:
+        prepared = scorer.prepared_lazily(sketches)
     query_sq = np.array(
-        [scorer.query_sq_norm([t], [p])[0] for t, p in zip(sketches, pb, strict=True)]
+        [scorer.query_sq_norm([t], [p])[0] for t, p in zip(sketches, prepared.raw, strict=True)]
     )
     xn = indexes.row_norms(s, cand) if s.cosine else None  # exact_scores' divisions
-    prepared = scorer.prepared_lazily(sketches, pb)
     kept, per_layer = bounded_rerank(
         scorer, prepared, query_sq, cand, layer_sq, top_k, opponents, divisor=xn
     )
