@@ -144,7 +144,9 @@ class TraceArm(Arm):
             rec.losses = losses
 
     def excluded_s(self):
-        return self.tr.buffer.flush_s + self._cov["covariance_s"]
+        # the flushes, the K-FAC statistics batches and the default factors' projections (once
+        # per buffer of steps): periodic, timed where they run, amortised by the harness
+        return self.tr.buffer.flush_s + self._cov["covariance_s"] + self.tr.capture.deferred_write_s
 
     def close(self):
         self.tr.close()

@@ -28,6 +28,10 @@ time is reported (``writer_ms_per_step``) and ``overhead_sync_writer_pct`` adds 
 close) to the step as if the write were synchronous (an upper bound for a machine without a
 spare core).
 
+The default factors' projections (:class:`~traceprop_engine.capture.project.DeferredFactors`)
+run once per buffer of steps (before its flush, or when their scratch is full): timed where they
+run and spread over the steps the same way (``projection_ms_per_step``).
+
 ``covariance_pct`` is the median of the paired ratios ``tracked/logging - 1``.
 
 Storage. ``bytes_per_example`` is the steady-state store size of one record: per sketch dataset
@@ -148,25 +152,27 @@ class _Arms:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def step(self, arm: str, i: int) -> tuple[float, float, float, float]:
-        """(wall ms, process CPU ms, flush ms and covariance-batch ms inside the step) per
-        training step."""
+    def step(self, arm: str, i: int) -> tuple[float, float, float, float, float]:
+        """(wall ms, process CPU ms, and the flush, covariance-batch and factor-projection ms
+        inside the step) per training step."""
         tr = self.trackers.get(arm)
         if tr is not None:
             tr.capture.attach()
             f0 = tr.buffer.flush_s
             v0 = self.covariance_acc[arm]["covariance_s"]
+            p0 = tr.capture.deferred_write_s
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(self.steps_per_arm):
             self._train_step(tr, i)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        flush = cov = 0.0
+        flush = cov = proj = 0.0
         if tr is not None:
             flush = tr.buffer.flush_s - f0
             cov = self.covariance_acc[arm]["covariance_s"] - v0
+            proj = tr.capture.deferred_write_s - p0
             tr.capture.detach()
         k = self.steps_per_arm
-        return wall * 1e3 / k, cpu * 1e3 / k, flush * 1e3 / k, cov * 1e3 / k
+        return wall * 1e3 / k, cpu * 1e3 / k, flush * 1e3 / k, cov * 1e3 / k, proj * 1e3 / k
 
     def writer_s(self) -> dict[str, float]:
         return {name: acc["writer_s"] for name, acc in self.writer_acc.items()}
@@ -181,13 +187,13 @@ class _Arms:
         return final_flush_ms
 
 
-_MEASURES = ("wall", "cpu", "flush", "covariance")
+_MEASURES = ("wall", "cpu", "flush", "covariance", "projection")
 
 
 def _interleave(arms: _Arms, repeats: int, first_step: int, progress: bool) -> dict[str, dict]:
     """``repeats`` rounds of one step per arm, cycling through all six orders of the arms.
 
-    Returns ``{"wall"|"cpu"|"flush"|"covariance": {arm: [ms per round]}}``."""
+    Returns ``{"wall"|"cpu"|"flush"|"covariance"|"projection": {arm: [ms per round]}}``."""
     got = {what: {a: [] for a in ARMS} for what in _MEASURES}
     orders = list(itertools.permutations(ARMS))  # all six orders, cycled
     bar = None
@@ -214,7 +220,7 @@ def _overheads(
     times, cpu = got["wall"], got["cpu"]
     plain = np.array(times["plain"])
     plain_cpu = np.array(cpu["plain"])
-    adj, adj_cpu, amort, cov_amort = {}, {}, {}, {}
+    adj, adj_cpu, amort, cov_amort, proj_amort = {}, {}, {}, {}, {}
     with_close = {}
     for a in ("tracked", "logging"):
         # the flushes of the timed rounds recur every buffer_records / batch steps, the K-FAC
@@ -223,9 +229,11 @@ def _overheads(
         # over the steps; the final flush + covariance + close happens once per run: reported
         # apart (close_ms) and, for the record, amortised over this bench's few steps too
         inflush, incov = np.array(got["flush"][a]), np.array(got["covariance"][a])
+        inproj = np.array(got["projection"][a])
         amort[a] = float(np.sum(inflush)) / n_steps
         cov_amort[a] = float(np.sum(incov)) / n_steps
-        spread = amort[a] + cov_amort[a] - inflush - incov
+        proj_amort[a] = float(np.sum(inproj)) / n_steps
+        spread = amort[a] + cov_amort[a] + proj_amort[a] - inflush - incov - inproj
         adj[a] = np.array(times[a]) + spread
         adj_cpu[a] = np.array(cpu[a]) + spread
         with_close[a] = adj[a] + final_flush_ms[a] / n_steps
@@ -255,6 +263,10 @@ def _overheads(
         "flush_ms_per_step": amort,
         "flush_ms_in_loop": {a: float(np.sum(got["flush"][a])) for a in amort},
         "covariance_batch_ms_per_step": cov_amort,
+        "projection_ms_per_step": proj_amort,
+        "n_projections_in_loop": {
+            a: int(np.count_nonzero(got["projection"][a])) for a in proj_amort
+        },
         "n_covariance_batches_in_loop": {
             a: int(np.count_nonzero(got["covariance"][a])) for a in cov_amort
         },
@@ -384,7 +396,8 @@ def summarize(result: dict) -> str:
         f"tracked step   {r['tracked_step_ms']:.1f} ms (amortised: flushes "
         f"{r['flush_ms_per_step']['tracked']:.3f} ms/step, K-FAC statistics "
         f"{r.get('covariance_batch_ms_per_step', {}).get('tracked', 0.0):.3f} ms/step from "
-        f"{r.get('n_covariance_batches_in_loop', {}).get('tracked', 0)} batches)",
+        f"{r.get('n_covariance_batches_in_loop', {}).get('tracked', 0)} batches, factor "
+        f"projections {r.get('projection_ms_per_step', {}).get('tracked', 0.0):.3f} ms/step)",
         f"close          {r['close_ms']['tracked']:.1f} ms once per run (final flush, covariance, "
         f"digest); amortised over these {r['repeats'] * r['steps_per_arm']} steps: "
         f"{r['overhead_with_close_pct']:+.2f} %",

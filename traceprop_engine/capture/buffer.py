@@ -74,6 +74,8 @@ class SketchBuffer:
             a factored layer's array is ``(n, k_out + k_in, r)`` (``U`` rows, then ``V`` rows).
         ranks: per layer, ``r > 0`` to keep rank-``r`` factors of its ``(k_out, k_in)`` records
             (``r`` at most ``min(k_out, k_in)``), ``0`` to keep the records as written.
+        before_flush: called first on every flush: whoever writes records into the slots
+            later than :meth:`commit` (:meth:`Capture.write_deferred`) finishes them there.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class SketchBuffer:
         device: torch.device | str,
         sink: FlushSink,
         ranks: Sequence[int] | None = None,
+        before_flush: Callable[[], None] | None = None,
     ) -> None:
         self.record_shapes = [tuple(s) for s in record_shapes]
         self.ranks = [int(r) for r in ranks] if ranks is not None else [0] * len(record_shapes)
@@ -101,6 +104,7 @@ class SketchBuffer:
         self._numels = [math.prod(s) for s in self.stored_shapes]
         self.device = torch.device(device)
         self.sink = sink
+        self.before_flush = before_flush
         self.pos = 0
         self.n_flushed = 0
         self.n_transfers = 0
@@ -199,7 +203,10 @@ class SketchBuffer:
         self.pos += b
 
     def flush(self) -> None:
-        """One device -> host transfer of everything committed, handed to the sink."""
+        """One device -> host transfer of everything committed, handed to the sink (the
+        records still to be written first: ``before_flush``, not counted in ``flush_s``)."""
+        if self.before_flush is not None:
+            self.before_flush()
         if self.pos == 0:
             return
         t0 = time.perf_counter()

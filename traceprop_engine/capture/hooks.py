@@ -119,6 +119,7 @@ class Capture:
                 layer.a_tokens = torch.zeros((), device=device, dtype=torch.float64)
             self._handles.append(layer.module.register_forward_hook(self._make_forward_hook(i)))
         if self._deferred is None or self._deferred.device != device:
+            self.write_deferred()  # records of the former device's batches, before its scratch goes
             self._deferred = DeferredFactors(self.layers, device) or None
         return self
 
@@ -140,6 +141,22 @@ class Capture:
     def attached(self) -> bool:
         return bool(self._handles)
 
+    def write_deferred(self) -> None:
+        """Write the records of every batch run with ``defer=True`` into their slots now."""
+        if self._deferred is not None:
+            self._deferred.write()
+
+    def drop_deferred_batch(self) -> None:
+        """Forget the last batch run with ``defer=True``: its slots are not kept (its records
+        are never written; its scratch rows are reused)."""
+        if self._deferred is not None:
+            self._deferred.drop_last()
+
+    @property
+    def deferred_write_s(self) -> float:
+        """Seconds spent projecting deferred factors so far."""
+        return 0.0 if self._deferred is None else self._deferred.write_s
+
     # -- one micro-batch ------------------------------------------------------------------
     @contextlib.contextmanager
     def batch(
@@ -147,6 +164,7 @@ class Capture:
         slots: list[torch.Tensor],
         token_mask: torch.Tensor | None = None,
         loss_scale: float = 1.0,
+        defer: bool = False,
     ) -> Iterator[None]:
         """Record the next forward + backward into ``slots`` (one ``(B, *record_shape)`` per layer).
 
@@ -155,6 +173,9 @@ class Capture:
             token_mask: ``(B, T)`` 1 for real tokens, 0 for padding (for the covariance ``A``).
             loss_scale: factor turning ``∂L/∂y`` of the batch loss into per-example-loss
                 gradients (the local batch size when ``L`` is the mean of per-example losses).
+            defer: leave the default factors' projection for later (:meth:`write_deferred`,
+                or when the scratch is full): ``slots`` must stay valid and unread until
+                then. Without it every record is in its slot when the block exits.
         """
         if not self._handles:
             raise RuntimeError("Capture.batch() needs attached hooks: use 'with Capture(...)'")
@@ -176,15 +197,20 @@ class Capture:
             layer._stack.clear()
             layer._fired = False
         self._batches += 1
+        deferred = self._deferred
+        if deferred is not None:
+            deferred.start(slots[deferred.members[0]].shape[0])
         self._active = True
         try:
             yield
-            if self._deferred is not None:
-                self._deferred.write(slots, self._scale)
+            if deferred is not None:
+                deferred.finish(slots, self._scale)
+                if not defer:
+                    deferred.write()
         finally:
             self._active = False
-            if self._deferred is not None:
-                self._deferred.pending.clear()
+            if deferred is not None:
+                deferred.drop()  # an exception in the block: the open batch is forgotten
             for layer, slot in zip(self.layers, slots, strict=True):
                 if not layer._fired:  # the layer took no part in this backward: a zero gradient
                     slot.zero_()
@@ -262,7 +288,7 @@ class Capture:
                 layer._fired = True
                 self._covariance_if_due(layer, a, g, scale)
                 return
-            deferred.write(slots, scale, only={i})  # second use: the first one's record, then sum
+            deferred.write((slots, scale, {i}))  # second use: the first one's record, then sum
         u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
         u, v = _project_factor(u, layer._P_out_T), _project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)

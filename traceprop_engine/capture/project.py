@@ -1,29 +1,43 @@
-"""Per-example projections of the default full-space factors, batched over layers once the
-backward pass is over.
+"""Per-example projections of the default full-space factors, batched over layers and over
+steps, away from the backward pass.
 
 The default record of a layer (rank 1, half a power step, ``TrackSettings()``) is
 ``U Vᵀ = s · P_out û ûᵀ G P_inᵀ`` with ``û = Σ_t g_t / ‖Σ_t g_t‖`` and ``G = Σ_t g_t a_tᵀ``.
 Its hook (:meth:`Capture._backward_full`) only does what needs the layer's own activations and
-gradients, three ops into preallocated scratch:
+gradients, three ops into preallocated scratch rows:
 
-    σ = Σ_t g_t          (B, d_out)   torch.sum(out=)
+    σ = Σ_t g_t          (B, d_out)   bmm(out=)
     c_t = g_t · σ        (B, 1, T)    bmm
     w = Σ_t c_t a_t      (B, d_in)    bmm(out=)        i.e. w = Gᵀ σ
 
-and :meth:`DeferredFactors.write` turns every layer's ``(σ, w)`` into its record after the
-backward: ``U = s · P_out σ / ‖σ‖``, ``V = P_in w / ‖σ‖`` (the same factors as
+and :meth:`DeferredFactors.write` turns every layer's ``(σ, w)`` into its record later:
+``U = s · P_out σ / ‖σ‖``, ``V = P_in w / ‖σ‖`` (the same factors as
 :func:`~traceprop_engine.capture.sketch.full_factors` with ``iters = 0``), with one batched GEMM per
 group of sides that share a ``(width, k)`` (the 34 sides of the default tiny model's 17 layers
-make 3 groups) and two element-wise writes per layer.
+make 3 groups) and one copy per layer side into the record slots.
 
-Why: inside a backward hook every distinct ATen op pays a cold-code cost (the big GEMMs of the
-backward evict the dispatcher's code from the CPU's caches): measured on the default tiny model,
-the first ``norm`` in a hook took 124 µs, the next ones 8–16 µs, against 5 µs in a warm loop.
-The per-layer normalisation, projections and copies cost more than the products themselves
-(7 ms of a 15 ms hook budget per step); after the backward, in one place, they run warm.
+Why after the backward: inside a backward hook every distinct ATen op pays a cold-code cost (the
+big GEMMs of the backward evict the dispatcher's code from the CPU's caches): measured on the
+default tiny model, the first ``norm`` in a hook took 124 µs, the next ones 8–16 µs, against
+5 µs in a warm loop. The per-layer normalisation, projections and copies cost more than the
+products themselves (7 ms of a 15 ms hook budget per step); after the backward, in one place,
+they run warm.
+
+Why over several steps: projecting one step's 8 rows reads every ``P`` (8.9 MB of float32 for the
+tiny model's 17 layers at k = 126), which the training step has evicted from the caches, for a
+GEMM of 8 rows, and issues ≈ 50 small ops: 1.6 ms a step in the training loop. The raw rows of
+consecutive steps stay in scratch (``rows`` of them, within :data:`DEFER_BYTES`) and are projected
+together when the owner asks (:class:`~traceprop_engine.capture.tracker.Tracker`: before each
+buffer flush, whose rows they are) or when the scratch is full: one read of ``P`` and one copy
+per layer side for up to :data:`DEFER_MAX_ROWS` records. The records are the same, only written
+later; a caller that reads its slots right after a batch (the query encoders, the tests) gets
+them written at the end of the batch, as before (``Capture.batch(defer=False)``, the default).
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -32,14 +46,38 @@ from .layers import TrackedLayer
 SIGMA_FLOOR = 1e-30
 """Smallest ``‖σ‖`` divided by: ``1/‖σ‖ · s`` stays finite for any loss scale below 1e8."""
 
+DEFER_BYTES = 32 * 2**20
+"""Scratch for raw ``(σ, w)`` rows kept between projections (the tiny model's 17 layers need
+70 KB a record: 256 rows fit; a model too wide for one batch's rows within this falls back to
+projecting after every batch)."""
+
+DEFER_MAX_ROWS = 256
+"""At most this many records wait for their projection (the default buffer's size)."""
+
 
 def deferrable(layer: TrackedLayer) -> bool:
     """The layers whose factors :class:`DeferredFactors` projects: full-space, rank 1, half a step."""
     return layer.full_factor and layer.rank == 1 and layer.power_iters == 0
 
 
+@dataclass
+class _Batch:
+    """A finished batch whose raw rows ``[row, row + size)`` wait for their projection."""
+
+    row: int
+    size: int
+    slots: list[torch.Tensor]  # every layer's slot of that batch, where the records go
+    scale: float
+    members: frozenset[int]  # the layers to write (those that fired and are not written yet)
+
+
 class DeferredFactors:
     """Scratch for the raw ``(σ, w)`` of every deferrable layer and their batched projection.
+
+    A batch is opened with :meth:`start` (its rows in the scratch), the hooks write into
+    :meth:`raw` and add their layer to :attr:`pending`, and :meth:`finish` queues the batch;
+    :meth:`write` projects everything queued into the batches' slots. :meth:`drop` forgets the
+    open batch (an exception in it).
 
     Args:
         layers: the tracked layers; those for which :func:`deferrable` holds take part (their
@@ -70,9 +108,12 @@ class DeferredFactors:
             key: None if key[1] is None else torch.stack(rows) for key, rows in sides.items()
         }
         self._n = {key: len(rows) for key, rows in sides.items()}
-        self._raw: dict[int, dict] = {}
+        row_bytes = 4 * sum(key[0] * n for key, n in self._n.items())
+        self.max_rows = max(1, min(DEFER_MAX_ROWS, DEFER_BYTES // max(row_bytes, 1)))
+        self._groups: dict | None = None  # (n, rows, d) per group, made on the first start()
+        self._rows = 0
+        self._views: dict[tuple[int, int], dict] = {}  # (row, size) -> member -> (σ, w) views
         self._ones: dict[tuple[int, int], torch.Tensor] = {}
-        self._side_scale: dict[float, dict] = {}
         # where each member's σ row is, and for every row of every group the member it belongs to
         self._sigma_keys = sorted({self._where[(i, "out")][0] for i in self.members}, key=str)
         sigma_order = [
@@ -96,32 +137,81 @@ class DeferredFactors:
             owner[key][j] = pos[i]
             is_out[key][j] = 1.0 if side == "out" else 0.0
         self._row_member = {key: torch.tensor(v, device=device) for key, v in owner.items()}
-        self._is_out = {key: torch.tensor(v, device=device) for key, v in is_out.items()}
-        self.pending: set[int] = set()  # layers whose (σ, w) are written but not yet projected
+        self._is_out = {
+            key: torch.tensor(v, device=device).view(-1, 1, 1) for key, v in is_out.items()
+        }
+        self.pending: set[int] = set()  # layers of the open batch whose (σ, w) are written
+        self._queue: list[_Batch] = []  # finished batches, not yet projected
+        self._next = 0  # first free scratch row
+        self._open: tuple[int, int] | None = None  # (row, size) of the open batch
+        self.write_s = 0.0  # time spent in write(), for the overhead bench
 
     def __bool__(self) -> bool:
         return bool(self.members)
 
-    def _scratch(self, batch: int) -> dict:
-        """Per batch size: the group tensors and, per member, its ready-made views."""
-        got = self._raw.get(batch)
-        if got is None:
-            if len(self._raw) > 4:  # a few batch sizes recur (the last batch of an epoch)
-                self._raw.clear()
-            groups = {
-                key: torch.empty(n, batch, key[0], device=self.device, dtype=torch.float32)
-                for key, n in self._n.items()
-            }
-            views = {}
-            for i in self.members:
-                (ko, jo), (ki, ji) = self._where[(i, "out")], self._where[(i, "in")]
-                views[i] = (groups[ko][jo].unsqueeze(1), groups[ki][ji].unsqueeze(1))
-            got = self._raw[batch] = {"groups": groups, "views": views, "slots": {}}
-        return got
+    @property
+    def queued(self) -> int:
+        """Records waiting for their projection."""
+        return sum(b.size for b in self._queue)
+
+    # -- one batch ------------------------------------------------------------------------
+    def start(self, batch: int) -> None:
+        """Open a batch of ``batch`` records: the next free scratch rows (projecting what is
+        queued first when they are full)."""
+        if self._next + batch > self._rows:
+            self.write()
+            self._next = 0
+            if batch > self._rows:
+                rows = max(batch, self.max_rows)
+                self._groups = {
+                    key: torch.empty(n, rows, key[0], device=self.device, dtype=torch.float32)
+                    for key, n in self._n.items()
+                }
+                self._rows = rows
+                self._views.clear()
+        self._open = (self._next, batch)
+        self.pending.clear()
 
     def raw(self, i: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s ``(B, 1, d_out)`` and ``(B, 1, d_in)`` scratch rows for ``σ`` and ``w``."""
-        return self._scratch(batch)["views"][i]
+        """Layer ``i``'s ``(B, 1, d_out)`` and ``(B, 1, d_in)`` scratch rows for ``σ`` and ``w``
+        in the open batch."""
+        if self._open is None or self._open[1] != batch:
+            raise RuntimeError(f"no open batch of {batch} records in the factor scratch")
+        views = self._views.get(self._open)
+        if views is None:
+            if len(self._views) > 4 * DEFER_MAX_ROWS:  # windows recur every scratch cycle
+                self._views.clear()
+            row, size = self._open
+            views = self._views[self._open] = {}
+            for m in self.members:
+                (ko, jo), (ki, ji) = self._where[(m, "out")], self._where[(m, "in")]
+                views[m] = (
+                    self._groups[ko][jo, row : row + size].unsqueeze(1),
+                    self._groups[ki][ji, row : row + size].unsqueeze(1),
+                )
+        return views[i]
+
+    def finish(self, slots: list[torch.Tensor], scale: float) -> None:
+        """Queue the open batch: its pending layers' records go to ``slots`` at the next write."""
+        if self._open is None:
+            return
+        row, size = self._open
+        # queued even with no layer to write, so that drop_last() always forgets this batch
+        self._queue.append(_Batch(row, size, slots, float(scale), frozenset(self.pending)))
+        self._next = row + size
+        self._open = None
+        self.pending.clear()
+
+    def drop(self) -> None:
+        """Forget the open batch (its rows are reused); what is queued stays."""
+        self._open = None
+        self.pending.clear()
+
+    def drop_last(self) -> None:
+        """Forget the last queued batch (its records were not kept by the caller)."""
+        if self._queue:
+            last = self._queue.pop()
+            self._next = last.row
 
     def ones(self, batch: int, tokens: int) -> torch.Tensor:
         """A ``(B, 1, T)`` tensor of ones: ``σ = 1ᵀ g`` is then the same batched GEMM as the
@@ -135,8 +225,10 @@ class DeferredFactors:
             )
         return o
 
-    def _coefficients(self, groups: dict, scale: float) -> dict:
-        """Per group ``(n, B, 1)``: ``s/‖σ‖`` on σ rows, ``1/‖σ‖`` on w rows (σ of the row's layer)."""
+    # -- projection -----------------------------------------------------------------------
+    def _coefficients(self, groups: dict, scales: torch.Tensor | float) -> dict:
+        """Per group ``(n, R, 1)``: ``s/‖σ‖`` on σ rows, ``1/‖σ‖`` on w rows (σ of the row's
+        layer, ``s`` the row's loss scale: a float, or ``(R,)`` when batches differ)."""
         norms = torch.cat(
             [
                 groups[key].norm(dim=-1).index_select(0, self._sigma_rows[key])
@@ -146,54 +238,90 @@ class DeferredFactors:
         # an example without gradient at a layer (σ = 0, so w = 0) keeps a zero record: the floor
         # stays far from float32's overflow even times the loss scale (1/tiny · s would be inf,
         # and 0 · inf a NaN record)
-        inv = norms.clamp_min_(SIGMA_FLOOR).reciprocal_()  # (members, B), by group, then member
-        side = self._side_scale.get(scale)
-        if side is None:
-            if len(self._side_scale) > 8:  # a few loss scales recur (the last batch of an epoch)
-                self._side_scale.clear()
-            side = self._side_scale[scale] = {
-                key: (1.0 + (scale - 1.0) * m).view(-1, 1, 1) for key, m in self._is_out.items()
-            }
-        return {
-            key: inv.index_select(0, self._row_member[key]).unsqueeze(-1).mul_(side[key])
-            for key in groups
-        }
+        inv = norms.clamp_min_(SIGMA_FLOOR).reciprocal_()  # (members, R), by group, then member
+        if isinstance(scales, torch.Tensor):
+            scales = scales.view(1, -1, 1)
+        out = {}
+        for key in groups:
+            c = inv.index_select(0, self._row_member[key]).unsqueeze(-1)  # (n, R, 1)
+            # σ rows times s, w rows times 1: 1 + (s - 1)·[row is σ]
+            out[key] = c.mul_(1.0 + (scales - 1.0) * self._is_out[key])
+        return out
 
-    def _slot_views(self, got: dict, slots: list[torch.Tensor]) -> dict:
-        """Per member, the ``U`` and ``V`` columns of its slot (cached per buffer window)."""
-        key = tuple(slots[i].data_ptr() for i in self.members)
-        views = got["slots"].get(key)
-        if views is None:
-            if len(got["slots"]) > 64:
-                got["slots"].clear()
-            views = got["slots"][key] = {
-                i: (slots[i][:, : self.layers[i].k_out, 0], slots[i][:, self.layers[i].k_out :, 0])
-                for i in self.members
-            }
-        return views
-
-    def write(self, slots: list[torch.Tensor], scale: float, only: set[int] | None = None) -> None:
-        """Project the pending layers' ``(σ, w)`` into their record slots ``(B, k_out + k_in, 1)``.
+    def write(self, current: tuple[list[torch.Tensor], float, set[int]] | None = None) -> None:
+        """Project every queued batch's raw rows into its slots ``(B, k_out + k_in, 1)``.
 
         Args:
-            slots: every layer's slot of this batch.
-            scale: the loss scale (per-example gradients from the batch loss's).
-            only: project just these pending layers (a layer about to fire a second time).
+            current: ``(slots, scale, layers)`` to also write those layers of the open batch now
+                (a layer about to fire a second time in it: its first record must be in its
+                slot before the second is added); they leave :attr:`pending`.
         """
-        todo = self.pending if only is None else self.pending & only
-        if not todo:
+        jobs = list(self._queue)
+        if current is not None and self._open is not None:
+            slots, scale, only = current
+            now = frozenset(only) & self.pending
+            if now:
+                jobs.append(_Batch(*self._open, slots, float(scale), now))
+                self.pending -= now
+        jobs = [b for b in jobs if b.members]
+        if not jobs:
+            self._queue.clear()
             return
-        got = self._scratch(slots[self.members[0]].shape[0])
-        groups = got["groups"]
-        coef = self._coefficients(groups, scale)
+        t0 = time.perf_counter()
+        lo = min(b.row for b in jobs)
+        hi = max(b.row + b.size for b in jobs)
+        groups = {key: t[:, lo:hi] for key, t in self._groups.items()}
+        if len({b.scale for b in jobs}) == 1:
+            scales: torch.Tensor | float = jobs[0].scale
+        else:  # rows not in a job get s = 1: they are computed and not copied
+            host = torch.ones(hi - lo)
+            for b in jobs:
+                host[b.row - lo : b.row - lo + b.size] = b.scale
+            scales = host.to(self.device)
+        coef = self._coefficients(groups, scales)
         proj = {}
-        for key, x in groups.items():  # (n, B, d) -> (n, B, k), times the row's coefficient
+        for key, x in groups.items():  # (n, R, d) -> (n, R, k), times the row's coefficient
             p = self._P[key]
             proj[key] = (x * coef[key]) if p is None else torch.bmm(x, p).mul_(coef[key])
-        views = self._slot_views(got, slots)
-        for i in sorted(todo):
+        for i in self.members:
+            k_out = self.layers[i].k_out
             (ko, jo), (ki, ji) = self._where[(i, "out")], self._where[(i, "in")]
-            u_dst, v_dst = views[i]
-            u_dst.copy_(proj[ko][jo])
-            v_dst.copy_(proj[ki][ji])
-        self.pending -= todo
+            for first, n_rows, dst in _runs(jobs, i):
+                r = first - lo
+                dst[:, :k_out, 0].copy_(proj[ko][jo, r : r + n_rows])
+                dst[:, k_out:, 0].copy_(proj[ki][ji, r : r + n_rows])
+        self._queue.clear()
+        self.write_s += time.perf_counter() - t0
+
+
+def _runs(jobs: list[_Batch], i: int):
+    """Layer ``i``'s destinations of ``jobs``: ``(first scratch row, rows, slot view)``, one per
+    run of jobs whose scratch rows and slots both follow on (one buffer window: one copy)."""
+    run = None  # [first row, rows, first slot, next slot data_ptr]
+    for b in jobs:
+        if i not in b.members:
+            continue
+        slot = b.slots[i]
+        if (
+            run is not None
+            and b.row == run[0] + run[1]
+            and slot.data_ptr() == run[3]
+            and slot.stride() == run[2].stride()
+            and slot.untyped_storage().data_ptr() == run[2].untyped_storage().data_ptr()
+        ):
+            run[1] += b.size
+        else:
+            if run is not None:
+                yield run[0], run[1], _rows_of(run[2], run[1])
+            run = [b.row, b.size, slot, 0]
+        run[3] = slot.data_ptr() + b.size * slot.stride(0) * slot.element_size()
+    if run is not None:
+        yield run[0], run[1], _rows_of(run[2], run[1])
+
+
+def _rows_of(slot: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``n_rows`` records from ``slot``'s first one on, in the same memory (the slots of the
+    following batches, checked to follow on by :func:`_runs`)."""
+    if n_rows == slot.shape[0]:
+        return slot
+    return slot.as_strided((n_rows, *slot.shape[1:]), slot.stride(), slot.storage_offset())

@@ -115,6 +115,8 @@ class Tracker:
             self._sink,
             # full-space factors are written by the hooks; sketch-space ones by the buffer
             ranks=[0 if layer.full_factor else layer.rank for layer in self.layers],
+            # the default factors of a buffer's steps are projected together, before it flushes
+            before_flush=self.capture.write_deferred,
         )
         self.step_ms: list[float] = []
         self.flush_ms = 0.0
@@ -237,13 +239,16 @@ class Tracker:
         rec = StepRecord()
         t0 = time.perf_counter()
         self._in_step = True
+        queued = False  # the block ran to its end: its records wait in the capture's queue
         try:
             with self.capture.batch(
                 slots,
                 token_mask=padding_mask,
                 loss_scale=float(b if loss_scale is None else loss_scale),
+                defer=True,
             ):
                 yield rec
+            queued = True
             if not any(layer._fired for layer in self.layers):
                 raise RunError(
                     "no backward pass reached the tracked layers inside this Tracker.step() block: "
@@ -251,6 +256,10 @@ class Tracker:
                     "torch.no_grad())"
                 )
             losses = _check_losses(rec.losses, b)
+        except BaseException:
+            if queued:  # not committed: its records must not be written into the buffer
+                self.capture.drop_deferred_batch()
+            raise
         finally:
             self._in_step = False
         if epoch is None:
