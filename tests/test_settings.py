@@ -37,7 +37,12 @@ def test_positive_integers(field, value):
 
 
 @pytest.mark.parametrize(
-    "field, what", [("rank", "0 = store full sketches"), ("power_iters", "0 = half a step")]
+    "field, what",
+    [
+        ("rank", "0 = store full sketches"),
+        ("power_iters", "0 = half a step"),
+        ("covariance_tokens", "0 = every token"),
+    ],
 )
 @pytest.mark.parametrize("value", [-1, 1.0, True, "1"])
 def test_non_negative_integers(field, what, value):
@@ -83,6 +88,7 @@ def test_track_settings_round_trip_through_to_dict_and_json():
         factor_space="sketch",
         power_iters=3,
         covariance_stride=4,
+        covariance_tokens=100,
         seed=11,
         buffer_records=16,
     )
@@ -223,6 +229,12 @@ def test_share_k_must_be_a_bool_and_old_records_read_as_unshared():
     with pytest.raises(ConfigError, match="projection"):
         TrackSettings(projection="hadamard")
     assert TrackSettings.from_dict(TrackSettings().to_dict()) == TrackSettings()
+
+
+def test_runs_recorded_before_covariance_tokens_read_as_every_token():
+    old = TrackSettings().to_dict()
+    del old["covariance_tokens"]  # a run.json written before the setting existed
+    assert TrackSettings.from_dict(old) == TrackSettings(covariance_tokens=0)
 
 
 def test_share_k_changes_nothing_on_the_default_tiny_model():

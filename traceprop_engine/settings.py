@@ -39,9 +39,15 @@ class ProjectionKind(str, Enum):
     GAUSSIAN = "gaussian"  # i.i.d. N(0, 1/k): runs recorded before 2026-12-01
 
 
-RECORDED_BEFORE_SHARE_K = {"share_k": False, "projection": ProjectionKind.GAUSSIAN.value}
-"""How a run recorded before ``share_k`` and ``projection`` existed was tracked: its run.json
-lacks both keys (:meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
+RECORDED_BEFORE_SHARE_K = {
+    "share_k": False,
+    "projection": ProjectionKind.GAUSSIAN.value,
+    "covariance_tokens": 0,
+}
+"""How a run recorded before ``share_k``, ``projection`` or ``covariance_tokens`` existed was
+tracked: its run.json lacks the key (:meth:`TrackSettings.from_dict`,
+``evaluate.pareto.assess``); before ``covariance_tokens`` every token of a statistics batch was
+used."""
 
 
 class Task(str, Enum):
@@ -115,6 +121,13 @@ class TrackSettings:
         covariance_stride: with ``factor_space='full'``, the K-FAC statistics ``A``, ``S`` are
             accumulated over every ``covariance_stride``-th batch (the first included, all its
             tokens), which keeps their per-token projections cheap; 1 = every batch.
+        covariance_tokens: with ``factor_space='full'``, at most about this many token rows of
+            a statistics batch are projected: every s-th row of the flattened ``(B·T)`` tokens,
+            ``s = ⌈B·T / covariance_tokens⌉``, from an offset that rotates between statistics
+            batches (``A`` and ``S`` from the same rows, counted as such). ``0`` = every token.
+            The statistics cost a full batch's projection otherwise (≈ 80 ms, a quarter of a
+            step on the default tiny model with 1024 tokens a batch); benchmarks/EVAL.md says
+            what it does to K-FAC quality.
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
@@ -133,6 +146,7 @@ class TrackSettings:
     factor_space: FactorSpace = FactorSpace.FULL
     power_iters: int = 0
     covariance_stride: int = 32
+    covariance_tokens: int = 256
     seed: int = 0
     buffer_records: int = 2048
 
@@ -172,6 +186,11 @@ class TrackSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        v = self.covariance_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(
+                f"covariance_tokens must be a non-negative integer (0 = every token), got {v!r}"
+            )
         if self.scope not in ("all", "last-block"):
             try:
                 re.compile(self.scope)

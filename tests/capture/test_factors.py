@@ -149,15 +149,21 @@ def test_full_space_default_captures_the_top_direction(tmp_path):
             assert (got[b] ** 2).sum() >= 0.95 * s[0] ** 2, layers[li].name
 
 
-@pytest.mark.parametrize("stride", [1, 3])
-def test_full_space_covariance_from_every_nth_batch(stride):
+@pytest.mark.parametrize("stride, tokens", [(1, 256), (3, 256), (1, 10), (2, 12)])
+def test_full_space_covariance_from_every_nth_batch(stride, tokens):
     """factor_space='full': A and S are the hand-computed projected token sums of batches
-    1, 1 + stride, ... (padding excluded from A); the batches in between add nothing."""
+    1, 1 + stride, ... (padding excluded from A); the batches in between add nothing. A batch
+    of more than ``covariance_tokens`` rows (3 × 11 = 33 here) adds every s-th of its
+    flattened rows, s = ⌈33 / tokens⌉, from offset (its statistics-batch number) mod s."""
     from traceprop_engine.capture.hooks import Capture
 
     model = tiny_neox()
     settings = TrackSettings(
-        k_in=4, k_out=5, covariance_stride=stride, scope=r"layers\.0\.mlp\.dense_4h_to_h"
+        k_in=4,
+        k_out=5,
+        covariance_stride=stride,
+        covariance_tokens=tokens,
+        scope=r"layers\.0\.mlp\.dense_4h_to_h",
     )
     (layer,) = layers = build_layers(model, settings)
     assert layer.full_factor
@@ -169,7 +175,7 @@ def test_full_space_covariance_from_every_nth_batch(stride):
         output.register_hook(lambda g: rec.update(g=g.detach()))
 
     h1 = layer.module.register_forward_hook(spy)
-    batches = [causal_batch(2), causal_batch(3)]
+    batches = [causal_batch(2), causal_batch(3), causal_batch(4), causal_batch(5)]
     try:
         with Capture(model, layers) as cap:
             for ids, mask, labels, _ in batches:
@@ -189,6 +195,9 @@ def test_full_space_covariance_from_every_nth_batch(stride):
         a = (rec["a"].double() @ layer.P_in.double().T).flatten(0, 1)
         g = (3 * rec["g"].double() @ layer.P_out.double().T).flatten(0, 1)
         m = mask.bool().flatten()
+        every = -(-a.shape[0] // tokens)
+        rows = torch.arange((i // stride) % every, a.shape[0], every)
+        a, g, m = a[rows], g[rows], m[rows]
         A += a[m].T @ a[m]
         S += g.T @ g
         n += int(m.sum())

@@ -306,24 +306,33 @@ class Capture:
 
     def _covariance_if_due(self, layer: TrackedLayer, a, g, scale: float) -> None:
         """K-FAC statistics from every cov_stride-th batch (the first included): all of that
-        batch's tokens, so sparse gradients (a classifier's one pooled token, a short
-        completion) are seen as they are."""
+        batch's tokens up to about ``cov_tokens`` (a classifier's one pooled token a row, so
+        every example), an evenly spaced subset of them beyond."""
         if layer.S is not None and self.covariance and (self._batches - 1) % layer.cov_stride == 0:
             self._covariance_projected(layer, a, g, scale)
 
     def _covariance_projected(self, layer: TrackedLayer, a, g, scale: float) -> None:
-        """``A``, ``S`` of one batch's tokens, projected."""
+        """``A``, ``S`` of one batch's tokens (every s-th row when it has more than about
+        ``cov_tokens``, from an offset that rotates between statistics batches), projected."""
         a2 = a.flatten(0, 1)  # (N, d_in)
         g2 = g.flatten(0, 1)
+        mask = self._mask  # (B, T, 1) when the batch has padding (used for A only)
+        mask = mask.flatten(0, 1) if mask is not None and mask.shape[1] == a.shape[1] else None
+        n = a2.shape[0]
+        every = -(-n // layer.cov_tokens) if layer.cov_tokens else 1
+        if every > 1:  # strided views: A and S from the same rows
+            off = ((self._batches - 1) // layer.cov_stride) % every
+            a2, g2 = a2[off::every], g2[off::every]
+            if mask is not None:
+                mask = mask[off::every]
         if layer._P_in_T is not None:
             a2 = torch.matmul(a2, layer._P_in_T)  # (N, k_in), fp32 (attach)
         if layer._P_out_T is not None:
             g2 = torch.matmul(g2, layer._P_out_T)
         layer.S.addmm_(g2.T, g2, alpha=scale * scale)  # padded tokens have g = 0
-        mask = self._mask
-        if mask is not None and mask.shape[1] == a.shape[1]:
-            layer.A.addmm_((a2 * mask.flatten(0, 1)).T, a2)
-            layer.a_tokens += self._n_tokens
+        if mask is not None:
+            layer.A.addmm_((a2 * mask).T, a2)
+            layer.a_tokens += self._n_tokens if every == 1 else mask.sum(dtype=torch.float64)
         else:
             layer.A.addmm_(a2.T, a2)
             layer.a_rows += a2.shape[0]

@@ -40,7 +40,8 @@ class TrackedLayer:
     factor_dtype: str = "float32"  # storage dtype of the factors
     full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
     power_iters: int = 0
-    cov_stride: int = 1  # K-FAC statistics over every cov_stride-th token (full_factor layers)
+    cov_stride: int = 1  # K-FAC statistics over every cov_stride-th batch (full_factor layers)
+    cov_tokens: int = 0  # at most ≈ this many token rows of such a batch; 0 = all
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
     P_out: torch.Tensor | None = None  # (k_out, d_out)
     dense_k: int = 0
@@ -183,5 +184,6 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
                 layer.full_factor = settings.factor_space is FactorSpace.FULL
                 layer.power_iters = settings.power_iters
                 layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
+                layer.cov_tokens = settings.covariance_tokens if layer.full_factor else 0
         layers.append(layer)
     return layers

@@ -105,6 +105,7 @@ def _cmd_bench_overhead(a) -> int:
             factor_space=a.factor_space,
             power_iters=a.power_iters,
             covariance_stride=a.covariance_stride,
+            covariance_tokens=a.covariance_tokens,
         ),
         dense_k=a.dense_k,
         repeats=a.repeats,

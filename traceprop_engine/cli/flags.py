@@ -87,6 +87,13 @@ def add_track_flags(p) -> None:
         "(full-space factors; such a batch costs about a sixth of a step on the default tiny "
         "model: benchmarks/README.md section 1)",
     )
+    p.add_argument(
+        "--covariance-tokens",
+        type=int,
+        default=d["covariance_tokens"],
+        help="at most about this many token rows of a K-FAC statistics batch, evenly spaced "
+        "from a rotating offset (full-space factors); 0 = every token",
+    )
 
 
 def add_sketch_flag(p, help: str | None = None) -> None:

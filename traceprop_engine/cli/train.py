@@ -172,6 +172,7 @@ def train_settings(a):
             factor_space=a.factor_space,
             power_iters=a.power_iters,
             covariance_stride=a.covariance_stride,
+            covariance_tokens=a.covariance_tokens,
             sketch=a.sketch,
             dense_k=a.dense_k,
             covariance=not a.no_covariance,
