@@ -291,6 +291,21 @@ def torchrun(world: int) -> list[str]:
     ]
 
 
+def torchrun_failure(stderr: str, lines_per_rank: int = 30) -> str:
+    """What a failed ``torchrun`` job said, for an assertion message: the CLI's own ``error:``
+    lines (a rank that exits 1 prints one and no traceback), the last lines of every rank's
+    traceback (``[rankN]:``, so a root cause is not cut off by another rank's longer one) and
+    the launcher's tail."""
+    by_rank: dict[str, list[str]] = {}
+    for line in stderr.splitlines():
+        if line.startswith("error: "):
+            by_rank.setdefault("error", []).append(line)
+        elif line.startswith("[rank") and "]:" in line:
+            by_rank.setdefault(line.split("]:", 1)[0] + "]", []).append(line)
+    parts = ["\n".join(v[-lines_per_rank:]) for _, v in sorted(by_rank.items())]
+    return "\n...\n".join([*parts, stderr[-1500:]])
+
+
 def write_factor_store(
     path: Path,
     shapes: Sequence[tuple[int, int]],

@@ -8,7 +8,14 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, assert_same_answers, facts_data, fast_settings, torchrun
+from helpers import (
+    FAST,
+    assert_same_answers,
+    facts_data,
+    fast_settings,
+    torchrun,
+    torchrun_failure,
+)
 
 from traceprop_engine import Store
 from traceprop_engine.cli.train import train_argv
@@ -57,7 +64,7 @@ def runs(tmp_path_factory):
     cmd = train_argv(flags, launcher=launcher)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, torchrun_failure(p.stderr)
     return data, single, ddp
 
 

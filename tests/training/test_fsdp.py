@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, assert_same_answers, facts_data, fast_settings, torchrun
+from helpers import (
+    FAST,
+    assert_same_answers,
+    facts_data,
+    fast_settings,
+    torchrun,
+    torchrun_failure,
+)
 
 from traceprop_engine import Store
 from traceprop_engine.run import read_manifest
@@ -37,7 +44,7 @@ def _torchrun(args: list[str]) -> None:
     p = subprocess.run(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=240, env=env
     )
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, torchrun_failure(p.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +147,7 @@ def user_runs(tmp_path_factory):
         timeout=240,
         env=env,
     )
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, torchrun_failure(p.stderr)
     _torchrun([str(USER_LOOP), str(root / "fsdp")])
     return root / "single", root / "fsdp"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import facts_data, torchrun
+from helpers import facts_data, torchrun, torchrun_failure
 from test_resume import assert_same_model, assert_same_store
 
 from traceprop_engine import Store
@@ -132,7 +132,7 @@ def runs(tmp_path_factory):
         timeout=300,
         env=ENV,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     # checkpoints after steps 5, 10, 15, 20: killed at 18 or a little later
     _kill_job_after(train_argv(_flags(data, killed), launcher=_launcher()), killed, 18)
     shutil.copytree(killed, root / "killed_copy")  # for the refusals, before it is resumed
@@ -158,7 +158,7 @@ def test_a_killed_ddp_run_resumes_to_the_uninterrupted_result(runs):
     assert (killed / "run.json").read_text() == before
 
     r = subprocess.run(_resume_argv(killed), capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     assert "completed" in r.stdout
 
     m = read_manifest(killed)
@@ -203,7 +203,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_finishes(runs, tm
         ckpt.step == stopped and [r["n_records"] for r in ckpt.meta["ranks"]] == [stopped * 4] * 2
     )
     r = subprocess.run(_resume_argv(out), capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     m = read_manifest(out)
     assert m["status"] == "completed" and m["resumed"][0]["from_step"] == stopped
     for shard in SHARDS:
