@@ -39,7 +39,7 @@ class ProjectionKind(str, Enum):
     GAUSSIAN = "gaussian"  # i.i.d. N(0, 1/k): runs recorded before 2026-12-01
 
 
-RECORDED_BEFORE_SHARE_K = {
+RECORDED_BEFORE_KEYS = {
     "share_k": False,
     "projection": ProjectionKind.GAUSSIAN.value,
     "covariance_tokens": 0,
@@ -206,7 +206,7 @@ class TrackSettings:
         ``share_k`` and ``projection`` existed reads as ``share_k=False``, ``gaussian``: how it
         was recorded)."""
         known = set(cls.__dataclass_fields__)
-        return cls(**{**RECORDED_BEFORE_SHARE_K, **{k: v for k, v in d.items() if k in known}})
+        return cls(**{**RECORDED_BEFORE_KEYS, **{k: v for k, v in d.items() if k in known}})
 
     def layer_k(self, d_in: int, d_out: int) -> tuple[int, int]:
         """``(k_in, k_out)`` of a layer ``d_in → d_out``: each clamped to its side's width, then

@@ -268,7 +268,7 @@ class FactorLists:
             raise ValueError(f"{lists_file} holds the lists of layer {self.layer}")
         self.rows = np.load(directory / rows_file, mmap_mode="r")
         self.entries = np.load(directory / entries_file, mmap_mode="r")
-        n = int(self.starts[-1])
+        n = self.n_entries
         width = self.basis_u.shape[1] + self.basis_w.shape[1]
         if len(self.rows) != n or self.entries.shape != (n, width):
             raise ValueError(

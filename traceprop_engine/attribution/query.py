@@ -226,12 +226,13 @@ class AttributionRun(TestSideMixin):
                 np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
             ).astype(np.int64)
             cand = cand[cand >= 0]
-            # the query's pullbacks and factored T', shared by the lists and the re-rank
-            prepared = scorer.prepared_lazily(sketches)
-            # the dominant layers' own records propose more (index_lists.py; large indexes)
-            extra = list_candidates(scorer, sketches, opponents, prepared)
-            if len(extra):
-                cand = np.union1d(cand, extra)
+            prepared = None  # the re-rank computes the query's pullbacks when no lists did
+            if lists:  # the dominant layers' own records propose more (index_lists.py)
+                # the query's pullbacks and factored T', shared by the lists and the re-rank
+                prepared = scorer.prepared_lazily(sketches)
+                extra = list_candidates(scorer, sketches, opponents, prepared)
+                if len(extra):
+                    cand = np.union1d(cand, extra)
             # exact scores of the candidates (the re-rank), split by layer for the rows
             # layer by layer, dropping the rows that cannot place (rerank.py), or every layer
             hit = rerank_candidates(self.indexes, s, sketches, cand, top_k, opponents, prepared)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import ConfigError
-from ..settings import RECORDED_BEFORE_SHARE_K
+from ..settings import RECORDED_BEFORE_KEYS
 
 PARETO_FILE = C.REPO_ROOT / "benchmarks" / "results" / "pareto.json"
 MATCH_KEYS = (
@@ -129,7 +129,7 @@ def assess(track: dict, path: str | Path = PARETO_FILE) -> dict | None:
         _, rows = load_measured(path)
     except ConfigError:
         return None
-    track = {**RECORDED_BEFORE_SHARE_K, **track}  # keys a run.json may predate
+    track = {**RECORDED_BEFORE_KEYS, **track}  # keys a run.json may predate
     want = {k: str(track.get(k)) for k in MATCH_KEYS if k in track}
     for r in rows:
         if all(str(r.track.get(k)) == v for k, v in want.items() if k in r.track):
