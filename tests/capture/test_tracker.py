@@ -20,6 +20,13 @@ SETTINGS = TrackSettings(k_in=4, k_out=4, rank=0)
 # the same float32 sums in another order (a batch of 3 vs 1 + 2 examples, sum vs mean)
 RTOL = 1e-4
 ATOL_REL = 1e-5
+# the same float32 products through a GEMM of another shape: the batched projection of the
+# deferred factors (capture/project.py) multiplies every row queued since the last flush at
+# once, so another buffer size gives it another M, and BLAS may block (and round) differently
+# for it (MKL on Intel Xeon: max relative difference 2.2e-7, a couple of ulps); relative to each
+# layer's largest entry, as rows near zero lose their relative precision in the sums
+FP32_GEMM_RTOL = 1e-5
+FP32_GEMM_ATOL_REL = 1e-6
 
 
 def _n_hooks(model) -> int:
@@ -137,10 +144,15 @@ def test_the_writer_thread_and_small_buffers_write_the_same_store(
     tmp_path, background, buffer_records
 ):
     """Records pass through the device buffer (transfers of ``buffer_records``) and, by default,
-    a writer thread: neither changes what is stored."""
+    a writer thread: neither changes what is stored.
+
+    The reference writes on the calling thread through the default buffer. The writer thread
+    only moves finished chunks, so with the default buffer the store is bit-identical; a smaller
+    buffer flushes earlier, and the deferred projection then runs over fewer rows at a time:
+    the same products, to float32 round-off (``FP32_GEMM_RTOL``)."""
     ids, mask, labels, _ = causal_batch()
 
-    def record(path, **kw):
+    def record(path, background, **kw):
         model = tiny_neox()
         s = TrackSettings(k_in=4, k_out=4, **kw)
         with Tracker(model, path, s, background=background) as tracker:
@@ -152,13 +164,19 @@ def test_the_writer_thread_and_small_buffers_write_the_same_store(
         return Store(path)
 
     with (
-        record(tmp_path / "ref.h5") as ref,
-        record(tmp_path / "got.h5", buffer_records=buffer_records) as got,
+        record(tmp_path / "ref.h5", background=False) as ref,
+        record(tmp_path / "got.h5", background, buffer_records=buffer_records) as got,
     ):
         assert got.n_records == ref.n_records == 9
+        same_gemms = buffer_records == TrackSettings().buffer_records
         for li in range(len(ref.layers)):
             for a, b in zip(got.factors(li), ref.factors(li), strict=True):
-                np.testing.assert_array_equal(a, b)
+                if same_gemms:  # the same kernels in the same order: exactly
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    atol = FP32_GEMM_ATOL_REL * np.abs(b).max()
+                    np.testing.assert_allclose(a, b, rtol=FP32_GEMM_RTOL, atol=atol)
+        # ids, steps, lr as given, losses from the same forward: exactly
         for k, v in ref.records().items():
             np.testing.assert_array_equal(got.records()[k], v)
         assert got.timings()["n_transfers"] == TRANSFERS[buffer_records]
