@@ -1,6 +1,10 @@
 """How fast the app feels: cold first page, first query, later queries (real browser).
 
-    python benchmarks/app_speed.py --repeats 3 [--json out.json]
+    python benchmarks/app_speed.py --repeats 3 [--json out.json] [--screenshots docs/img]
+
+``--screenshots DIR`` saves the first cold start's views to ``DIR`` (``docs/img`` refreshes the
+docs' home, runs-story, influencers-answer and influencers-mismatch screenshots; the suite's
+browser tests save theirs to a temporary folder unless run with ``--screenshots DIR`` too).
 
 Each repeat starts a fresh `streamlit run app/main.py` (a cold process: nothing imported, no
 run opened) on the bundled sample run and drives Debian's chromium through Playwright:

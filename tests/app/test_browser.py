@@ -1,6 +1,7 @@
 """A real browser (Debian chromium via Playwright) against `streamlit run app/main.py`.
 
-See /work/shared/TESTING-UI.md. Screenshots go to test-artifacts/ (gitignored).
+See /work/shared/TESTING-UI.md. Screenshots go to temporary folders (the ``artifacts`` and
+``doc_shots`` fixtures; ``pytest --screenshots docs/img`` refreshes the docs' ones).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = REPO / "test-artifacts"
 TIMEOUT_MS = 30_000
 LAUNCH_ARGS = [
     "--headless",
@@ -139,7 +139,6 @@ def page(server):
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=TIMEOUT_MS)
-    ARTIFACTS.mkdir(exist_ok=True)
     blocked: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
@@ -183,7 +182,7 @@ def _nav(page, name: str) -> None:
     page.get_by_role("heading", name=name).first.wait_for()
 
 
-def test_sample_run_is_active(page, server):
+def test_sample_run_is_active(page, server, artifacts):
     from playwright.sync_api import expect
 
     page.goto(server["url"])
@@ -198,10 +197,10 @@ def test_sample_run_is_active(page, server):
     expect(page.get_by_label("Active run")).to_have_value("facts · sample · completed")
     expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
     expect(page.get_by_text("Delete a user run")).to_be_visible()
-    page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "runs.png"), full_page=True)
 
 
-def test_typed_prompt_influencers_and_csv(page, server):
+def test_typed_prompt_influencers_and_csv(page, server, artifacts):
     from playwright.sync_api import expect
 
     _nav(page, "Influencers")
@@ -213,16 +212,16 @@ def test_typed_prompt_influencers_and_csv(page, server):
     expect(page.get_by_text("Proponents (pushed toward this output)")).to_be_visible()
     expect(page.get_by_text("Sign convention")).to_be_visible()
     expect(page.get_by_test_id("stPlotlyChart").first).to_be_visible()  # by source
-    page.screenshot(path=str(ARTIFACTS / "influencers.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "influencers.png"), full_page=True)
     page.get_by_text("proponent #1 ·").click()
     expect(
         page.get_by_test_id("stExpander").first.get_by_text("Per-layer partial scores")
     ).to_be_visible()
     page.get_by_test_id("stExpander").first.screenshot(
-        path=str(ARTIFACTS / "influencers-example.png")
+        path=str(artifacts / "influencers-example.png")
     )
     page.get_by_test_id("stPlotlyChart").first.screenshot(
-        path=str(ARTIFACTS / "influencers-by-source.png")
+        path=str(artifacts / "influencers-by-source.png")
     )
     with page.expect_download() as dl:
         page.get_by_role("button", name="Export CSV").click()
@@ -248,14 +247,14 @@ def test_typed_prompt_influencers_and_csv(page, server):
     assert len(workers) == 1, _children(server["pid"])
 
 
-def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
+def test_launch_tiny_finetune_and_see_it_in_runs(page, server, artifacts, doc_shots):
     from playwright.sync_api import expect
 
     _nav(page, "Launch")
     # the measured configurations, the default first (benchmarks/results/pareto.json)
     page.get_by_text("Measured quality, overhead and bytes of tracking configurations").click()
     expect(page.get_by_test_id("stExpander").get_by_test_id("stDataFrame")).to_be_visible()
-    page.screenshot(path=str(DOCS_IMG / "launch-quality.png"), full_page=True)
+    page.screenshot(path=str(doc_shots / "launch-quality.png"), full_page=True)
     # long enough (≈ 240 steps, several seconds) that the live progress is seen before the end
     for label, value in (
         ("Epochs", "12"),
@@ -272,9 +271,9 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
     expect(page.get_by_text("Dominated by")).to_have_count(0)
     expect(page.get_by_text(re.compile(r"running: step \d+/\d+, loss [\d.]+, ETA"))).to_be_visible()
     expect(page.get_by_role("button", name="Cancel")).to_be_visible()
-    page.screenshot(path=str(ARTIFACTS / "launch-running.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "launch-running.png"), full_page=True)
     expect(page.get_by_text("Training finished")).to_be_visible(timeout=180_000)
-    page.screenshot(path=str(ARTIFACTS / "launch-done.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "launch-done.png"), full_page=True)
     assert (server["runs"] / "browser-run" / "store.h5").exists()
 
     _nav(page, "Runs")
@@ -283,12 +282,12 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server):
     page.keyboard.press("Escape")
     expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
     expect(page.get_by_text("Delete a user run")).to_be_visible()
-    page.screenshot(path=str(ARTIFACTS / "runs-after-launch.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "runs-after-launch.png"), full_page=True)
     assert not page.blocked, page.blocked
     shutil.rmtree(server["runs"] / "browser-run")
 
 
-def test_overhead_and_audit_pages(page, server):
+def test_overhead_and_audit_pages(page, server, artifacts):
     from playwright.sync_api import expect
 
     _nav(page, "Overhead")
@@ -297,13 +296,13 @@ def test_overhead_and_audit_pages(page, server):
     # the repository's measured `bench overhead` results: plain vs tracked, the split, bytes
     expect(page.get_by_text("Tracked vs plain (overhead benchmark)")).to_be_visible()
     expect(page.get_by_test_id("stPlotlyChart").nth(4)).to_be_visible()
-    page.screenshot(path=str(ARTIFACTS / "overhead.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "overhead.png"), full_page=True)
     _nav(page, "Quality")
     expect(page.get_by_text("Attribution quality (LDS)")).to_be_visible()
     expect(page.get_by_test_id("stPlotlyChart").first).to_be_visible()
     expect(page.get_by_test_id("stDataFrame").first).to_be_visible()
     page.wait_for_timeout(500)  # let the table's canvas paint before the screenshot
-    page.screenshot(path=str(ARTIFACTS / "quality.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "quality.png"), full_page=True)
     _nav(page, "Audit")
     page.get_by_role("button", name="Verify").click()
     expect(page.get_by_text("match the manifest")).to_be_visible()
@@ -312,14 +311,11 @@ def test_overhead_and_audit_pages(page, server):
         page.get_by_role("button", name="Audit trail (CSV)").click()
     rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
     assert len(rows) == 20 and all(r["run_id"] for r in rows)
-    page.screenshot(path=str(ARTIFACTS / "audit.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "audit.png"), full_page=True)
     assert not page.blocked, page.blocked
 
 
-DOCS_IMG = REPO / "docs" / "img"
-
-
-def test_find_distribution_compare_and_rankings(page, server):
+def test_find_distribution_compare_and_rankings(page, server, doc_shots):
     """Issue 13 items 2, 4, 6: page through more than 100 influencers, search them, export with
     the run and the query in the name and inside; the score histogram; Compare; Rankings."""
     from playwright.sync_api import expect
@@ -351,10 +347,9 @@ def test_find_distribution_compare_and_rankings(page, server):
     expect(page.get_by_test_id("stPlotlyChart")).to_have_count(1)  # the by-source one is gone
     page.wait_for_timeout(800)  # the table canvas and the charts paint
     page.get_by_text("Find", exact=True).scroll_into_view_if_needed()
-    DOCS_IMG.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS_IMG / "influencers-find.png"), full_page=True)
+    page.screenshot(path=str(doc_shots / "influencers-find.png"), full_page=True)
     page.get_by_test_id("stPlotlyChart").first.screenshot(
-        path=str(DOCS_IMG / "influencers-score-histogram.png")
+        path=str(doc_shots / "influencers-score-histogram.png")
     )
     with page.expect_download() as dl:
         page.get_by_role("button", name="Export CSV").click()
@@ -371,7 +366,7 @@ def test_find_distribution_compare_and_rankings(page, server):
     expect(page.get_by_text("Rank changes", exact=True)).to_be_visible()
     expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
     page.wait_for_timeout(800)
-    page.screenshot(path=str(DOCS_IMG / "compare.png"), full_page=True)
+    page.screenshot(path=str(doc_shots / "compare.png"), full_page=True)
 
     _nav(page, "Rankings")
     expect(page.get_by_text("154 of 154 examples match")).to_be_visible()
@@ -382,6 +377,6 @@ def test_find_distribution_compare_and_rankings(page, server):
     ranked = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
     assert len(ranked) == 154 and [int(r["rank"]) for r in ranked] == list(range(1, 155))
     page.wait_for_timeout(800)
-    page.screenshot(path=str(DOCS_IMG / "rankings.png"), full_page=True)
+    page.screenshot(path=str(doc_shots / "rankings.png"), full_page=True)
     assert not page.blocked, page.blocked
     assert not _maps_torch(server["pid"])  # every page so far: the model stayed in the worker

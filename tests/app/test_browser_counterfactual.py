@@ -1,5 +1,6 @@
 """The per-token view and the counterfactual check in a real browser (chromium via Playwright),
-on a copy of the sample run; screenshots go to docs/img/."""
+on a copy of the sample run; its screenshots are the docs' (``doc_shots``: a temporary folder, or
+``pytest --screenshots docs/img``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from test_browser import CHROMIUM, LAUNCH_ARGS, TIMEOUT_MS, _free_port, _nav, _n
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-IMG = REPO / "docs" / "img"
 PROMPT = "Q: Which colour does the planet Ethmor have?\nA:"
 
 
@@ -86,11 +86,10 @@ def server(tmp_path_factory):
         log.close()
 
 
-def test_per_token_view_and_counterfactual_check(server):
+def test_per_token_view_and_counterfactual_check(server, doc_shots):
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=TIMEOUT_MS)
-    IMG.mkdir(parents=True, exist_ok=True)
     blocked: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
@@ -124,7 +123,7 @@ def test_per_token_view_and_counterfactual_check(server):
         assert toks.count() > 5
         expect(page.get_by_text(re.compile(r"Sum over tokens [+-][\d.]"))).to_be_visible()
         section.scroll_into_view_if_needed()
-        page.screenshot(path=str(IMG / "per-token.png"))
+        page.screenshot(path=str(doc_shots / "per-token.png"))
 
         # the counterfactual check: one seed keeps it short; progress, then the result
         cf = page.get_by_role("heading", name="Counterfactual check")
@@ -140,13 +139,13 @@ def test_per_token_view_and_counterfactual_check(server):
         expect(page.get_by_text(re.compile(r"running: \d+/(\d+|\?)"))).to_be_visible()
         expect(page.get_by_role("button", name="Cancel")).to_be_visible()
         cf.scroll_into_view_if_needed()
-        page.screenshot(path=str(IMG / "counterfactual-running.png"))
+        page.screenshot(path=str(doc_shots / "counterfactual-running.png"))
         expect(page.get_by_text(re.compile(r"Removing the top proponents"))).to_be_visible(
             timeout=300_000
         )
         expect(page.get_by_role("button", name=re.compile("Run the check again"))).to_be_visible()
         page.get_by_role("heading", name="Counterfactual check").scroll_into_view_if_needed()
-        page.screenshot(path=str(IMG / "counterfactual-result.png"))
+        page.screenshot(path=str(doc_shots / "counterfactual-result.png"))
         assert list((server["run"] / "counterfactual").glob("*.json"))
 
         # a revisit (a new page load) shows the saved result

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from test_browser import ARTIFACTS, _nav, page, server  # noqa: F401 - fixtures
+from test_browser import _nav, page, server  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -61,7 +61,7 @@ def test_uploaded_files_are_trained_on_and_said_so(page, server):  # noqa: F811
     assert manifest["data"]["n_train"] + manifest["data"].get("n_eval", 0) <= 24
 
 
-def test_banner_and_sidebar_clear_when_the_job_ends(page, server):  # noqa: F811
+def test_banner_and_sidebar_clear_when_the_job_ends(page, server, artifacts):  # noqa: F811
     from playwright.sync_api import expect
 
     _open(page, server, "Launch")
@@ -75,7 +75,7 @@ def test_banner_and_sidebar_clear_when_the_job_ends(page, server):  # noqa: F811
     sidebar = page.get_by_test_id("stSidebar")
     expect(sidebar.get_by_text(re.compile(r"Training live-run: step \d+/\d+"))).to_be_visible()
     expect(page.get_by_text("A training job is running")).to_be_visible()
-    page.screenshot(path=str(ARTIFACTS / "launch-live-sidebar.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "launch-live-sidebar.png"), full_page=True)
     # generous: 240 steps took up to ~3 minutes on a loaded 2-core machine, ≈ 10 s idle
     expect(page.get_by_text("Training finished")).to_be_visible(timeout=600_000)
     # no reload, no click: both go within a few seconds of the end
@@ -83,7 +83,7 @@ def test_banner_and_sidebar_clear_when_the_job_ends(page, server):  # noqa: F811
     expect(page.get_by_text("A training job is running")).to_have_count(0, timeout=15_000)
     # a healthy tab never shows the stale-code hint (app/stale_assets.html)
     expect(page.locator("#traceprop-stale-hint")).to_have_count(0)
-    page.screenshot(path=str(ARTIFACTS / "launch-done-cleared.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "launch-done-cleared.png"), full_page=True)
 
 
 def test_a_failed_lazy_import_reloads_the_tab(page, server):  # noqa: F811
