@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_same_ranking
 
 from traceprop_engine.attribution.answer import model_answer
 from traceprop_engine.attribution.query import open_run
@@ -51,8 +52,13 @@ def test_the_worker_gives_what_this_process_gives(worker, run_dir):
     # ranked here from the worker's test side: the query's own rows and scores
     ranked = run.query(eval_example=eid, top_k=5)
     from_worker = run.query(top_k=5, test_side=there)
-    assert from_worker.rows["example_id"].to_list() == ranked.rows["example_id"].to_list()
+    # the worker's sketches agree to SKETCH_RTOL (another process, maybe other thread counts):
+    # near-tied scores may come in either order
     np.testing.assert_allclose(from_worker.rows["score"], ranked.rows["score"], rtol=1e-5)
+    for side in ("proponents", "opponents"):
+        a, b = getattr(from_worker, side), getattr(ranked, side)
+        atol = 1e-5 * float(np.abs(b["score"].to_numpy()).max())
+        assert_same_ranking(a["example_id"], a["score"], b["example_id"], b["score"], atol, side)
     assert from_worker.query == ranked.query | {"query_loss": there.loss}
 
     typed = dict(prompt="Q: Which colour does the planet Ethmor have?\nA:", completion=" violet")
