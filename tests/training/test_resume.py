@@ -31,7 +31,10 @@ def data(tmp_path_factory):
 
 
 # what the resumed run must match the uninterrupted one to: exactly (same operations in the same
-# order on the same CPU thread), so the tolerance is zero
+# order on the same CPU thread), so the tolerance is zero. That holds because the buffer is one
+# step: the deferred projection (capture/project.py) then multiplies one step's rows at a time
+# in both runs; with a larger buffer a resumed run would batch other rows together, a GEMM of
+# another M, which some BLAS (MKL on Intel Xeon) rounds differently
 TOL = 0.0
 EVERY = 5  # --checkpoint-every
 

@@ -30,7 +30,9 @@ from traceprop_engine.training.resume import check_shards
 
 WORLD = 2
 # exact: the same operations in the same order on each rank (a 2-rank gloo all-reduce adds two
-# numbers, whatever DDP's bucket layout), so the resumed shards equal the uninterrupted ones
+# numbers, whatever DDP's bucket layout; a buffer of one step, so the deferred projection's
+# GEMMs have the same rows in both runs, see test_resume.TOL), so the resumed shards equal the
+# uninterrupted ones
 TOL = 0.0
 EVERY = 5
 STEPS = 6 * 7  # 6 epochs of 7 global batches (8 examples: 4 per rank)
