@@ -5,11 +5,18 @@ Uses the server and page fixtures of test_browser.py (a fresh runs root per modu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import time
+from pathlib import Path
 
 import pytest
 from test_browser import _nav, page, server  # noqa: F401 - fixtures
+
+from traceprop_engine.run import read_progress
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -61,23 +68,40 @@ def test_uploaded_files_are_trained_on_and_said_so(page, server):  # noqa: F811
     assert manifest["data"]["n_train"] + manifest["data"].get("n_eval", 0) <= 24
 
 
+def _first_step_pgid(run_dir: Path, timeout_s: float = 300) -> int:
+    """The process group of the job training into ``run_dir``, once its first step is logged."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        launch = run_dir / "launch.json"
+        if read_progress(run_dir, last=1) and launch.exists():
+            with contextlib.suppress(json.JSONDecodeError):  # being written: read it again
+                return os.getpgid(json.loads(launch.read_text())["pid"])
+        time.sleep(0.02)
+    raise AssertionError(f"the job in {run_dir} logged no step within {timeout_s:.0f} s")
+
+
 def test_banner_and_sidebar_clear_when_the_job_ends(page, server, artifacts):  # noqa: F811
     from playwright.sync_api import expect
 
     _open(page, server, "Launch")
-    # long enough that the two page runs below happen while it trains (240 steps could end
-    # first on an idle machine)
-    _fill(page, (*SMALL, ("Epochs", "30"), ("Run name (optional)", "live-run")))
+    _fill(page, (*SMALL, ("Epochs", "3"), ("Run name (optional)", "live-run")))
     page.get_by_role("button", name="Start training").click()
-    expect(page.get_by_text(re.compile(r"running: step \d+/\d+"))).to_be_visible()
-    _nav(page, "Runs")  # a full page run while it trains: the sidebar shows it
-    _nav(page, "Launch")
-    sidebar = page.get_by_test_id("stSidebar")
-    expect(sidebar.get_by_text(re.compile(r"Training live-run: step \d+/\d+"))).to_be_visible()
-    expect(page.get_by_text("A training job is running")).to_be_visible()
-    page.screenshot(path=str(artifacts / "launch-live-sidebar.png"), full_page=True)
-    # generous: 240 steps took up to ~3 minutes on a loaded 2-core machine, ≈ 10 s idle
-    expect(page.get_by_text("Training finished")).to_be_visible(timeout=600_000)
+    # the job is held still (SIGSTOP) from its first step until the page runs below are done,
+    # then let go: they always happen while it trains, and it ends right after, whatever the
+    # machine's load (a job long enough to outlast them took 8 minutes on a loaded machine)
+    pgid = _first_step_pgid(server["runs"] / "live-run")
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        expect(page.get_by_text(re.compile(r"running: step \d+/\d+"))).to_be_visible()
+        _nav(page, "Runs")  # a full page run while it trains: the sidebar shows it
+        _nav(page, "Launch")
+        sidebar = page.get_by_test_id("stSidebar")
+        expect(sidebar.get_by_text(re.compile(r"Training live-run: step \d+/\d+"))).to_be_visible()
+        expect(page.get_by_text("A training job is running")).to_be_visible()
+        page.screenshot(path=str(artifacts / "launch-live-sidebar.png"), full_page=True)
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    expect(page.get_by_text("Training finished")).to_be_visible(timeout=300_000)
     # no reload, no click: both go within a few seconds of the end
     expect(sidebar.get_by_text(re.compile(r"Training live-run"))).to_have_count(0, timeout=15_000)
     expect(page.get_by_text("A training job is running")).to_have_count(0, timeout=15_000)
