@@ -43,6 +43,7 @@ def test_readme_python_api_example_runs(capsys):
     assert "rank" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_readme_query_worker_example_runs(monkeypatch):
     """The querying example, then the query worker's: the worker's test side ranks the same."""
     text = README.read_text()

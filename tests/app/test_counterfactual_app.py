@@ -67,6 +67,7 @@ def test_per_token_view_escapes_and_sums(sample_copy):
     assert not at.exception and len(ids) == 10
 
 
+@pytest.mark.slow
 def test_counterfactual_runs_in_background_and_shows_on_revisit(sample_copy):
     at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
     at.run()
@@ -112,6 +113,7 @@ def test_highlighted_html_escapes_every_piece():
     assert 'title="no loss on this token"' in out
 
 
+@pytest.mark.slow
 def test_cancel_stops_the_background_check(sample_copy):
     spec = cf.spec_for({"prompt": PROMPT, "completion": " a planet"}, 5, 3, "identity")
     s = cf.start(sample_copy, spec)

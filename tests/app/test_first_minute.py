@@ -137,6 +137,7 @@ def test_relaunch_of_a_run_on_the_data_root(app_env, tmp_path):
     assert "launch_model" not in values and any("/elsewhere/model" in n for n in notes)
 
 
+@pytest.mark.slow
 def test_app_start_and_runs_page_import_no_torch():
     """Item 8: the first page and the Runs page need no torch, transformers or faiss."""
     code = (
@@ -173,6 +174,7 @@ def test_warm_up_loads_the_model_once(app_env, monkeypatch):
     assert calls == [False]  # no worker: the warm-up loads the model in this process
 
 
+@pytest.mark.slow
 def test_warm_up_with_the_worker_leaves_torch_out_of_the_server(app_env, tmp_path):
     """Item 8: with the query worker (the default), the server process answers the sample
     question, the model's answer, an influencer's tokens and per-token view without importing

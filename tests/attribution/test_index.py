@@ -97,6 +97,7 @@ def test_ivf_recall_against_exact():
     np.testing.assert_array_equal(np.sort(got, 1), np.sort(ref, 1))
 
 
+@pytest.mark.slow
 def test_ivfpq_reranks_exactly_from_full_vectors():
     x = _structured(4000, 64, seed=6)
     q = _structured(30, 64, seed=7)

@@ -110,6 +110,7 @@ run.index(IndexSettings(preconditioner="identity", cosine=False), rebuild=True)
 
 
 # -- items 1 and 2: atomic, locked builds; damaged indexes are not used ---------------------------
+@pytest.mark.slow
 def test_concurrent_builds_end_with_a_correct_index(run_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for round_ in range(3):

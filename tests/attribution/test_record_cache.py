@@ -145,6 +145,7 @@ def test_factor_path_vectors_and_fitted_projection(tmp_path):
     assert ix.get(wide)[2].reduce is None and ix.vectors(wide).shape == (N_EX, 192)
 
 
+@pytest.mark.slow
 def test_principal_basis_is_the_top_subspace_and_keeps_small_sets_exactly():
     rng = np.random.default_rng(3)
     # low rank plus noise, wide enough for the randomized route (f > 2 (d + oversampling))
@@ -176,6 +177,7 @@ def test_old_index_without_cache_reads_the_store(tmp_path):
     assert RecordCache.open(d, store) is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "sample_runs/facts/store.h5").exists(), reason="no sample run")
 def test_end_to_end_bench_returns_exact_scores(tmp_path):
     from traceprop_engine.bench.query_e2e import measure, real_queries, write_synthetic_run
@@ -444,6 +446,7 @@ def test_placeable_never_drops_a_top_row():
         assert got == [j for j in pos if exact[j] > 0][:k]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "sample_runs/facts/store.h5").exists(), reason="no sample run")
 def test_end_to_end_bench_command_makes_its_work_dir(tmp_path, capsys):
     """``traceprop bench query --end-to-end --work-dir NEW``: the folder is made, the stores

@@ -22,6 +22,8 @@ from traceprop_engine.attribution.worker import QueryWorker, WorkerUnavailable
 from traceprop_engine.errors import QueryError, RunError
 from traceprop_engine.settings import IndexSettings
 
+pytestmark = pytest.mark.slow  # query worker processes (each imports torch)
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "sample_runs" / "facts"
 SKETCH_RTOL = 1e-6  # float32 sketches of the same model and query in two processes

@@ -84,6 +84,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+@pytest.mark.slow
 def test_finish_makes_a_run_that_open_run_and_the_cli_accept(run_dir):
     m = json.loads((run_dir / C.MANIFEST_FILE).read_text())
     assert m["status"] == C.STATUS_COMPLETED

@@ -74,6 +74,7 @@ def e2e(tmp_path_factory):
     return root, data, run, lines
 
 
+@pytest.mark.slow
 def test_train_index_query_csv_carry_lineage(e2e):
     root, data, run, lines = e2e
     p = cli("index", run)
@@ -118,6 +119,7 @@ def test_train_index_query_csv_carry_lineage(e2e):
     assert scores == sorted(scores, reverse=True)
 
 
+@pytest.mark.slow
 def test_audit_and_verify(e2e):
     root, data, run, _ = e2e
     trail = root / "trail.json"
@@ -145,6 +147,7 @@ def test_audit_and_verify(e2e):
     assert p.returncode == 3 and "changed" in p.stdout and "keepers.csv" in p.stdout
 
 
+@pytest.mark.slow
 def test_cli_errors_are_messages_not_tracebacks(tmp_path):
     p = cli("train", "--data", tmp_path / "missing", "--out", tmp_path / "r", check=False)
     assert p.returncode == 1 and p.stderr.startswith("error:") and "Traceback" not in p.stderr

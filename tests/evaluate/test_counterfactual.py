@@ -40,6 +40,7 @@ def result(sample_run) -> dict:
     return doc
 
 
+@pytest.mark.slow
 def test_result_has_both_arms_with_spread(sample_run, result):
     spec = cf.CounterfactualSpec(PROMPT, " a planet", top_k=10, seeds=2)
     on_disk = json.loads(cf.result_path(sample_run, spec).read_text())
@@ -56,11 +57,13 @@ def test_result_has_both_arms_with_spread(sample_run, result):
     assert not (sample_run / cf.CF_DIR / f"{spec.key()}.work").exists()  # work dir removed
 
 
+@pytest.mark.slow
 def test_same_recipe_reproduces_the_run(result):
     # seed 0 on all examples is the run's own training: the query loss is the run's
     assert abs(result["losses"]["full"][0] - result["original_loss"]) < SAME_RECIPE_TOL
 
 
+@pytest.mark.slow
 def test_removing_top_proponents_hurts_more_than_random(result):
     top, rnd = result["change"]["top_k"], result["change"]["random"]
     # measured on the sample run: about +3.9 vs -0.03 (see the module's report)
@@ -69,6 +72,7 @@ def test_removing_top_proponents_hurts_more_than_random(result):
     assert min(top["delta"]) > max(rnd["delta"])
 
 
+@pytest.mark.slow
 def test_cli_prints_the_saved_result_without_retraining(sample_run, result, capsys):
     t0 = time.perf_counter()
     args = ["counterfactual", str(sample_run), "--prompt", PROMPT, "--completion", " a planet"]

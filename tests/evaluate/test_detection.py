@@ -129,6 +129,7 @@ def test_settings_validated():
         DetectSettings(out="x", n_train=10, n_planted=6)
 
 
+@pytest.mark.slow
 def test_detection_runs_end_to_end(tmp_path):
     os.environ.setdefault("TQDM_DISABLE", "1")
     s = DetectSettings(

@@ -127,6 +127,7 @@ def _settings(data, out, **kw):
     )
 
 
+@pytest.mark.slow
 def test_pipeline_end_to_end(data, tmp_path):
     os.environ.setdefault("TQDM_DISABLE", "1")
     r = run_lds(_settings(data, tmp_path / "ev", dense=True))
@@ -163,6 +164,7 @@ def test_pipeline_end_to_end(data, tmp_path):
     assert not np.allclose(losses[0], losses[1])
 
 
+@pytest.mark.slow
 def test_resume_retrains_nothing_twice_and_matches_a_straight_run(data, tmp_path):
     os.environ.setdefault("TQDM_DISABLE", "1")
     straight = run_lds(_settings(data, tmp_path / "straight"))
@@ -191,6 +193,7 @@ def test_resume_retrains_nothing_twice_and_matches_a_straight_run(data, tmp_path
         run_lds(_settings(data, tmp_path / "resumed", alpha=0.25))
 
 
+@pytest.mark.slow
 def test_lossless_compact_method_has_the_full_sketch_lds(data, tmp_path):
     """At c = min(k_out, k_in) the factored (compact-storage) scores are the full-sketch scores,
     so every eval example's Spearman correlation, and the LDS, are the same."""
@@ -294,6 +297,7 @@ def test_parse_config_spec_types_and_errors():
         LdsSettings(train=t, out="/tmp/x", configs=({"name": "a"}, {"name": "a"}))
 
 
+@pytest.mark.slow
 def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
     os.environ.setdefault("TQDM_DISABLE", "1")
     from traceprop_engine.attribution.query import open_run
@@ -338,6 +342,7 @@ def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
     assert float(by_method["k2 kfac"]["lds"]) == pytest.approx(rows2["k2 kfac"]["lds"], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp_path):
     os.environ.setdefault("TQDM_DISABLE", "1")
     out = tmp_path / "ev"

@@ -28,6 +28,8 @@ from traceprop_engine.training.loop import train
 from traceprop_engine.training.losses import causal_lm_losses
 from traceprop_engine.training.models import build_model
 
+pytestmark = pytest.mark.slow  # torchrun jobs of 2 ranks
+
 # two processes reduce in another order than one: fp32 round-off, grown a little by a few Adam steps
 RTOL = 1e-3
 ATOL_REL = 1e-4

@@ -29,6 +29,8 @@ from traceprop_engine.store.sharded import ShardedStore, open_run_store
 from traceprop_engine.training.distributed import shard_file
 from traceprop_engine.training.loop import train
 
+pytestmark = pytest.mark.slow  # torchrun jobs of 2 ranks
+
 # The tolerance of FSDP vs one process: two ranks reduce-scatter gradients in another order than
 # one process sums them: fp32 round-off, grown a little by a few Adam steps (measured: 4e-7 of
 # the largest sketch entry; these bounds leave a margin of ~25x).

@@ -44,6 +44,7 @@ def test_local_gpt2_directory_trains_tracks_conv1d_and_queries(data, tmp_path):
     assert res.proponents.height == 3
 
 
+@pytest.mark.slow
 def test_minilm_classification_run(tmp_path):
     generate_classification_data(tmp_path / "cls", seed=0, n=48)
     s = TrainSettings(

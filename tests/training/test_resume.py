@@ -108,6 +108,7 @@ def assert_same_model(ref, other) -> None:
         assert torch.equal(ma[k], mb[k]), k
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_uninterrupted_result(data, tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     r = _run_cli(train_argv(_flags(data, ref)))
@@ -172,6 +173,7 @@ def test_resume_refuses_what_it_cannot_continue(data, tmp_path):
         resume(nock)
 
 
+@pytest.mark.slow
 def test_resume_cli_rejects_other_flags_and_a_run_in_use(data, tmp_path):
     r = _run_cli(
         [sys.executable, "-m", "traceprop_engine", "train", "--resume", str(tmp_path), "--lr", "1"]
@@ -193,6 +195,7 @@ def test_resume_cli_rejects_other_flags_and_a_run_in_use(data, tmp_path):
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_finishes(data, tmp_path):
     """A cancelled run is resumed from the step it stopped at (its stop checkpoint)."""
     out = tmp_path / "c"

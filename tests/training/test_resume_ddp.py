@@ -28,6 +28,8 @@ from traceprop_engine.training import checkpoint
 from traceprop_engine.training.loop import resume
 from traceprop_engine.training.resume import check_shards
 
+pytestmark = pytest.mark.slow  # torchrun jobs of 2 ranks, killed and resumed
+
 WORLD = 2
 # exact: the same operations in the same order on each rank (a 2-rank gloo all-reduce adds two
 # numbers, whatever DDP's bucket layout; a buffer of one step, so the deferred projection's

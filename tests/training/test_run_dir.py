@@ -77,6 +77,7 @@ def test_a_held_lock_stops_a_second_train_before_it_writes(data, made):
     assert _snapshot(made) == before
 
 
+@pytest.mark.slow
 def test_two_train_processes_into_one_out(data, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}

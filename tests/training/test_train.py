@@ -93,6 +93,7 @@ def _long_train_cmd(data, out, *extra: str) -> list[str]:
     return train_argv(flags) + list(extra)
 
 
+@pytest.mark.slow
 def test_sigterm_cancels_a_cli_run(data, tmp_path):
     out = tmp_path / "sig"
     cmd = _long_train_cmd(data, out)
@@ -113,6 +114,7 @@ def test_sigterm_cancels_a_cli_run(data, tmp_path):
     assert store.status == "cancelled" and store.n_records > 0
 
 
+@pytest.mark.slow
 def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     """A run killed with SIGKILL (no handler runs: OOM killer, preempted node) leaves a store
     that opens, says it is partial, and holds every record flushed before the kill; the run
