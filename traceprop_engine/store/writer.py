@@ -25,12 +25,15 @@ from .. import constants as C
 from .format import (
     DIGEST_ATTR,
     FACTOR_STORAGE,
+    FULL_DIGEST_ATTR,
     Covariance,
     append_records,
     chunk_rows,
     content_digest,
     create_records_group,
     encode_factors,
+    full_content_digest,
+    strings_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -131,7 +134,7 @@ class StoreWriter:
             g.attrs[C.L_SQNORM] = float(sq_norm[i])
             self._sketch_ds.append(ds)
         self._sq_norm = np.asarray(sq_norm, dtype=np.float64)
-        for attr in (DIGEST_ATTR, "finished"):
+        for attr in (DIGEST_ATTR, FULL_DIGEST_ATTR, "finished"):
             if attr in f.attrs:
                 del f.attrs[attr]
         f.attrs["n_records"] = n_records
@@ -205,20 +208,23 @@ class StoreWriter:
                 compression=compression,
                 fletcher32=True,
             )
+        # Fletcher-32 here too: a flipped byte in a projection fails the read (it moves scores)
         if layer.P_in is not None:
-            g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
+            g.create_dataset(C.L_P_IN, data=layer.P_in.numpy(), fletcher32=True)
         if layer.P_out is not None:
-            g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
+            g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy(), fletcher32=True)
         if getattr(layer, "dense_index", None) is not None:
             g.create_dataset(
                 C.L_DENSE_INDEX,
                 data=layer.dense_index.numpy().astype(np.int32),
                 compression="gzip",
+                fletcher32=True,
             )
             g.create_dataset(
                 C.L_DENSE_SIGN,
                 data=(layer.dense_sign.numpy() > 0).astype(np.int8),
                 compression="gzip",
+                fletcher32=True,
             )
             g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
         return sketch_ds
@@ -232,22 +238,32 @@ class StoreWriter:
         """The example table with lineage and the exact token ids / loss masks trained on.
 
         ``table`` columns: source, row, sha256, split, text, prompt, completion, label (str or
-        None). Row ``i`` of the table is example index ``i``.
+        None). Row ``i`` of the table is example index ``i``. The numeric columns carry
+        Fletcher-32 checksums; the string columns (which HDF5 cannot checksum) the
+        ``strings_sha256`` attribute the reader checks them against.
         """
         with self._lock:
             g = self._f.require_group(C.G_EXAMPLES)
             n = len(table[C.EX_SOURCE])
+            raw = {}
             for col in C.EX_STRING_COLUMNS:
                 vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
                 g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
-            g.create_dataset(C.EX_ROW, data=np.asarray(table[C.EX_ROW], dtype=np.int64))
+                raw[col] = [v.encode() for v in vals]
+            g.attrs[C.EX_STRINGS_SHA256] = strings_digest(raw)
+
+            def numeric(name, data, **kw):
+                # an empty table has nothing to chunk (Fletcher-32 needs chunks)
+                g.create_dataset(name, data=data, fletcher32=len(data) > 0, **kw)
+
+            numeric(C.EX_ROW, np.asarray(table[C.EX_ROW], dtype=np.int64))
             lengths = np.array([len(t) for t in tokens], dtype=np.int64)
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-            g.create_dataset(C.EX_TOKEN_OFFSETS, data=offsets)
+            numeric(C.EX_TOKEN_OFFSETS, offsets)
             flat_t = np.concatenate(tokens).astype(np.int32) if n else np.zeros(0, np.int32)
             flat_m = np.concatenate(loss_masks).astype(np.uint8) if n else np.zeros(0, np.uint8)
-            g.create_dataset(C.EX_TOKENS, data=flat_t, compression="gzip")
-            g.create_dataset(C.EX_LOSS_MASK, data=flat_m, compression="gzip")
+            numeric(C.EX_TOKENS, flat_t, compression="gzip" if n else None)
+            numeric(C.EX_LOSS_MASK, flat_m, compression="gzip" if n else None)
             g.attrs["n_examples"] = n
             self._f.flush()
 
@@ -312,7 +328,8 @@ class StoreWriter:
                 return
             self._f.attrs["status"] = status
             try:
-                self._f.attrs[DIGEST_ATTR] = content_digest(self._f)
+                self._f.attrs[DIGEST_ATTR] = records = content_digest(self._f)
+                self._f.attrs[FULL_DIGEST_ATTR] = full_content_digest(self._f, records)
             except (OSError, KeyError) as e:  # never hide the run's own outcome behind this
                 log.error("could not compute the store's content digest: %s", e)
             self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
