@@ -295,3 +295,41 @@ def test_library_versions_are_the_modules_and_import_nothing():
     }
     assert {k: v[k] for k in want} == want
     assert library_versions() == v  # the same once they are imported
+
+
+# -- round 2, "silently wrong" item 3: a query runs on the run's own model, and says which ---------
+def test_a_swapped_model_is_refused_and_trails_name_the_loaded_model(run, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from traceprop_engine import ModelMismatchError
+    from traceprop_engine.attribution.audit import audit_trail
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.training import fingerprint
+    from traceprop_engine.training.fingerprint import model_fingerprint
+
+    hashed = []
+    real = fingerprint.model_fingerprint
+    monkeypatch.setattr(fingerprint, "model_fingerprint", lambda d: hashed.append(d) or real(d))
+    recorded = _manifest(run)["model"]["fingerprint"]
+    for _ in range(2):  # opened twice: hashed once (the files' sizes and times are the same)
+        r = open_run(run)
+        res = r.query("Where does Ada live?", " Paris", top_k=3)
+        trail = audit_trail(r, res)
+        r.close()
+        assert trail["model_fingerprint"] == recorded == model_fingerprint(run / "model")
+        assert trail["recorded_model_fingerprint"] == recorded
+    assert len(hashed) == 1
+    # another model of the same shape (other weights), as a swapped model/ folder would hold
+    (weights,) = (run / "model").glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k, v in tensors.items() if v.is_floating_point() and v.numel() > 1)
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    r = open_run(run)
+    try:
+        with pytest.raises(ModelMismatchError, match="not the one this run saved"):
+            r.query("Where does Ada live?", " Paris", top_k=3)
+    finally:
+        r.close()
+    assert len(hashed) == 2  # the changed file was hashed again
+    assert not verify_run(run)["ok"]

@@ -22,6 +22,7 @@ from ..errors import ModelMismatchError, QueryError, RunError
 from ..run import RunManifest
 from ..settings import SketchKind
 from ..training.examples import Example
+from ..training.fingerprint import cached_model_fingerprint, model_files_key
 from ..training.losses import example_losses
 from ..training.models import (
     Encoded,
@@ -62,6 +63,7 @@ class QueryEncoder:
         self.device = device
         self._loaded = None
         self._layers: list[TrackedLayer] | None = None
+        self.model_fingerprint: str | None = None  # of the model loaded (set by model())
 
     # -- the model ------------------------------------------------------------------------------
     def model(self):
@@ -73,10 +75,32 @@ class QueryEncoder:
                 raise RunError(
                     f"{self.run_dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it"
                 )
+            fingerprint, files = self._checked_fingerprint(
+                model_dir, self.manifest.model.fingerprint
+            )
             with quiet_hf():
-                self._loaded = load_saved_model(model_dir, self.device)
-            self._layers = self._attach_layers(dict(self._loaded.model.named_modules()))
+                loaded = load_saved_model(model_dir, self.device)
+            if model_files_key(model_dir) != files:  # replaced while it was being read
+                raise self._mismatch("its weight files changed while they were loaded; query again")
+            self._layers = self._attach_layers(dict(loaded.model.named_modules()))
+            self._loaded, self.model_fingerprint = loaded, fingerprint
         return self._loaded
+
+    def _checked_fingerprint(self, model_dir: Path, want: str | None) -> tuple[str, tuple]:
+        """The fingerprint of the weights about to be loaded, refused unless it is ``want`` (the
+        one recorded when the model was saved): scores on another model (a swapped ``model/``,
+        changed weights) would be silently wrong. Hashed once per process while the files'
+        sizes and times stay the same."""
+        fingerprint, files = cached_model_fingerprint(model_dir)
+        if want and fingerprint != want:
+            raise ModelMismatchError(
+                f"the model in {model_dir} is not the one this run saved: its weights hash to "
+                f"{fingerprint[:16]}…, {C.MANIFEST_FILE} records {want[:16]}… (another model, or "
+                "its files changed since). Scores on it would belong to another model, so no "
+                f"query is answered: put the run's own model back (`traceprop verify "
+                f"{self.run_dir}` shows what changed)"
+            )
+        return fingerprint, files
 
     def tracked_layers(self) -> list[TrackedLayer]:
         """The store's layers on the loaded model, as the query-side capture hooks use them."""
