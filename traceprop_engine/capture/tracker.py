@@ -169,6 +169,9 @@ class Tracker:
             self.writer.write_timings(
                 self.step_ms, {"flush_ms": self.flush_ms, "n_transfers": self.buffer.n_transfers}
             )
+        except BaseException:  # the last records or statistics are not in the store (disk full)
+            self.status = status = C.STATUS_FAILED
+            raise
         finally:
             self.writer.close(status)
 

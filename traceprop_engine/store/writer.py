@@ -35,6 +35,7 @@ from .format import (
     full_content_digest,
     strings_digest,
 )
+from .space import METADATA_BYTES, array_bytes, ensure_room, growth_bytes
 
 log = logging.getLogger(__name__)
 _STR = h5py.string_dtype("utf-8")
@@ -62,6 +63,15 @@ class StoreWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".h5.tmp")
+        projections = [
+            getattr(layer, name)
+            for layer in layers
+            for name in ("P_in", "P_out", "dense_index", "dense_sign")
+            if getattr(layer, name, None) is not None
+        ]
+        # every dataset's header and the manifest, beside the projections (see .space)
+        need = array_bytes(*projections) + METADATA_BYTES * 4 * (len(layers) + 2)
+        ensure_room(tmp, need + len(json.dumps(manifest, default=str)), "creating the store")
         # v110 at most: "latest" (superblock v3) marks the file open-for-write in its header, and
         # after a SIGKILL (OOM killer, preempted node) no reader could open it again; with
         # superblock v2 the first n_records records (flushed) stay readable
@@ -243,13 +253,19 @@ class StoreWriter:
         ``strings_sha256`` attribute the reader checks them against.
         """
         with self._lock:
-            g = self._f.require_group(C.G_EXAMPLES)
             n = len(table[C.EX_SOURCE])
-            raw = {}
-            for col in C.EX_STRING_COLUMNS:
-                vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
+            raw = {
+                col: [("" if v is None else str(v)).encode() for v in table.get(col, [None] * n)]
+                for col in C.EX_STRING_COLUMNS
+            }
+            text = sum(len(b) + 16 for vals in raw.values() for b in vals)  # + heap entries
+            n_tokens = sum(len(t) for t in tokens)
+            ensure_room(
+                self.path, text + n_tokens * 5 + n * 16 + 12 * METADATA_BYTES, "the example table"
+            )
+            g = self._f.require_group(C.G_EXAMPLES)
+            for col, vals in raw.items():
                 g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
-                raw[col] = [v.encode() for v in vals]
             g.attrs[C.EX_STRINGS_SHA256] = strings_digest(raw)
 
             def numeric(name, data, **kw):
@@ -271,6 +287,15 @@ class StoreWriter:
         """Append one flushed chunk of records (all layers + metadata), then mark it readable."""
         with self._lock:
             n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
+            grown = [
+                d for ds in self._sketch_ds for d in (ds[0] if isinstance(ds, tuple) else [ds])
+            ]
+            grown += [self._f[C.G_RECORDS][name] for name in C.RECORD_FIELDS]
+            ensure_room(
+                self.path,
+                sum(growth_bytes(d, n0, n) for d in grown),
+                f"appending records {n0}-{n0 + n - 1} to the store",
+            )
             for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
                 if isinstance(ds, tuple):  # ([U, V(, scale)], k_out, dtype); arr (n, ko + ki, r)
                     pair, k_out, fdt = ds
@@ -299,6 +324,8 @@ class StoreWriter:
     def write_covariance(self, cov: Sequence[Covariance | None]) -> None:
         """Per layer (in layer order) its K-FAC statistics, or None for a layer without any."""
         with self._lock:
+            stats = [a for c in cov if c is not None for a in (c.A, c.S)]
+            ensure_room(self.path, array_bytes(*stats), "the K-FAC statistics")
             for i, c in enumerate(cov):
                 if c is not None:
                     c.write(self._f[f"{C.G_LAYERS}/{i:03d}"])
@@ -306,6 +333,7 @@ class StoreWriter:
 
     def write_timings(self, step_ms: Sequence[float], extra: dict | None = None) -> None:
         with self._lock:
+            ensure_room(self.path, array_bytes(np.asarray(step_ms, np.float64)), "the timings")
             g = self._f[C.G_TIMINGS]
             if C.T_STEP_MS in g:
                 del g[C.T_STEP_MS]
@@ -316,6 +344,8 @@ class StoreWriter:
 
     def set_attrs(self, **attrs) -> None:
         with self._lock:
+            size = sum(len(json.dumps(v, default=str)) for v in attrs.values())
+            ensure_room(self.path, size + METADATA_BYTES, "the store's attributes")
             for k, v in attrs.items():
                 self._f.attrs[k] = (
                     json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict) else v
