@@ -64,20 +64,15 @@ class QueryEncoder:
         self._loaded = None
         self._layers: list[TrackedLayer] | None = None
         self.model_fingerprint: str | None = None  # of the model loaded (set by model())
+        self.model_notes: list[str] = []  # what a query should know about that model
 
     # -- the model ------------------------------------------------------------------------------
     def model(self):
         """The final model, tokenizer and labels (``LoadedModel``), with the store's layers found
         in it and checked against the store (:meth:`tracked_layers`)."""
         if self._loaded is None:
-            model_dir = self.run_dir / C.MODEL_DIR
-            if not model_dir.exists():
-                raise RunError(
-                    f"{self.run_dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it"
-                )
-            fingerprint, files = self._checked_fingerprint(
-                model_dir, self.manifest.model.fingerprint
-            )
+            model_dir, want = self._model_dir()
+            fingerprint, files = self._checked_fingerprint(model_dir, want)
             with quiet_hf():
                 loaded = load_saved_model(model_dir, self.device)
             if model_files_key(model_dir) != files:  # replaced while it was being read
@@ -85,6 +80,29 @@ class QueryEncoder:
             self._layers = self._attach_layers(dict(loaded.model.named_modules()))
             self._loaded, self.model_fingerprint = loaded, fingerprint
         return self._loaded
+
+    def _model_dir(self) -> tuple[Path, str | None]:
+        """The saved model's folder and the fingerprint recorded for it: ``model/``, or for a
+        run that stopped before saving it, the model of its last checkpoint (with a note)."""
+        model_dir = self.run_dir / C.MODEL_DIR
+        if model_dir.exists():
+            return model_dir, self.manifest.model.fingerprint
+        from ..training import checkpoint
+
+        ckpt = None if self.manifest.completed else checkpoint.load(self.run_dir)
+        saved = ckpt is not None and (ckpt.folder / checkpoint.MODEL_SUBDIR).is_dir()
+        if not saved or not ckpt.meta.get("model_fingerprint"):
+            raise RunError(
+                f"{self.run_dir} has no saved model ({C.MODEL_DIR}/) and no checkpoint holding "
+                "one: the run stopped before saving it, and queries need it. `traceprop train "
+                "--resume RUN` finishes a run that has a checkpoint"
+            )
+        self.model_notes = [
+            f"this run stopped before saving its final model: queries use the model of its "
+            f"last checkpoint (step {ckpt.step}); records written after that step were made by "
+            "later weights"
+        ]
+        return ckpt.folder / checkpoint.MODEL_SUBDIR, str(ckpt.meta["model_fingerprint"])
 
     def _checked_fingerprint(self, model_dir: Path, want: str | None) -> tuple[str, tuple]:
         """The fingerprint of the weights about to be loaded, refused unless it is ``want`` (the

@@ -117,4 +117,5 @@ class TestSideMixin:
             }
         sk, qloss = self.query_sketches(enc)
         elapsed = (time.perf_counter() - t0) * 1e3
+        notes = [*self.encoder.model_notes, *notes]
         return TestSide(sk, qloss, desc, notes, elapsed, self.encoder.model_fingerprint)

@@ -50,6 +50,7 @@ CHECKPOINT_TMP = ".checkpoint.tmp"
 CHECKPOINT_OLD = ".checkpoint.old"
 STATE_FILE = "state.pt"
 META_FILE = "checkpoint.json"
+MODEL_SUBDIR = "model"  # the model as saved (loadable for queries of a run that stopped)
 FORMAT = 1
 
 
@@ -97,8 +98,14 @@ def due(every: int, step: int, total_steps: int, stopping: bool = False) -> bool
     return bool(every) and step < total_steps and (step % every == 0 or stopping)
 
 
-def save(run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=None) -> None:
+def save(
+    run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=None, loaded=None
+) -> None:
     """Write ``RUN/checkpoint`` for the state after ``step`` (atomically, see the module doc).
+
+    ``loaded`` (the run's ``LoadedModel``; one process only): also save the model as a run's
+    ``model/`` is saved, into ``checkpoint/model/`` with its fingerprint in ``checkpoint.json``,
+    so that a run killed before its final save can still be queried.
 
     Under DDP (``dist_ctx`` with several ranks) a collective: every rank calls it after the same
     step; see the module doc for who writes what.
@@ -126,10 +133,15 @@ def save(run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=Non
     if dist_ctx is None or not dist_ctx.enabled:
         shutil.rmtree(tmp, ignore_errors=True)
         state = {**model_state, **own_state}
-        _ensure_room(run_dir, state)
+        _ensure_room(run_dir, [state, model_state["model"] if loaded is not None else None])
         try:
             tmp.mkdir()
             _save_state(state, tmp / STATE_FILE)
+            if loaded is not None:
+                from .models import save_model
+
+                info = save_model(loaded, tmp / MODEL_SUBDIR)
+                own_meta["model_fingerprint"] = info["fingerprint"]
             _publish(tmp, final, old, {**head, **own_meta})
         except BaseException:  # a failed checkpoint takes no space: the run can still close
             shutil.rmtree(tmp, ignore_errors=True)
