@@ -15,7 +15,7 @@ from helpers import facts_data, fast_settings
 
 from traceprop_engine import RunError, Store, StoreError
 from traceprop_engine.cli.main import main
-from traceprop_engine.store.format import DIGEST_ATTR, content_digest
+from traceprop_engine.store.format import DIGEST_ATTR, FULL_DIGEST_ATTR, content_digest
 from traceprop_engine.training.loop import train
 from traceprop_engine.verify import verify_run
 
@@ -47,7 +47,7 @@ def test_a_completed_run_verifies_with_its_digest(run):
     with Store(run / "store.h5") as s:
         want = s.attrs()[DIGEST_ATTR]
         assert want == content_digest(s._f) and len(want) == 64
-        assert s.fingerprint.endswith(want)  # the index fingerprint follows the content
+        assert s.fingerprint.endswith(s.attrs()[FULL_DIGEST_ATTR])  # indexes follow the content
         assert s._f["layers/000/U"].fletcher32 and s._f["layers/000/V"].fletcher32
     rep = verify_run(run)
     assert rep["ok"], rep["problems"]
@@ -124,11 +124,63 @@ def test_a_rewritten_sketch_value_changes_the_digest(run):
     assert not rep["ok"] and rep["store"]["status"] == "changed"
 
 
-def test_a_removed_digest_on_a_checksummed_store_is_not_vouched_for(run):
+@pytest.mark.parametrize("attr", [DIGEST_ATTR, FULL_DIGEST_ATTR])
+def test_a_removed_digest_on_a_checksummed_store_is_not_vouched_for(run, attr):
     with h5py.File(run / "store.h5", "r+") as f:
-        del f.attrs[DIGEST_ATTR]
+        del f.attrs[attr]
     rep = verify_run(run)
     assert not rep["ok"] and rep["store"]["status"] == "absent"
+    assert attr in rep["store"]["files"][0]["detail"]
+
+
+# -- round 2, "silently wrong" item 2: what a score or a lineage claim depends on is covered ------
+def _rewrite_p_out(f):
+    f["layers/000/P_out"][0, :16] += 0.5  # 64 bytes (the case that moved the top score)
+
+
+def _rewrite_lineage(f):
+    g = f["examples"]
+    g["source"][0] = "elsewhere.jsonl"
+    g["row"][0] = g["row"][0] + 7
+
+
+def _rewrite_tokens(f):
+    f["examples/tokens"][1] = f["examples/tokens"][1] + 1
+
+
+def _rewrite_cov_tokens(f):
+    g = f["layers/000"]
+    g.attrs["cov_tokens"] = float(g.attrs["cov_tokens"]) * 2  # the damping's scale
+
+
+@pytest.mark.parametrize(
+    "rewrite", [_rewrite_p_out, _rewrite_lineage, _rewrite_tokens, _rewrite_cov_tokens]
+)
+def test_a_rewritten_projection_or_example_table_is_not_vouched_for(run, rewrite):
+    """Written through HDF5 (the chunk checksums are recomputed): used to verify as unchanged."""
+    with h5py.File(run / "store.h5", "r+") as f:
+        assert f["layers/000/P_out"].fletcher32 and f["examples/row"].fletcher32
+        rewrite(f)
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "changed"
+    assert rep["store"]["files"][0]["digest_version"] == 2
+    if rewrite is _rewrite_lineage:  # the text columns are checked on every read, too
+        with Store(run / "store.h5") as s, pytest.raises(StoreError, match="no longer match"):
+            s.examples()
+
+
+def test_flipped_bytes_in_a_projection_fail_verify_and_reads(run):
+    with h5py.File(run / "store.h5", "r") as f:
+        info = f["layers/000/P_out"].id.get_chunk_info(0)
+    with open(run / "store.h5", "r+b") as fh:
+        fh.seek(info.byte_offset + 8)
+        chunk = fh.read(64)
+        fh.seek(info.byte_offset + 8)
+        fh.write(bytes(b ^ 0xFF for b in chunk))
+    with Store(run / "store.h5") as s, pytest.raises(StoreError, match="P_out .* is damaged"):
+        s.projection(0, "out")
+    rep = verify_run(run)
+    assert not rep["ok"] and rep["store"]["status"] == "unreadable"
 
 
 def test_a_truncated_store_fails(run):
@@ -207,6 +259,11 @@ def test_the_committed_sample_verifies_with_its_digest():
     rep = verify_run(default_root() / "facts")
     assert rep["ok"] and rep["store"]["status"] == "ok"
     assert np.all([x["status"] == "ok" for x in rep["files"]])
+    # written before content_sha256_v2: it opens, verifies its digest and says what that covers
+    (store,) = rep["store"]["files"]
+    assert store["digest_version"] == 1 and "not the projection matrices" in store["detail"]
+    with Store(default_root() / "facts" / "store.h5") as s:
+        assert len(s.examples()["source"]) == s.n_examples > 0
 
 
 def test_library_versions_are_the_modules_and_import_nothing():
@@ -238,3 +295,41 @@ def test_library_versions_are_the_modules_and_import_nothing():
     }
     assert {k: v[k] for k in want} == want
     assert library_versions() == v  # the same once they are imported
+
+
+# -- round 2, "silently wrong" item 3: a query runs on the run's own model, and says which ---------
+def test_a_swapped_model_is_refused_and_trails_name_the_loaded_model(run, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from traceprop_engine import ModelMismatchError
+    from traceprop_engine.attribution.audit import audit_trail
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.training import fingerprint
+    from traceprop_engine.training.fingerprint import model_fingerprint
+
+    hashed = []
+    real = fingerprint.model_fingerprint
+    monkeypatch.setattr(fingerprint, "model_fingerprint", lambda d: hashed.append(d) or real(d))
+    recorded = _manifest(run)["model"]["fingerprint"]
+    for _ in range(2):  # opened twice: hashed once (the files' sizes and times are the same)
+        r = open_run(run)
+        res = r.query("Where does Ada live?", " Paris", top_k=3)
+        trail = audit_trail(r, res)
+        r.close()
+        assert trail["model_fingerprint"] == recorded == model_fingerprint(run / "model")
+        assert trail["recorded_model_fingerprint"] == recorded
+    assert len(hashed) == 1
+    # another model of the same shape (other weights), as a swapped model/ folder would hold
+    (weights,) = (run / "model").glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k, v in tensors.items() if v.is_floating_point() and v.numel() > 1)
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    r = open_run(run)
+    try:
+        with pytest.raises(ModelMismatchError, match="not the one this run saved"):
+            r.query("Where does Ada live?", " Paris", top_k=3)
+    finally:
+        r.close()
+    assert len(hashed) == 2  # the changed file was hashed again
+    assert not verify_run(run)["ok"]

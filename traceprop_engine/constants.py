@@ -57,6 +57,7 @@ EX_TOKENS = "tokens"  # (total_tokens,) int32
 EX_LOSS_MASK = "loss_mask"  # (total_tokens,) uint8
 # the example table's UTF-8 string columns, in order
 EX_STRING_COLUMNS = (EX_SOURCE, EX_SHA256, EX_SPLIT, EX_TEXT, EX_PROMPT, EX_COMPLETION, EX_LABEL)
+EX_STRINGS_SHA256 = "strings_sha256"  # /examples attribute: sha256 of the string columns
 
 REC_EXAMPLE = "example_index"
 REC_STEP = "step"

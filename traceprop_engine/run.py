@@ -78,8 +78,12 @@ def now() -> str:
 def write_manifest(run_dir: Path, manifest: dict) -> None:
     """Atomic write: a reader never sees half a run.json."""
     tmp = run_dir / (C.MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, run_dir / C.MANIFEST_FILE)
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, run_dir / C.MANIFEST_FILE)
+    except BaseException:  # e.g. the disk is full: no empty run.json.tmp is left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def relative_paths(obj, run_dir: Path, root: Path):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import facts_data, fast_settings
 
-from traceprop_engine import IndexBuildError
+from traceprop_engine import IndexBuildError, RunError
 from traceprop_engine.attribution import vectors as vectors_module
 from traceprop_engine.attribution.audit import audit_trail
 from traceprop_engine.attribution.export import csv_bytes, rows_to_bytes
@@ -222,6 +222,26 @@ def test_full_disk_while_indexing_keeps_the_previous_index(run_dir, where, monke
         open_run(run_dir).build_index(IDENTITY)
     monkeypatch.undo()
     assert_index_correct(run_dir)
+
+
+# -- round 2, "silently wrong" item 5: an index folder that links outside the run -----------------
+@pytest.mark.parametrize("link", ["index", f"index/{IDENTITY.name}"])
+def test_an_index_folder_that_is_a_link_is_refused(run_dir, tmp_path, link, capsys):
+    """``index`` used to build the whole index in the link's target (``train`` refuses links)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("index"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run / link).parent.mkdir(parents=True, exist_ok=True)
+    (run / link).symlink_to(outside, target_is_directory=True)
+    rc = main(["index", str(run), "--preconditioner", "identity", "--no-cosine"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "is a symbolic link" in err and "Traceback" not in err
+    assert list(outside.iterdir()) == []  # nothing written through the link
+    with pytest.raises(RunError, match="symbolic link"):
+        open_run(run).index(IDENTITY)
 
 
 # -- item 3: proponents have score > 0, opponents < 0, an example in at most one list --------------

@@ -338,3 +338,20 @@ def test_a_directory_as_store_path_raises_and_leaves_no_file(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         Tracker(tiny_neox(), d, SETTINGS)
     assert list(tmp_path.rglob("*")) == [d]
+
+
+def test_a_second_tracker_on_an_existing_store_is_refused_unless_told_to_overwrite(tmp_path):
+    """Issue 27, round 2 "silently wrong" item 1: a new Tracker used to wipe a finished store."""
+    model = tiny_neox()
+    path = tmp_path / C.STORE_FILE
+    record_causal_step(path, model, SETTINGS)[0].close()
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="already exists.*overwrite=True"):
+        Tracker(model, path, SETTINGS, background=False)
+    assert path.read_bytes() == before  # nothing written
+    with Store(path) as st:
+        assert st.n_records == 3 and st.status == C.STATUS_COMPLETED
+    with Tracker(model, path, SETTINGS, background=False, overwrite=True):
+        pass  # asked for: the old store is replaced by a new, empty one
+    with Store(path) as st:
+        assert st.n_records == 0

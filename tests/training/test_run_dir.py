@@ -10,7 +10,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import h5py
 import pytest
@@ -27,6 +29,8 @@ from traceprop_engine.training import run_dir as run_dir_mod
 from traceprop_engine.training.loop import train
 from traceprop_engine.training.run_dir import LOCK_FILE
 from traceprop_engine.verify import verify_run
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +228,100 @@ def test_a_full_disk_fails_the_run_with_a_message(data, tmp_path, monkeypatch, c
     assert m["status"] == "failed" and m["error"].startswith("disk full")
     with Store(out / "store.h5") as s:
         assert s.status == "failed" and s.n_records == 0
+
+
+# -- round 2, "silently wrong" item 6: a disk that really fills (no mock) ---------------------------
+_LIMITED_TRAIN = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from traceprop_engine.cli.main import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+def _assert_failed_for_lack_of_space(out, rc: int, err: str, capsys) -> None:
+    """rc 1 with the message, run.json failed, no temporary files, and a store (if one was
+    begun) that reads back as failed, which info and verify report without a traceback."""
+    assert rc == 1, err
+    assert "the disk is full" in err and "Traceback" not in err, err
+    m = read_manifest(out)
+    assert m["status"] == "failed" and m["error"].startswith("disk full"), m.get("error")
+    left = {"run.json.tmp", "store.h5.tmp", ".model.tmp", ".checkpoint.tmp"}
+    assert not left & {p.name for p in out.iterdir()}
+    if (out / "store.h5").exists():
+        with Store(out / "store.h5") as s:
+            assert s.status == "failed"
+            assert len(s.records()["step"]) == s.n_records
+    capsys.readouterr()
+    assert main(["info", str(out)]) in (0, 1) and main(["verify", str(out)]) == 3
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.7])
+def test_a_file_size_limit_fails_the_run_with_a_message_and_a_readable_store(
+    data, made, tmp_path, fraction, capsys
+):
+    """RLIMIT_FSIZE (`ulimit -f`) makes the writes past it fail as a full disk would (EFBIG):
+    at the store's creation (0.0) or while records are appended (0.7)."""
+    from traceprop_engine.store.space import RESERVE_BYTES
+
+    limit = RESERVE_BYTES + int(fraction * (made / "store.h5").stat().st_size)
+    out = tmp_path / "limited"
+    argv = _cli_train(data, out, "--epochs", "2", "--buffer-records", "8")[3:]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = [sys.executable, "-c", _LIMITED_TRAIN, str(limit), *map(str, argv)]
+    p = subprocess.run(code, env=env, capture_output=True, text=True, timeout=600)
+    _assert_failed_for_lack_of_space(out, p.returncode, p.stderr, capsys)
+
+
+_FULL_SAVES = """
+import resource, signal, sys, torch
+from safetensors.torch import save_file
+from pathlib import Path
+from traceprop_engine.training.checkpoint import _save_state
+from traceprop_engine.training.run_dir import disk_full
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+for save in (lambda: save_file({"w": torch.zeros(8192)}, sys.argv[1] + "/m.safetensors"),
+             lambda: _save_state({"w": torch.zeros(8192)}, Path(sys.argv[1]) / "s.pt")):
+    try:
+        save()
+    except Exception as e:
+        print(type(e).__name__, disk_full(e, None) is not None)
+"""
+
+
+def test_the_model_and_checkpoint_writers_failures_for_lack_of_space_are_recognised(tmp_path):
+    """safetensors (the model) says it in a SafetensorError; torch.save (a checkpoint) raises a
+    RuntimeError without a reason, which the checkpoint writer turns into the OSError."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, "-c", _FULL_SAVES, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[0] == "SafetensorError True"
+    assert p.stdout.split("\n")[1] == "OSError True"
+
+
+def test_a_full_tmpfs_fails_the_run_with_a_message_and_a_readable_store(
+    data, made, tmp_path, capsys
+):
+    """A real full file system: a tmpfs (mounting one needs root, as in CI)."""
+    from traceprop_engine.store.space import RESERVE_BYTES
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    size = RESERVE_BYTES + (made / "store.h5").stat().st_size // 2
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+    try:
+        out = mnt / "run"
+        rc = main(_cli_train(data, out, "--epochs", "2", "--buffer-records", "8")[3:])
+        _assert_failed_for_lack_of_space(out, rc, capsys.readouterr().err, capsys)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 # -- 13: clear errors instead of tracebacks --------------------------------------------------------

@@ -123,12 +123,14 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     from traceprop_engine.settings import IndexSettings
 
     out = tmp_path / "killed"
-    cmd = _long_train_cmd(data, out, "--buffer-records", "16")  # a flush every 2 steps
+    # a flush every 2 steps, a checkpoint every 4
+    cmd = _long_train_cmd(data, out, "--buffer-records", "16", "--checkpoint-every", "4")
     p = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
+    ckpt = out / "checkpoint" / "checkpoint.json"
     deadline = time.time() + 60
-    while time.time() < deadline and len(read_progress(out)) < 6:
+    while time.time() < deadline and (len(read_progress(out)) < 6 or not ckpt.exists()):
         time.sleep(0.2)
     assert len(read_progress(out)) >= 6, "the run never made progress"
     os.killpg(p.pid, signal.SIGKILL)
@@ -140,6 +142,13 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
     run = open_run(out)
     run.index(IndexSettings(preconditioner="identity"))  # the flushed records are usable
     assert run.store.n_records >= 16
+    # and queried (round 2, "silently wrong" item 7): on the model of the last checkpoint
+    assert not (out / "model").exists()
+    res = run.query(eval_example=0, top_k=3, settings=IndexSettings(preconditioner="identity"))
+    meta = json.loads((out / "checkpoint" / "checkpoint.json").read_text())
+    assert res.rows.height > 0 and res.model_fingerprint == meta["model_fingerprint"]
+    assert any(f"last checkpoint (step {meta['step']})" in n for n in res.notes)
+    run.close()
 
 
 def test_existing_run_is_not_overwritten(data, tmp_path):

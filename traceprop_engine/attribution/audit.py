@@ -30,9 +30,19 @@ def data_manifest_hash(manifest: RunManifest) -> str:
 
 
 def audit_trail(run, result) -> dict:
-    """The audit record of one query (see the module docstring for what it does and does not prove)."""
+    """The audit record of one query (see the module docstring for what it does and does not prove).
+
+    ``model_fingerprint`` is that of the model the query was answered on (checked against the
+    run's record when it was loaded); ``recorded_model_fingerprint`` is what ``run.json`` holds.
+    """
     m = run.manifest
     rows = rows_for_export(result)
+    loaded = getattr(result, "model_fingerprint", None)
+    if loaded is None:  # a result ranked from a test side computed without the run's model
+        from ..training.fingerprint import cached_model_fingerprint
+
+        model_dir = Path(run.dir) / C.MODEL_DIR
+        loaded = cached_model_fingerprint(model_dir)[0] if model_dir.is_dir() else None
     return {
         "kind": "traceprop-audit-trail",
         "version": 1,
@@ -40,7 +50,8 @@ def audit_trail(run, result) -> dict:
         "run_id": run.run_id,
         "run_dir": str(Path(run.dir).resolve()),
         "run_status": m.status,
-        "model_fingerprint": m.model.fingerprint,
+        "model_fingerprint": loaded,
+        "recorded_model_fingerprint": m.model.fingerprint,
         "data_manifest_sha256": data_manifest_hash(m),
         "store_schema_version": C.SCHEMA_VERSION,
         "software": library_versions(),

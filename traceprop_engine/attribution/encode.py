@@ -22,6 +22,7 @@ from ..errors import ModelMismatchError, QueryError, RunError
 from ..run import RunManifest
 from ..settings import SketchKind
 from ..training.examples import Example
+from ..training.fingerprint import cached_model_fingerprint, model_files_key
 from ..training.losses import example_losses
 from ..training.models import (
     Encoded,
@@ -62,21 +63,62 @@ class QueryEncoder:
         self.device = device
         self._loaded = None
         self._layers: list[TrackedLayer] | None = None
+        self.model_fingerprint: str | None = None  # of the model loaded (set by model())
+        self.model_notes: list[str] = []  # what a query should know about that model
 
     # -- the model ------------------------------------------------------------------------------
     def model(self):
         """The final model, tokenizer and labels (``LoadedModel``), with the store's layers found
         in it and checked against the store (:meth:`tracked_layers`)."""
         if self._loaded is None:
-            model_dir = self.run_dir / C.MODEL_DIR
-            if not model_dir.exists():
-                raise RunError(
-                    f"{self.run_dir} has no saved model ({C.MODEL_DIR}/): the run stopped before saving it; queries need it"
-                )
+            model_dir, want = self._model_dir()
+            fingerprint, files = self._checked_fingerprint(model_dir, want)
             with quiet_hf():
-                self._loaded = load_saved_model(model_dir, self.device)
-            self._layers = self._attach_layers(dict(self._loaded.model.named_modules()))
+                loaded = load_saved_model(model_dir, self.device)
+            if model_files_key(model_dir) != files:  # replaced while it was being read
+                raise self._mismatch("its weight files changed while they were loaded; query again")
+            self._layers = self._attach_layers(dict(loaded.model.named_modules()))
+            self._loaded, self.model_fingerprint = loaded, fingerprint
         return self._loaded
+
+    def _model_dir(self) -> tuple[Path, str | None]:
+        """The saved model's folder and the fingerprint recorded for it: ``model/``, or for a
+        run that stopped before saving it, the model of its last checkpoint (with a note)."""
+        model_dir = self.run_dir / C.MODEL_DIR
+        if model_dir.exists():
+            return model_dir, self.manifest.model.fingerprint
+        from ..training import checkpoint
+
+        ckpt = None if self.manifest.completed else checkpoint.load(self.run_dir)
+        saved = ckpt is not None and (ckpt.folder / checkpoint.MODEL_SUBDIR).is_dir()
+        if not saved or not ckpt.meta.get("model_fingerprint"):
+            raise RunError(
+                f"{self.run_dir} has no saved model ({C.MODEL_DIR}/) and no checkpoint holding "
+                "one: the run stopped before saving it, and queries need it. `traceprop train "
+                "--resume RUN` finishes a run that has a checkpoint"
+            )
+        self.model_notes = [
+            f"this run stopped before saving its final model: queries use the model of its "
+            f"last checkpoint (step {ckpt.step}); records written after that step were made by "
+            "later weights"
+        ]
+        return ckpt.folder / checkpoint.MODEL_SUBDIR, str(ckpt.meta["model_fingerprint"])
+
+    def _checked_fingerprint(self, model_dir: Path, want: str | None) -> tuple[str, tuple]:
+        """The fingerprint of the weights about to be loaded, refused unless it is ``want`` (the
+        one recorded when the model was saved): scores on another model (a swapped ``model/``,
+        changed weights) would be silently wrong. Hashed once per process while the files'
+        sizes and times stay the same."""
+        fingerprint, files = cached_model_fingerprint(model_dir)
+        if want and fingerprint != want:
+            raise ModelMismatchError(
+                f"the model in {model_dir} is not the one this run saved: its weights hash to "
+                f"{fingerprint[:16]}…, {C.MANIFEST_FILE} records {want[:16]}… (another model, or "
+                "its files changed since). Scores on it would belong to another model, so no "
+                f"query is answered: put the run's own model back (`traceprop verify "
+                f"{self.run_dir}` shows what changed)"
+            )
+        return fingerprint, files
 
     def tracked_layers(self) -> list[TrackedLayer]:
         """The store's layers on the loaded model, as the query-side capture hooks use them."""

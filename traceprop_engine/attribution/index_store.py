@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import constants as C
-from ..errors import IndexBuildError, IndexStaleError, StoreError, TracepropError
+from ..errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
 from ..settings import IndexSettings
 from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
@@ -84,6 +84,17 @@ class RunIndexes:
     def _lock_path(self, s: IndexSettings) -> Path:
         return self.run_dir / C.INDEX_DIR / f".{s.name}.lock"
 
+    def _refuse_links(self, s: IndexSettings) -> None:
+        """The index folders are the run's own: a symbolic link among them (``index/``, its
+        ``<name>/`` or lock file) would make a build write outside the run, as ``train`` refuses."""
+        for p in (self.run_dir / C.INDEX_DIR, self.dir(s), self._lock_path(s)):
+            if p.is_symlink():
+                raise RunError(
+                    f"{p} is a symbolic link (to {p.readlink()}): Traceprop never writes through "
+                    "a link, so it builds no index there; replace the link with a folder of the "
+                    "run (or remove it) and run `traceprop index RUN` again"
+                )
+
     def _fingerprint(self, s: IndexSettings) -> str:
         blob = json.dumps({"store": self.store.fingerprint, **s.to_dict()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -95,6 +106,7 @@ class RunIndexes:
         used stale, half-written or changed after its build)."""
         if not rebuild and s.name in self._indexes:
             return self._indexes[s.name]
+        self._refuse_links(s)
         if not rebuild:
             with index_lock(self._lock_path(s), exclusive=False):
                 hit = self._load(s)
@@ -123,6 +135,7 @@ class RunIndexes:
         """
         if self.store.n_records == 0:
             raise StoreError(f"{self.store.path} holds no records yet: nothing to index")
+        self._refuse_links(s)
         final = self.dir(s)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)

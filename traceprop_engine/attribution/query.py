@@ -209,6 +209,7 @@ class AttributionRun(TestSideMixin):
             layer_names=pre.layer_names,
             elapsed_ms=encode_ms + (time.perf_counter() - t0) * 1e3,
             sketches=ts.sketches,
+            model_fingerprint=ts.model_fingerprint,
         )
 
     def rank(

@@ -25,6 +25,8 @@ class TestSide:
         query: the query's description (prompt, completion, eval example, label or token ids).
         notes: what the encoding noticed (e.g. a truncated prompt).
         elapsed_ms: the time the encoding and backward took.
+        model_fingerprint: the fingerprint of the model the sketches were taken on (checked
+            against the run's record when it was loaded).
     """
 
     __test__ = False  # not a pytest test class
@@ -34,6 +36,7 @@ class TestSide:
     query: dict
     notes: list[str] = field(default_factory=list)
     elapsed_ms: float = 0.0
+    model_fingerprint: str | None = None
 
 
 @dataclass
@@ -47,6 +50,7 @@ class QueryResult:
     elapsed_ms: float = 0.0
     sign_note: str = SIGN_NOTE
     sketches: list[np.ndarray] | None = field(default=None, repr=False)  # the query's raw sketches
+    model_fingerprint: str | None = None  # of the model the query's side was computed on
 
     @property
     def proponents(self) -> pl.DataFrame:

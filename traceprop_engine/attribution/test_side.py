@@ -116,4 +116,6 @@ class TestSideMixin:
                 "loss_mask": enc.loss_mask.tolist(),
             }
         sk, qloss = self.query_sketches(enc)
-        return TestSide(sk, qloss, desc, notes, (time.perf_counter() - t0) * 1e3)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        notes = [*self.encoder.model_notes, *notes]
+        return TestSide(sk, qloss, desc, notes, elapsed, self.encoder.model_fingerprint)

@@ -73,6 +73,8 @@ class Tracker:
         manifest: JSON-serialisable run description kept in the store.
         background: write HDF5 chunks from a background thread.
         writer: append to this (reopened) store instead of creating ``store_path``.
+        overwrite: replace a file already at ``store_path`` (without it, an existing file, such
+            as the store of a finished run, is refused rather than wiped).
 
     A record is ``lr × raw per-example gradient`` (sketched): gradient clipping and the
     optimizer's own preconditioning (Adam's moments, momentum, weight decay) are not reflected.
@@ -80,7 +82,7 @@ class Tracker:
     and the app accept.
 
     Raises:
-        ConfigError: ``store_path`` is a directory.
+        ConfigError: ``store_path`` is a directory, or a file already there without ``overwrite``.
     """
 
     def __init__(
@@ -91,11 +93,18 @@ class Tracker:
         manifest: dict | None = None,
         background: bool = True,
         writer: StoreWriter | None = None,
+        overwrite: bool = False,
     ) -> None:
         if Path(store_path).is_dir():
             raise ConfigError(
                 f"the store path {store_path} is a directory: give the store's file name, "
                 f"e.g. {Path(store_path) / C.STORE_FILE}"
+            )
+        if writer is None and not overwrite and os.path.lexists(store_path):
+            raise ConfigError(
+                f"{store_path} already exists (the store of an earlier run?): a new Tracker "
+                "would replace it with an empty store. Give another path, or pass "
+                "overwrite=True to replace it"
             )
         self.model = model
         self.store_path = Path(store_path)
@@ -160,6 +169,9 @@ class Tracker:
             self.writer.write_timings(
                 self.step_ms, {"flush_ms": self.flush_ms, "n_transfers": self.buffer.n_transfers}
             )
+        except BaseException:  # the last records or statistics are not in the store (disk full)
+            self.status = status = C.STATUS_FAILED
+            raise
         finally:
             self.writer.close(status)
 

@@ -97,8 +97,10 @@ def _print_verify(rep: dict) -> None:
         print(f"{st['status']:<8} store {st.get('detail', '')}")
     for p in rep["problems"]:
         print(f"problem: {p}", file=sys.stderr)
+    older = any(c.get("digest_version") == 1 for c in st.get("files", []))
     print(
         "verified: nothing changed"
+        + (" in what the store's older digest covers (see its line above)" if older else "")
         if rep["ok"]
         else "NOT VERIFIED: this run cannot be vouched for (see the lines above)"
     )

@@ -10,6 +10,7 @@ nothing else to agree on the layout.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,39 +122,129 @@ class Covariance:
         return cls(A=g[C.L_COV_A][()], S=g[C.L_COV_S][()], n_tokens=float(g.attrs["cov_tokens"]))
 
 
-DIGEST_ATTR = "content_sha256"  # root attribute: sha256 over the content (content_digest)
+DIGEST_ATTR = "content_sha256"  # root attribute: the records and covariance (content_digest)
+FULL_DIGEST_ATTR = "content_sha256_v2"  # root attribute: all of it (full_content_digest)
 _DIGEST_READ_BYTES = 1 << 24  # bytes read per slice while hashing (bounds memory)
+DIGEST_COVERAGE = {
+    1: "the records (sketches or factors, the records table) and the covariance factors only: "
+    "not the projection matrices, the example table (source, row, sha256, text, tokens) or the "
+    "attributes they are read with (written before stores recorded content_sha256_v2)",
+    2: "everything scores and lineage claims depend on: the records, the covariance, the "
+    "projection matrices, the example table (source, row, sha256, text, tokens, loss masks) "
+    "and the attributes they are read with",
+}
+"""What a store's digest covers, by version: 1 = ``content_sha256`` alone, 2 = ``content_sha256_v2``."""
+_ROOT_ATTRS = ("format", "schema_version", "status", "sketch", "n_records", "layer_names")
+
+
+def _feed(h, ds: h5py.Dataset, stop: int | None = None) -> None:
+    """Dataset ``ds``'s path and the bytes of its first ``stop`` rows (all: None), in slices."""
+    h.update(ds.name.encode())
+    if ds.shape == ():
+        h.update(np.asarray(ds[()]).tobytes())
+        return
+    stop = ds.shape[0] if stop is None else stop
+    row = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+    step = max(1, _DIGEST_READ_BYTES // row)
+    for lo in range(0, stop, step):
+        h.update(np.ascontiguousarray(ds[lo : min(stop, lo + step)]).tobytes())
 
 
 def content_digest(f: h5py.File) -> str:
     """sha256 over the bytes of every layer's sketches (first ``n_records`` rows), the records
-    table and the covariance factors, streamed in slices, in a fixed order.
+    table and the covariance factors, streamed in slices, in a fixed order (coverage version 1).
 
     Written as the ``content_sha256`` root attribute when the writer closes; ``traceprop verify``
     recomputes it. Each dataset also carries HDF5's Fletcher-32 checksum per chunk, so a flipped
-    byte fails the read itself.
+    byte fails the read itself. :func:`full_content_digest` covers the rest of the store.
     """
     n = int(f.attrs["n_records"])
     h = hashlib.sha256()
-
-    def feed(ds: h5py.Dataset, stop: int) -> None:
-        h.update(ds.name.encode())
-        row = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
-        step = max(1, _DIGEST_READ_BYTES // row)
-        for lo in range(0, stop, step):
-            h.update(np.ascontiguousarray(ds[lo : min(stop, lo + step)]).tobytes())
-
     for k in sorted(f[C.G_LAYERS]):
         g = f[f"{C.G_LAYERS}/{k}"]
         for name in (C.L_SKETCH, C.L_U, C.L_V, C.L_SCALE):  # full sketches, or rank-r factors
             if name in g:
-                feed(g[name], n)
+                _feed(h, g[name], n)
         for name in (C.L_COV_A, C.L_COV_S):
             if name in g:
-                feed(g[name], g[name].shape[0])
+                _feed(h, g[name])
     for name in C.RECORD_FIELDS:
-        feed(f[f"{C.G_RECORDS}/{name}"], n)
+        _feed(h, f[f"{C.G_RECORDS}/{name}"], n)
     return h.hexdigest()
+
+
+def _plain(v):
+    """An HDF5 attribute value as JSON (numpy scalars and arrays, bytes)."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "surrogateescape")
+    if isinstance(v, np.ndarray):
+        return [_plain(x) for x in v.tolist()]
+    return v.item() if hasattr(v, "item") else v
+
+
+def _attrs_json(obj, names: Sequence[str] | None = None) -> bytes:
+    at = obj.attrs
+    keys = sorted(at) if names is None else [k for k in names if k in at]
+    return json.dumps({k: _plain(at[k]) for k in keys}, sort_keys=True).encode()
+
+
+def strings_digest(columns: dict[str, Sequence[bytes]]) -> str:
+    """sha256 over the example table's UTF-8 string columns (name, then each value's length and
+    bytes). Kept as ``/examples`` attribute ``strings_sha256``: HDF5 cannot checksum
+    variable-length strings, so the reader checks them against it."""
+    h = hashlib.sha256()
+    for col in C.EX_STRING_COLUMNS:
+        vals = columns.get(col)
+        if vals is None:
+            continue
+        h.update(col.encode() + b"\0")
+        h.update(np.array([len(b) for b in vals], dtype="<i8").tobytes())
+        h.update(b"".join(vals))
+    return h.hexdigest()
+
+
+def raw_strings(g: h5py.Group) -> dict[str, list[bytes]]:
+    """The example table's string columns as stored (UTF-8 bytes)."""
+    return {
+        col: [b if isinstance(b, bytes) else str(b).encode() for b in g[col][()]]
+        for col in C.EX_STRING_COLUMNS
+        if col in g
+    }
+
+
+def full_content_digest(f: h5py.File, records_digest: str | None = None) -> str:
+    """sha256 over :func:`content_digest` (``records_digest`` when already computed), the
+    projection matrices, every layer's attributes, the root attributes a score is read with and
+    the whole example table (coverage version 2, the ``content_sha256_v2`` root attribute)."""
+    h = hashlib.sha256(b"traceprop content digest v2\0")
+    h.update((records_digest or content_digest(f)).encode())
+    h.update(_attrs_json(f, _ROOT_ATTRS))
+    for k in sorted(f[C.G_LAYERS]):
+        g = f[f"{C.G_LAYERS}/{k}"]
+        h.update(_attrs_json(g))
+        for name in (C.L_P_IN, C.L_P_OUT, C.L_DENSE_INDEX, C.L_DENSE_SIGN):
+            if name in g:
+                _feed(h, g[name])
+    if C.G_EXAMPLES in f:
+        g = f[C.G_EXAMPLES]
+        h.update(_attrs_json(g))
+        for name in (C.EX_ROW, C.EX_TOKEN_OFFSETS, C.EX_TOKENS, C.EX_LOSS_MASK):
+            if name in g:
+                _feed(h, g[name])
+        h.update(strings_digest(raw_strings(g)).encode())
+    return h.hexdigest()
+
+
+def records_full_digest(f: h5py.File) -> bool:
+    """Whether the writer of ``f`` recorded :func:`full_content_digest` (its projections and
+    example table are checksummed too): a store of this kind without the attribute lost it."""
+    for k in sorted(f[C.G_LAYERS]):
+        g = f[f"{C.G_LAYERS}/{k}"]
+        for name in (C.L_P_IN, C.L_P_OUT, C.L_DENSE_INDEX):
+            if name in g:
+                return bool(g[name].fletcher32)
+    g = f.get(C.G_EXAMPLES)
+    return g is not None and C.EX_ROW in g and bool(g[C.EX_ROW].fletcher32)
 
 
 def chunk_rows(record_numel: int, target_bytes: int = 1 << 17) -> int:

@@ -17,7 +17,19 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import ModelMismatchError, SchemaVersionError, StoreError
-from .format import DIGEST_ATTR, Covariance, LayerInfo, content_digest, decode_factors
+from .format import (
+    DIGEST_ATTR,
+    DIGEST_COVERAGE,
+    FULL_DIGEST_ATTR,
+    Covariance,
+    LayerInfo,
+    content_digest,
+    decode_factors,
+    full_content_digest,
+    raw_strings,
+    records_full_digest,
+    strings_digest,
+)
 
 
 def _damaged(store, info, read):
@@ -165,39 +177,52 @@ class Store(PartialStatus):
             )
 
     def verify_content(self) -> dict:
-        """Recompute the content digest and compare it with the one written at completion.
+        """Recompute the content digests and compare them with those written at completion.
 
         Returns:
-            ``{"status": ok|changed|unreadable|absent|unchecked, "expected", "actual", "detail"}``:
-            ``absent`` when a store with checksummed datasets has lost its digest attribute,
-            ``unchecked`` for a store written before digests were recorded (nothing to compare).
+            ``{"status": ok|changed|unreadable|absent|unchecked, "expected", "actual", "detail",
+            "digest_version", "covers"}``: ``absent`` when a store written with a digest has lost
+            it, ``unchecked`` for a store written before digests were recorded (nothing to
+            compare). ``digest_version`` says what the compared digest covers (``covers``, in
+            words, from :data:`~.format.DIGEST_COVERAGE`): 2 for ``content_sha256_v2``, 1 for a
+            store written before it (its projections and example table are not covered, and
+            ``detail`` says so).
         """
-        want = self._f.attrs.get(DIGEST_ATTR)
-        want = str(want) if want is not None else None
+        at = self._f.attrs
+        want1, want2 = (str(at[a]) if a in at else None for a in (DIGEST_ATTR, FULL_DIGEST_ATTR))
+        full = want2 is not None or records_full_digest(self._f)
+        version = 2 if full else 1
+        out = {"digest_version": version, "covers": DIGEST_COVERAGE[version]}
         try:
-            got = content_digest(self._f)
+            got1 = content_digest(self._f)
+            got2 = full_content_digest(self._f, got1) if full else None
         except (OSError, KeyError, ValueError) as e:
-            return {"status": "unreadable", "expected": want, "actual": None, "detail": str(e)}
-        if want is None:
+            return {**out, "status": "unreadable", "expected": want2 or want1, "actual": None,
+                    "detail": str(e)}  # fmt: skip
+        want, got = (want2, got2) if full else (want1, got1)
+        lost = [a for a, w in ((DIGEST_ATTR, want1), (FULL_DIGEST_ATTR, want2)) if w is None]
+        if want is None or (full and lost):
             first = (
                 self._f[f"{self.layers[0].group}/{C.L_U if self.layers[0].rank else C.L_SKETCH}"]
                 if self.layers
                 else None
             )
-            legacy = first is None or not first.fletcher32
+            legacy = not full and (first is None or not first.fletcher32)
             return {
+                **out,
                 "status": "unchecked" if legacy else "absent",
                 "expected": None,
                 "actual": got,
                 "detail": "written before stores recorded a content digest"
                 if legacy
-                else "the content digest attribute was removed",
+                else f"the content digest attribute {' and '.join(lost)} was removed",
             }
         return {
-            "status": "ok" if got == want else "changed",
+            **out,
+            "status": "ok" if got == want and got1 == want1 else "changed",
             "expected": want,
             "actual": got,
-            "detail": "",
+            "detail": "" if full else f"its digest covers {DIGEST_COVERAGE[1]}",
         }
 
     # -- state ------------------------------------------------------------------------------
@@ -213,7 +238,8 @@ class Store(PartialStatus):
     def fingerprint(self) -> str:
         """Identity of the store's content: changes when records or statistics change."""
         at = self._f.attrs
-        digest = at.get(DIGEST_ATTR)  # absent in stores written before digests (fingerprint kept)
+        # the full digest where written; stores written before it keep their fingerprint
+        digest = at.get(FULL_DIGEST_ATTR, at.get(DIGEST_ATTR))
         return (
             f"{self.manifest.get('run_id', '')}:{self.n_records}:{at.get('status')}:{at.get('finished', '')}"
             + (f":{digest}" if digest is not None else "")
@@ -303,7 +329,7 @@ class Store(PartialStatus):
         info = self.layers[layer]
         g = self._f[info.group]
         if name in g:
-            return g[name][()]
+            return self._read(g[name], f"the projection {name} of layer {info.name}")
         k, d = (info.k_in, info.d_in) if side == "in" else (info.k_out, info.d_out)
         if info.sketch != "dense" and k < d:
             # a side is projected unless its k equals the layer width (then no matrix is stored)
@@ -314,10 +340,23 @@ class Store(PartialStatus):
         return None
 
     def dense_projection(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        g = self._f[self.layers[layer].group]
+        info = self.layers[layer]
+        g = self._f[info.group]
         nnz = int(g.attrs["dense_nnz"])
-        sign = g[C.L_DENSE_SIGN][()].astype(np.float32) * 2 - 1
-        return g[C.L_DENSE_INDEX][()].astype(np.int64), (sign / np.sqrt(nnz)).astype(np.float32)
+        what = f"the dense projection of layer {info.name}"
+        sign = self._read(g[C.L_DENSE_SIGN], what).astype(np.float32) * 2 - 1
+        index = self._read(g[C.L_DENSE_INDEX], what).astype(np.int64)
+        return index, (sign / np.sqrt(nnz)).astype(np.float32)
+
+    def _read(self, ds: h5py.Dataset, what: str, sel=()) -> np.ndarray:
+        """``ds[sel]``, with a Fletcher-32 mismatch (bytes changed on disk) as a StoreError."""
+        try:
+            return ds[sel]
+        except OSError as e:
+            raise StoreError(
+                f"{self.path}: {what} is damaged ({e}); the store cannot be trusted: re-run the "
+                "training"
+            ) from e
 
     def covariance(self, layer: int) -> Covariance | None:
         """The layer's K-FAC statistics; None for a dense layer or a run without covariance."""
@@ -331,17 +370,27 @@ class Store(PartialStatus):
         if C.G_EXAMPLES not in self._f:
             return {}
         g = self._f[C.G_EXAMPLES]
-        out = {}
-        for col in C.EX_STRING_COLUMNS:
-            out[col] = g[col].asstr()[()]
-        out[C.EX_ROW] = g[C.EX_ROW][()]
+        raw = raw_strings(g)
+        want = g.attrs.get(C.EX_STRINGS_SHA256)  # absent in stores written before it
+        if want is not None and strings_digest(raw) != str(want):
+            raise StoreError(
+                f"{self.path}: the example table's text columns (source, sha256, text...) are "
+                "damaged or were changed: they no longer match their checksum "
+                f"(/{C.G_EXAMPLES} attribute {C.EX_STRINGS_SHA256}); the store cannot be "
+                "trusted: re-run the training"
+            )
+        out = {col: np.array([b.decode() for b in vals], dtype=object) for col, vals in raw.items()}
+        out[C.EX_ROW] = self._read(g[C.EX_ROW], "the example table's row column")
         return out
 
     def tokens(self, example: int) -> tuple[np.ndarray, np.ndarray]:
         """The exact token ids and loss mask example ``example`` was trained on."""
         g = self._f[C.G_EXAMPLES]
-        lo, hi = g[C.EX_TOKEN_OFFSETS][example : example + 2]
-        return g[C.EX_TOKENS][lo:hi], g[C.EX_LOSS_MASK][lo:hi]
+        what = "the example table's tokens"
+        lo, hi = self._read(g[C.EX_TOKEN_OFFSETS], what, np.s_[example : example + 2])
+        return self._read(g[C.EX_TOKENS], what, np.s_[lo:hi]), self._read(
+            g[C.EX_LOSS_MASK], what, np.s_[lo:hi]
+        )
 
     def timings(self) -> dict:
         g = self._f[C.G_TIMINGS]

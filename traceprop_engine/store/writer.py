@@ -25,13 +25,17 @@ from .. import constants as C
 from .format import (
     DIGEST_ATTR,
     FACTOR_STORAGE,
+    FULL_DIGEST_ATTR,
     Covariance,
     append_records,
     chunk_rows,
     content_digest,
     create_records_group,
     encode_factors,
+    full_content_digest,
+    strings_digest,
 )
+from .space import METADATA_BYTES, array_bytes, ensure_room, growth_bytes
 
 log = logging.getLogger(__name__)
 _STR = h5py.string_dtype("utf-8")
@@ -59,6 +63,15 @@ class StoreWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".h5.tmp")
+        projections = [
+            getattr(layer, name)
+            for layer in layers
+            for name in ("P_in", "P_out", "dense_index", "dense_sign")
+            if getattr(layer, name, None) is not None
+        ]
+        # every dataset's header and the manifest, beside the projections (see .space)
+        need = array_bytes(*projections) + METADATA_BYTES * 4 * (len(layers) + 2)
+        ensure_room(tmp, need + len(json.dumps(manifest, default=str)), "creating the store")
         # v110 at most: "latest" (superblock v3) marks the file open-for-write in its header, and
         # after a SIGKILL (OOM killer, preempted node) no reader could open it again; with
         # superblock v2 the first n_records records (flushed) stay readable
@@ -131,7 +144,7 @@ class StoreWriter:
             g.attrs[C.L_SQNORM] = float(sq_norm[i])
             self._sketch_ds.append(ds)
         self._sq_norm = np.asarray(sq_norm, dtype=np.float64)
-        for attr in (DIGEST_ATTR, "finished"):
+        for attr in (DIGEST_ATTR, FULL_DIGEST_ATTR, "finished"):
             if attr in f.attrs:
                 del f.attrs[attr]
         f.attrs["n_records"] = n_records
@@ -205,20 +218,23 @@ class StoreWriter:
                 compression=compression,
                 fletcher32=True,
             )
+        # Fletcher-32 here too: a flipped byte in a projection fails the read (it moves scores)
         if layer.P_in is not None:
-            g.create_dataset(C.L_P_IN, data=layer.P_in.numpy())
+            g.create_dataset(C.L_P_IN, data=layer.P_in.numpy(), fletcher32=True)
         if layer.P_out is not None:
-            g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy())
+            g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy(), fletcher32=True)
         if getattr(layer, "dense_index", None) is not None:
             g.create_dataset(
                 C.L_DENSE_INDEX,
                 data=layer.dense_index.numpy().astype(np.int32),
                 compression="gzip",
+                fletcher32=True,
             )
             g.create_dataset(
                 C.L_DENSE_SIGN,
                 data=(layer.dense_sign.numpy() > 0).astype(np.int8),
                 compression="gzip",
+                fletcher32=True,
             )
             g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
         return sketch_ds
@@ -232,22 +248,38 @@ class StoreWriter:
         """The example table with lineage and the exact token ids / loss masks trained on.
 
         ``table`` columns: source, row, sha256, split, text, prompt, completion, label (str or
-        None). Row ``i`` of the table is example index ``i``.
+        None). Row ``i`` of the table is example index ``i``. The numeric columns carry
+        Fletcher-32 checksums; the string columns (which HDF5 cannot checksum) the
+        ``strings_sha256`` attribute the reader checks them against.
         """
         with self._lock:
-            g = self._f.require_group(C.G_EXAMPLES)
             n = len(table[C.EX_SOURCE])
-            for col in C.EX_STRING_COLUMNS:
-                vals = [("" if v is None else str(v)) for v in table.get(col, [None] * n)]
+            raw = {
+                col: [("" if v is None else str(v)).encode() for v in table.get(col, [None] * n)]
+                for col in C.EX_STRING_COLUMNS
+            }
+            text = sum(len(b) + 16 for vals in raw.values() for b in vals)  # + heap entries
+            n_tokens = sum(len(t) for t in tokens)
+            ensure_room(
+                self.path, text + n_tokens * 5 + n * 16 + 12 * METADATA_BYTES, "the example table"
+            )
+            g = self._f.require_group(C.G_EXAMPLES)
+            for col, vals in raw.items():
                 g.create_dataset(col, data=np.array(vals, dtype=object), dtype=_STR)
-            g.create_dataset(C.EX_ROW, data=np.asarray(table[C.EX_ROW], dtype=np.int64))
+            g.attrs[C.EX_STRINGS_SHA256] = strings_digest(raw)
+
+            def numeric(name, data, **kw):
+                # an empty table has nothing to chunk (Fletcher-32 needs chunks)
+                g.create_dataset(name, data=data, fletcher32=len(data) > 0, **kw)
+
+            numeric(C.EX_ROW, np.asarray(table[C.EX_ROW], dtype=np.int64))
             lengths = np.array([len(t) for t in tokens], dtype=np.int64)
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-            g.create_dataset(C.EX_TOKEN_OFFSETS, data=offsets)
+            numeric(C.EX_TOKEN_OFFSETS, offsets)
             flat_t = np.concatenate(tokens).astype(np.int32) if n else np.zeros(0, np.int32)
             flat_m = np.concatenate(loss_masks).astype(np.uint8) if n else np.zeros(0, np.uint8)
-            g.create_dataset(C.EX_TOKENS, data=flat_t, compression="gzip")
-            g.create_dataset(C.EX_LOSS_MASK, data=flat_m, compression="gzip")
+            numeric(C.EX_TOKENS, flat_t, compression="gzip" if n else None)
+            numeric(C.EX_LOSS_MASK, flat_m, compression="gzip" if n else None)
             g.attrs["n_examples"] = n
             self._f.flush()
 
@@ -255,6 +287,15 @@ class StoreWriter:
         """Append one flushed chunk of records (all layers + metadata), then mark it readable."""
         with self._lock:
             n0, n = self.n_records, len(meta[C.REC_EXAMPLE])
+            grown = [
+                d for ds in self._sketch_ds for d in (ds[0] if isinstance(ds, tuple) else [ds])
+            ]
+            grown += [self._f[C.G_RECORDS][name] for name in C.RECORD_FIELDS]
+            ensure_room(
+                self.path,
+                sum(growth_bytes(d, n0, n) for d in grown),
+                f"appending records {n0}-{n0 + n - 1} to the store",
+            )
             for i, (ds, arr) in enumerate(zip(self._sketch_ds, arrays, strict=True)):
                 if isinstance(ds, tuple):  # ([U, V(, scale)], k_out, dtype); arr (n, ko + ki, r)
                     pair, k_out, fdt = ds
@@ -283,6 +324,8 @@ class StoreWriter:
     def write_covariance(self, cov: Sequence[Covariance | None]) -> None:
         """Per layer (in layer order) its K-FAC statistics, or None for a layer without any."""
         with self._lock:
+            stats = [a for c in cov if c is not None for a in (c.A, c.S)]
+            ensure_room(self.path, array_bytes(*stats), "the K-FAC statistics")
             for i, c in enumerate(cov):
                 if c is not None:
                     c.write(self._f[f"{C.G_LAYERS}/{i:03d}"])
@@ -290,6 +333,7 @@ class StoreWriter:
 
     def write_timings(self, step_ms: Sequence[float], extra: dict | None = None) -> None:
         with self._lock:
+            ensure_room(self.path, array_bytes(np.asarray(step_ms, np.float64)), "the timings")
             g = self._f[C.G_TIMINGS]
             if C.T_STEP_MS in g:
                 del g[C.T_STEP_MS]
@@ -300,6 +344,8 @@ class StoreWriter:
 
     def set_attrs(self, **attrs) -> None:
         with self._lock:
+            size = sum(len(json.dumps(v, default=str)) for v in attrs.values())
+            ensure_room(self.path, size + METADATA_BYTES, "the store's attributes")
             for k, v in attrs.items():
                 self._f.attrs[k] = (
                     json.dumps(v, sort_keys=True, default=str) if isinstance(v, dict) else v
@@ -312,7 +358,8 @@ class StoreWriter:
                 return
             self._f.attrs["status"] = status
             try:
-                self._f.attrs[DIGEST_ATTR] = content_digest(self._f)
+                self._f.attrs[DIGEST_ATTR] = records = content_digest(self._f)
+                self._f.attrs[FULL_DIGEST_ATTR] = full_content_digest(self._f, records)
             except (OSError, KeyError) as e:  # never hide the run's own outcome behind this
                 log.error("could not compute the store's content digest: %s", e)
             self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

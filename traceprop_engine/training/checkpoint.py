@@ -50,6 +50,7 @@ CHECKPOINT_TMP = ".checkpoint.tmp"
 CHECKPOINT_OLD = ".checkpoint.old"
 STATE_FILE = "state.pt"
 META_FILE = "checkpoint.json"
+MODEL_SUBDIR = "model"  # the model as saved (loadable for queries of a run that stopped)
 FORMAT = 1
 
 
@@ -97,8 +98,14 @@ def due(every: int, step: int, total_steps: int, stopping: bool = False) -> bool
     return bool(every) and step < total_steps and (step % every == 0 or stopping)
 
 
-def save(run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=None) -> None:
+def save(
+    run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=None, loaded=None
+) -> None:
     """Write ``RUN/checkpoint`` for the state after ``step`` (atomically, see the module doc).
+
+    ``loaded`` (the run's ``LoadedModel``; one process only): also save the model as a run's
+    ``model/`` is saved, into ``checkpoint/model/`` with its fingerprint in ``checkpoint.json``,
+    so that a run killed before its final save can still be queried.
 
     Under DDP (``dist_ctx`` with several ranks) a collective: every rank calls it after the same
     step; see the module doc for who writes what.
@@ -125,9 +132,20 @@ def save(run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=Non
     model_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     if dist_ctx is None or not dist_ctx.enabled:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save({**model_state, **own_state}, tmp / STATE_FILE)
-        _publish(tmp, final, old, {**head, **own_meta})
+        state = {**model_state, **own_state}
+        _ensure_room(run_dir, [state, model_state["model"] if loaded is not None else None])
+        try:
+            tmp.mkdir()
+            _save_state(state, tmp / STATE_FILE)
+            if loaded is not None:
+                from .models import save_model
+
+                info = save_model(loaded, tmp / MODEL_SUBDIR)
+                own_meta["model_fingerprint"] = info["fingerprint"]
+            _publish(tmp, final, old, {**head, **own_meta})
+        except BaseException:  # a failed checkpoint takes no space: the run can still close
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return
     import torch.distributed as dist
 
@@ -135,15 +153,48 @@ def save(run_dir: Path, model, opt, tracker, step: int, epoch: int, dist_ctx=Non
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist_ctx.barrier()  # the folder exists before any rank writes into it
-    torch.save(own_state, tmp / rank_state_file(dist_ctx.rank))
+    _save_state(own_state, tmp / rank_state_file(dist_ctx.rank))
     if dist_ctx.is_main:  # DDP keeps the model and optimiser states equal on every rank
-        torch.save(model_state, tmp / STATE_FILE)
+        _save_state(model_state, tmp / STATE_FILE)
     metas: list = [None] * dist_ctx.world_size
     dist.all_gather_object(metas, own_meta)  # returns once every rank wrote its file
     if dist_ctx.is_main:
         head.update(world_size=dist_ctx.world_size, parallel=dist_ctx.parallel)
         _publish(tmp, final, old, {**head, **metas[0], "ranks": metas})
     dist_ctx.barrier()  # no rank goes on before the whole checkpoint is in place
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _ensure_room(run_dir: Path, state: dict) -> None:
+    """Refuse (ENOSPC) a checkpoint that would not fit beside the store's reserve: a full disk
+    mid-checkpoint would leave no room to close the store and write run.json."""
+    from ..store.space import METADATA_BYTES, ensure_room
+
+    ensure_room(run_dir / CHECKPOINT_TMP, _tensor_bytes(state) + METADATA_BYTES, "a checkpoint")
+
+
+def _save_state(state: dict, path: Path) -> None:
+    """``torch.save``, its failures as ``OSError``: torch's zip writer reports a full disk as a
+    RuntimeError ("iostream error", "unexpected pos", "file write failed")."""
+    from ..store.space import RESERVE_BYTES, room
+
+    try:
+        torch.save(state, path)
+    except RuntimeError as e:
+        free, code = room(path)  # measured before the partial file is removed
+        what = f"writing the checkpoint {path} failed ({e})"
+        if free < RESERVE_BYTES:
+            raise OSError(code, f"{os.strerror(code)}: {what}; {free} bytes are left") from e
+        raise OSError(what) from e
 
 
 def rank_state_file(rank: int) -> str:

@@ -169,6 +169,8 @@ def _run(job: Job, device: torch.device, on_progress: ProgressFn | None, stop: S
             status = C.STATUS_CANCELLED if stop.requested else C.STATUS_COMPLETED
             if stop.requested:
                 job.manifest["cancel_reason"] = stop.reason
+            if job.tracker is not None:  # the last records on disk before the model is saved:
+                job.tracker.sync()  # a full disk stops the run here, not after the save
             # a sharded (FSDP) model's forward and state dict are collectives: every rank joins
             if dist_ctx.is_main or dist_ctx.fsdp:
                 _save_results(job, prep, last_loss)
@@ -178,13 +180,10 @@ def _run(job: Job, device: torch.device, on_progress: ProgressFn | None, stop: S
         raise
     except BaseException as e:
         status = C.STATUS_FAILED
-        full = disk_full(e)
+        full = disk_full(e, run_dir)
         if full is not None:
             job.manifest["error"] = f"disk full: {full}"
-            raise RunError(
-                f"the disk is full: writing {run_dir} failed ({full}); free some space (or choose "
-                "an --out on another disk) and re-run; the run is marked failed"
-            ) from None
+            raise _failure(run_dir, full) from None
         job.manifest["error"] = f"{type(e).__name__}: {e}"
         if isinstance(e, OSError) and not isinstance(e, TracepropError):
             raise RunError(f"reading or writing the run {run_dir} failed: {e}") from e
@@ -192,6 +191,13 @@ def _run(job: Job, device: torch.device, on_progress: ProgressFn | None, stop: S
     finally:
         _close_run(job, status)
     return run_dir
+
+
+def _failure(run_dir: Path, full: BaseException) -> RunError:
+    return RunError(
+        f"the disk is full: writing {run_dir} failed ({full}); free some space (or choose "
+        "an --out on another disk) and re-run; the run is marked failed"
+    )
 
 
 def _open_run_dir(run_dir: Path, overwrite: bool, dist_ctx: distributed.DistContext) -> int | None:
@@ -240,6 +246,7 @@ def _close_run(job: Job, status: str) -> None:
     error that ended the run.
     """
     manifest, dist_ctx, tracker = job.manifest, job.dist, job.tracker
+    close_error = None  # raised at the end when nothing else ended the run
     if tracker is not None:
         try:
             tracker.writer.set_attrs(manifest=manifest)
@@ -247,7 +254,19 @@ def _close_run(job: Job, status: str) -> None:
             manifest["store"] = {"file": dist_ctx.store_file, "n_records": tracker.n_records}
         except Exception as e:  # never hide the original error behind a store error
             log.error("closing the store failed: %s", e)
-            manifest.setdefault("error", f"closing the store failed: {e}")
+            full = disk_full(e, job.run_dir)
+            manifest.setdefault(
+                "error", f"disk full: {full}" if full else f"closing the store failed: {e}"
+            )
+            if status == C.STATUS_COMPLETED:
+                close_error = (
+                    _failure(job.run_dir, full)
+                    if full
+                    else RunError(
+                        f"closing the store of {job.run_dir} failed ({e}); the run is marked failed"
+                    )
+                )
+            manifest["store"] = {"file": dist_ctx.store_file, "n_records": tracker.writer.n_records}
             status = C.STATUS_FAILED
     if dist_ctx.enabled and status != C.STATUS_FAILED:
         # every shard is closed before rank 0 marks the run finished (a failed rank is torn
@@ -277,3 +296,5 @@ def _close_run(job: Job, status: str) -> None:
     if dist_ctx.enabled and status != C.STATUS_FAILED:
         dist_ctx.barrier()  # no rank returns before run.json says how the run ended
     dist_ctx.close()
+    if close_error is not None:
+        raise close_error

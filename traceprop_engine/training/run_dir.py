@@ -120,11 +120,32 @@ def save_model_atomically(loaded, run_dir: Path, state_dict: dict | None = None)
     return info
 
 
-def disk_full(e: BaseException) -> OSError | None:
-    """The ENOSPC error in ``e`` or its causes (the store writer wraps it), else None."""
-    seen = 0
+_FULL_CODES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# how libraries that do their own I/O say it: safetensors' SafetensorError (a Rust io::Error),
+# torch.save's RuntimeError ("file write failed" from its zip writer)
+_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "File too large")
+
+
+def disk_full(e: BaseException, run_dir: Path | None = None) -> BaseException | None:
+    """The error in ``e`` or its causes that says the disk (or a quota, or the file-size limit)
+    is full, else None. A write error without a reason (torch's "file write failed") counts
+    when ``run_dir``'s file system has less than the store's reserve free right now."""
+    seen, chain = 0, []
     while e is not None and seen < 8:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
+        chain.append(e)
         e, seen = e.__cause__ or e.__context__, seen + 1
+    for x in chain:
+        if isinstance(x, OSError) and x.errno in _FULL_CODES:
+            return x
+        if any(w in str(x) for w in _FULL_WORDS):
+            return x
+    if run_dir is not None and any("write failed" in str(x) for x in chain):
+        from ..store.space import RESERVE_BYTES
+
+        try:
+            st = os.statvfs(run_dir)
+        except OSError:
+            return None
+        if st.f_bavail * st.f_frsize < RESERVE_BYTES:
+            return chain[0]
     return None

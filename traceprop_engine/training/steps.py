@@ -53,6 +53,8 @@ def train_steps(
         )
     # FSDP's model and optimiser states are sharded: those runs write no checkpoint
     every = 0 if dist_ctx.fsdp else settings.checkpoint_every
+    # one process: the checkpoint also holds the model as saved, so a killed run can be queried
+    saved = None if dist_ctx.enabled else prep.loaded
     t_start = time.perf_counter()
     step = start
     halted = False  # the loop stopped on every rank together (a stop request)
@@ -97,7 +99,7 @@ def train_steps(
                     on_progress(line)
                 if checkpoint.due(every, step, total_steps):
                     checkpoint.save(
-                        job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx
+                        job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx, saved
                     )
             # `halted`, not `stop.requested`: a request that reached one rank during an epoch's
             # last step must not end the loop there on that rank alone (the ranks would part)
@@ -107,7 +109,7 @@ def train_steps(
         bar.close()
     if halted and checkpoint.due(every, step, total_steps, stopping=True) and step > start:
         # resume here (`halted` is the same on every rank: the save is a collective under DDP)
-        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx)
+        checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx, saved)
     if step > start:
         _check_finite(float(losses.detach().mean()), step, lr)
     job.manifest["timings"] = {
