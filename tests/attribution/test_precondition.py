@@ -101,11 +101,36 @@ def test_ekfac_matches_explicit_diagonal_in_eigenbasis():
     lam_d = lam + DEFAULT_DAMPING * lam.mean()
     H = Q @ np.diag(lam_d) @ Q.T
     flat = sk.reshape(N_REC, -1)
-    ref = flat @ np.linalg.solve(H, flat.T)
+    f2 = lam.sum() / (lam / lam_d).sum()  # the per-layer trace normalisation
+    ref = f2 * flat @ np.linalg.solve(H, flat.T)
 
     v = lp.apply(sk, dtype=np.float64)
+    assert lp.info["layer_scale"] == pytest.approx(np.sqrt(f2), rel=1e-10)
     np.testing.assert_allclose(v @ v.T, ref, rtol=RTOL_F64, atol=1e-10 * np.abs(ref).max())
     assert mom.mean_sq_norm == pytest.approx(np.mean(np.sum(sk**2, axis=(1, 2))), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_trace_normalisation_keeps_each_layers_energy_and_heavy_damping_is_identity(kind):
+    """With the records' moments, a layer's mean ‖H^{-1/2} Ŝ‖² equals its mean ‖Ŝ‖² (identity's
+    share of the summed score), the directions are the calibrated fit's up to one scalar, and
+    heavy damping gives the identity itself, not a per-layer rescaling of it (issue 26)."""
+    A, S, sk = _layer(6)
+    mom = EkfacMoments.from_factors(A, S)
+    mom.update(sk)
+    msn = float(np.mean(np.sum(sk**2, axis=(1, 2))))
+    lp = fit_layer(kind, A, S, N_TOK, sketch_moments=mom)
+    v = lp.apply(sk, dtype=np.float64)
+    assert np.mean(np.sum(v**2, axis=1)) == pytest.approx(msn, rel=1e-10)
+    if kind == "kfac":
+        plain = fit_layer(kind, A, S, N_TOK, mean_sq_norm=msn).apply(sk, dtype=np.float64)
+        np.testing.assert_allclose(v, lp.info["layer_scale"] * plain, rtol=RTOL_F64)
+    heavy = fit_layer(kind, A, S, N_TOK, sketch_moments=mom, damping=1e8)
+    flat = sk.reshape(N_REC, -1)
+    got = heavy.apply(sk, dtype=np.float64)
+    if kind == "ekfac":  # the eigenbasis rotation is orthogonal: compare inner products
+        got, flat = got @ got.T, flat @ flat.T
+    np.testing.assert_allclose(got, flat, rtol=1e-6, atol=1e-6 * np.abs(flat).max())
 
 
 def test_identity_is_plain_dot_and_dense_layers():
@@ -121,13 +146,17 @@ def test_identity_is_plain_dot_and_dense_layers():
     mom.update(x)
     ek = fit_layer("ekfac", None, None, 0, sketch_moments=mom)
     lam = np.mean(x**2, axis=0)
+    f = np.sqrt(lam.sum() / (lam / (lam + 0.1 * lam.mean())).sum())
     np.testing.assert_allclose(
-        ek.apply(x, dtype=np.float64), x / np.sqrt(lam + 0.1 * lam.mean()), rtol=RTOL_F64
+        ek.apply(x, dtype=np.float64), f * x / np.sqrt(lam + 0.1 * lam.mean()), rtol=RTOL_F64
     )
+    # isotropic K-FAC: with the trace normalisation (moments given) the identity itself
     kf = fit_layer("kfac", None, None, 0, sketch_moments=mom)
+    np.testing.assert_allclose(kf.apply(x, dtype=np.float64), x, rtol=RTOL_F64)
     m = np.mean(np.sum(x**2, axis=1))
+    kf_calibrated = fit_layer("kfac", None, None, 0, mean_sq_norm=m, shape=(16,))
     np.testing.assert_allclose(
-        kf.apply(x, dtype=np.float64), x / np.sqrt(1.1 * m / 16), rtol=RTOL_F64
+        kf_calibrated.apply(x, dtype=np.float64), x / np.sqrt(1.1 * m / 16), rtol=RTOL_F64
     )
     idn = fit_layer(PreconditionerKind.IDENTITY, None, None, 0, shape=(16,))
     np.testing.assert_array_equal(idn.apply(x, dtype=np.float64), x)

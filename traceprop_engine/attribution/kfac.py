@@ -95,8 +95,20 @@ def fit_layer(
         return _fit_dense(kind, shape, mean_sq_norm, sketch_moments, damping, name)
     a_bar, s_bar = _factor_means(A, S, n_tokens, shape, name)
     if kind is PreconditionerKind.KFAC:
-        return _fit_kfac(a_bar, s_bar, shape, mean_sq_norm, damping, name)
+        return _fit_kfac(a_bar, s_bar, shape, mean_sq_norm, damping, name, sketch_moments)
     return _fit_ekfac(sketch_moments, shape, damping, name)
+
+
+def _layer_scale(mean_sq_norm: float, preconditioned_sq_norm: float, name: str) -> float:
+    """The per-layer trace normalisation ``f``: ``f² · mean_i ‖H^{-1/2} Ŝ_i‖² = mean_i ‖Ŝ_i‖²``,
+    so each layer keeps identity's share of the summed score and only its directions are
+    reweighted (heavy damping then tends to identity itself, not to a per-layer rescaling)."""
+    if not preconditioned_sq_norm > 0 or not mean_sq_norm > 0:
+        raise ConfigError(
+            f"layer {name!r}: the layer's sketches are all zero (mean ‖Ŝ‖² = {mean_sq_norm:.3g}); "
+            "it received no gradient — drop it from tracking or use the identity preconditioner"
+        )
+    return float(np.sqrt(mean_sq_norm / preconditioned_sq_norm))
 
 
 def _layer_shape(A, S, moments: EkfacMoments | None, shape, name: str) -> tuple[int, ...]:
@@ -126,7 +138,8 @@ def _fit_dense(
                 f"dense layer {name!r}: K-FAC (isotropic) needs mean_sq_norm > 0, got "
                 f"{mean_sq_norm!r}; pass the store's mean squared sketch norm"
             )
-        var = (1.0 + damping) * mean_sq_norm / shape[0]
+        # isotropic: the trace normalisation (with moments) makes it the identity exactly
+        var = 1.0 if moments is not None else (1.0 + damping) * mean_sq_norm / shape[0]
         return LayerPreconditioner(
             name,
             kind,
@@ -136,12 +149,14 @@ def _fit_dense(
         )
     lam_diag = _moments_for(kind, moments, shape, name)
     lam = damping * float(lam_diag.mean())
+    inv = 1.0 / _positive(lam_diag + lam, name)
+    f = _layer_scale(float(lam_diag.sum()), float((lam_diag * inv).sum()), name)
     return LayerPreconditioner(
         name,
         kind,
         shape,
-        scale=1.0 / np.sqrt(_positive(lam_diag + lam, name)),
-        info={"lambda": lam, "damping": damping},
+        scale=f * np.sqrt(inv),
+        info={"lambda": lam, "damping": damping, "layer_scale": f},
     )
 
 
@@ -168,8 +183,11 @@ def _fit_kfac(
     mean_sq_norm: float | None,
     damping: float,
     name: str,
+    moments: EkfacMoments | None = None,
 ) -> LayerPreconditioner:
-    """K-FAC with the trace calibration ``c`` and per-factor damping (see the module docstring)."""
+    """K-FAC with the trace calibration ``c`` and per-factor damping (see the module docstring);
+    with ``moments`` (the records' second moments in the factors' eigenbases) also the per-layer
+    trace normalisation: ``mean_i ‖L Ŝ_i R‖² = Σ_ab Λ_ab / ((σ_a + λ_S)(α_b + λ_A))`` exactly."""
     if mean_sq_norm is None:
         raise ConfigError(
             f"layer {name!r}: K-FAC needs mean_sq_norm (mean ‖Ŝ_i‖² over records) for its "
@@ -185,13 +203,26 @@ def _fit_kfac(
     c = mean_sq_norm / (tr_s * tr_a)
     s_bar = c * s_bar
     lam_a, lam_s = damping * tr_a / shape[1], damping * c * tr_s / shape[0]
+    left = inverse_sqrt_psd(s_bar, lam_s)
+    info = {"c": c, "lambda_A": lam_a, "lambda_S": lam_s, "damping": damping}
+    if moments is not None:
+        if moments.shape != shape:
+            raise StoreError(
+                f"layer {name!r}: moments have shape {moments.shape}, sketches {shape}; "
+                "they were accumulated for another layer"
+            )
+        w_s = np.clip(np.linalg.eigvalsh(s_bar), 0.0, None) + lam_s  # ascending: Q_S's order
+        w_a = np.clip(np.linalg.eigvalsh(a_bar), 0.0, None) + lam_a
+        pre_sq = float((moments.mean / np.outer(w_s, w_a)).sum())
+        info["layer_scale"] = _layer_scale(mean_sq_norm, pre_sq, name)
+        left = left * info["layer_scale"]
     return LayerPreconditioner(
         name,
         PreconditionerKind.KFAC,
         shape,
-        left=inverse_sqrt_psd(s_bar, lam_s),
+        left=left,
         right=inverse_sqrt_psd(a_bar, lam_a),
-        info={"c": c, "lambda_A": lam_a, "lambda_S": lam_s, "damping": damping},
+        info=info,
     )
 
 
@@ -202,14 +233,16 @@ def _fit_ekfac(
     kind = PreconditionerKind.EKFAC
     lam_ab = _moments_for(kind, moments, shape, name)
     lam = damping * float(lam_ab.mean())
+    inv = 1.0 / _positive(lam_ab + lam, name)
+    f = _layer_scale(float(lam_ab.sum()), float((lam_ab * inv).sum()), name)
     return LayerPreconditioner(
         name,
         kind,
         shape,
         left=moments.q_s.T.copy(),
         right=moments.q_a.copy(),
-        scale=1.0 / np.sqrt(_positive(lam_ab + lam, name)),
-        info={"lambda": lam, "damping": damping},
+        scale=f * np.sqrt(inv),
+        info={"lambda": lam, "damping": damping, "layer_scale": f},
     )
 
 

@@ -22,18 +22,20 @@ Kinds:
   ``tr H`` equal that empirical trace, so every layer's ``H⁻¹`` is on the same scale as the
   per-example Fisher and per-layer scores can be summed meaningfully. Per-factor damping:
   ``λ_F = damping × tr(F)/k`` (the factor's mean eigenvalue), default ``damping = 0.1``.
-  ``v = (c S̄ + λ_S I)^{-1/2} Ŝ (Ā + λ_A I)^{-1/2}``.
+  ``v = f (c S̄ + λ_S I)^{-1/2} Ŝ (Ā + λ_A I)^{-1/2}``.
 - ``ekfac``: eigenbases ``Q_A, Q_S`` of ``Ā, S̄``; eigenvalue correction
   ``Λ_ab = mean_i (Q_Sᵀ Ŝ_i Q_A)_ab²`` streamed from the stored sketches (:class:`EkfacMoments`);
-  ``v = (Q_Sᵀ Ŝ Q_A) / sqrt(Λ + λ)``, ``λ = damping × mean(Λ)``. No calibration needed: ``Σ Λ``
-  already equals ``mean_i ‖Ŝ_i‖²_F``.
-- dense sketches (``x ∈ R^k``, no covariance recorded):
-  ``identity`` is ``v = x``; ``ekfac`` is the diagonal Fisher in the coordinate basis,
-  ``v_j = x_j / sqrt(Λ_j + λ)`` with ``Λ_j = mean_i x_ij²`` and ``λ = damping × mean(Λ)``;
-  ``kfac`` is the isotropic Fisher with the same trace, ``H = (m/k) I`` with
-  ``m = mean_i ‖x_i‖²``, damped the same way: ``v = x / sqrt((1 + damping) m / k)``. That is
-  identity up to one scalar, chosen so a dense layer's scores sit on the same scale as
-  calibrated factored layers when both are summed.
+  ``v = f (Q_Sᵀ Ŝ Q_A) / sqrt(Λ + λ)``, ``λ = damping × mean(Λ)``.
+- **per-layer trace normalisation** ``f`` (K-FAC and EK-FAC, whenever the records' moments are
+  streamed, which the store path always does): ``f² mean_i ‖H^{-1/2} Ŝ_i‖² = mean_i ‖Ŝ_i‖²``
+  (for K-FAC exactly ``Σ_ab Λ_ab / ((σ_a+λ_S)(α_b+λ_A))`` from the moments in its factors'
+  eigenbases): each layer keeps identity's share of the score, only directions inside it are
+  reweighted, heavy damping gives identity. Without it every whitened layer weighs about the
+  same (facts24: the LM head's 86 % of the energy diluted, LDS 0.826 → 0.629; EVAL.md §1d).
+- dense sketches (``x ∈ R^k``, no covariance): ``identity`` is ``v = x``; ``ekfac`` the diagonal
+  Fisher in the coordinate basis, ``v_j = f x_j / sqrt(Λ_j + λ)``, ``Λ_j = mean_i x_ij²``,
+  ``λ = damping × mean(Λ)``; ``kfac`` the isotropic Fisher, which the trace normalisation makes
+  the identity (without moments: ``v = x / sqrt((1 + damping) m / k)``, ``m = mean_i ‖x_i‖²``).
 """
 
 from __future__ import annotations

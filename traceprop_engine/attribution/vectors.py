@@ -43,8 +43,8 @@ def fit_preconditioner(
         # dense layers have no K-FAC factors: a diagonal (EK-FAC) or isotropic (K-FAC) fit
         dense = SketchKind(layer.sketch) is SketchKind.DENSE
         cov = store.covariance(li) if not dense else None
-        moments = None
-        if kind is PreconditionerKind.EKFAC:
+        moments = None  # K-FAC: for its per-layer trace normalisation; EK-FAC: its eigenvalues
+        if kind is not PreconditionerKind.IDENTITY:
             moments = (
                 EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
                 if cov

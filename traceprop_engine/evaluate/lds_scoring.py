@@ -142,8 +142,8 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
     sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
     for p in PRECONDITIONERS:
         ix = IndexSettings(
-            preconditioner="identity" if p == "cosine" else p,
-            cosine=p == "cosine",
+            preconditioner="identity" if p == "cosine" else p.removesuffix("-cos"),
+            cosine=p == "cosine" or p.endswith("-cos"),
             damping=s.damping,
         )
         try:

@@ -43,7 +43,9 @@ BM25_K1, BM25_B = 1.5, 0.75
 RESUME_KEYS = ("train", "n_subsets", "alpha", "seed")
 RETRAIN_SEED_STRIDE = 7919  # replicate r of a subset trains with seed + r * stride
 _CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac")
+PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac", "kfac-cos", "ekfac-cos")
+"""Scored per tracked run: ``cosine`` is identity with cosine scores (the default index), ``-cos``
+the same preconditioner with cosine scores (what the app's indexes use), the rest dot products."""
 COMPACT_FAMILY = "factored-c"
 COMPACT_PRECONDITIONERS = ("identity", "kfac", "ekfac")  # cosine needs the full vectors
 # (k, preconditioner, c): compact-storage (LoRIF rank-c factor) methods scored from the k runs
