@@ -71,7 +71,8 @@ class Selection:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "queries", tuple(self.queries))
-        object.__setattr__(self, "ids", tuple(str(i).strip() for i in self.ids if str(i).strip()))
+        ids = dict.fromkeys(str(i).strip() for i in self.ids if str(i).strip())  # once each
+        object.__setattr__(self, "ids", tuple(ids))
         if not (self.queries or self.by or self.ids):
             raise ConfigError(
                 "nothing selected: give a query (--prompt/--completion or --eval-example) with "
@@ -216,7 +217,8 @@ def _add(out: dict, train: pl.DataFrame, eid: int, reason: dict) -> None:
         r = r.row(0, named=True)
         text = r["text"] or ((r["prompt"] or "") + (r["completion"] or ""))
         out[eid] = Removal(eid, r["source"], int(r["row"]), r["sha256"], _short(text, 200))
-    out[eid].reasons.append(reason)
+    if reason not in out[eid].reasons:  # the same row picked twice the same way: one reason
+        out[eid].reasons.append(reason)
 
 
 def select_examples(run, sel: Selection) -> tuple[list[Removal], list[dict]]:
