@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 import shutil
 from pathlib import Path
@@ -213,7 +212,9 @@ def test_query_selection_is_the_runs_top_k(formats_run):
         by_loss, _ = select_examples(run, Selection(by="loss", top_k=4))
         assert len(by_loss) == 4 and all(r.reasons[0]["by"] == "loss" for r in by_loss)
         ranks = [r.reasons[0]["rank"] for r in by_loss]
-        values = [r.reasons[0]["value"] for r in sorted(by_loss, key=lambda r: r.reasons[0]["rank"])]
+        values = [
+            r.reasons[0]["value"] for r in sorted(by_loss, key=lambda r: r.reasons[0]["rank"])
+        ]
         assert values == sorted(values, reverse=True) and min(ranks) == 1
     finally:
         run.close()
