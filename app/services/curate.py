@@ -44,6 +44,13 @@ from .jobs import (
 from .queries import cached_examples, manifest_mtime
 
 CURATED_DIR = "curated"
+STATUS_WORDS = {  # compare.rank_changes' statuses, as the page says them
+    "both": "in both",
+    "only a": "left the top",
+    "only b": "entered the top",
+    "flipped": "changed side",
+    "removed": "removed",
+}
 MAX_K = 200
 
 
@@ -257,6 +264,14 @@ def proof_tables(q: dict) -> tuple[pl.DataFrame, pl.DataFrame]:
             pl.col("kind_b").alias("after"),
             pl.col("rank_b").alias("rank after"),
             pl.col("rank_change").alias("moved up by"),
-            "status",
+            pl.col("status").replace(STATUS_WORDS).alias("status"),
         )
-    return pl.DataFrame(q["overlap"]), ch
+    ov = pl.DataFrame(q["overlap"])
+    if not ov.is_empty():
+        ov = ov.select(
+            "kind",
+            pl.col("k").alias("top k"),
+            pl.col("shared").alias("in both top lists"),
+            pl.col("overlap_at_k").alias("overlap@k"),
+        )
+    return ov, ch

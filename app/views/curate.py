@@ -39,6 +39,7 @@ def _show_proof(job: dict, proof: dict) -> None:
             "Training examples (before → after)",
             proof["after"]["n_train"],
             proof["after"]["n_train"] - proof["before"]["n_train"],
+            delta_color="off",
         )
     for i, q in enumerate(proof["queries"], start=1):
         st.markdown(f"**Query {i}:** {text.md_escape(cur.query_label(q['query']))}")
@@ -53,7 +54,10 @@ def _show_proof(job: dict, proof: dict) -> None:
         c2.metric("Answer before", text.one_line(b["answer"]) or "—")
         c3.metric("Answer after", text.one_line(a["answer"]) or "—")
         overlap, changes = cur.proof_tables(q)
-        st.caption("Top influencers before and after (shared = in both top lists)")
+        st.caption(
+            "Top influencers before and after: removed rows are gone from the retrain; "
+            "'moved up by' is the rank before minus the rank after"
+        )
         st.dataframe(overlap, hide_index=True, key=f"cur_overlap_{i}")
         st.dataframe(changes, hide_index=True, width="stretch", key=f"cur_changes_{i}")
     with st.expander("Removed rows (the manifest)"):

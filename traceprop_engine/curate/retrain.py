@@ -61,9 +61,16 @@ def retrain_settings(
         eval_data = str(root / ev if ev else root)
     else:
         eval_data = None
+    from ..training.models import TINY
+
     model = s.model
     if (data_dir / BASE_MODEL_DIR).is_dir():
         model = str(data_dir / BASE_MODEL_DIR)
+    elif s.model == TINY:  # a new tiny model would train its tokenizer on fewer rows
+        raise RunError(
+            f"{data_dir} has no {BASE_MODEL_DIR}/ (the run's initial tiny model): write the "
+            "cleaned copy again with 'traceprop curate'"
+        )
     return dataclasses.replace(
         s,
         data=str(data),
