@@ -22,10 +22,10 @@ def tiny_run(facts, tmp_path_factory) -> Path:
     return train(fast_settings(facts, tmp_path_factory.mktemp("cli-curate") / "run", epochs=2))
 
 
-def _query(run_dir: Path) -> tuple[str, str]:
+def _query(run_dir: Path, i: int = 0) -> tuple[str, str]:
     run = open_run(run_dir)
     try:
-        r = run.eval_examples().row(0, named=True)
+        r = run.eval_examples().row(i, named=True)
     finally:
         run.close()
     return r["prompt"], r["completion"]
@@ -35,7 +35,9 @@ def _query(run_dir: Path) -> tuple[str, str]:
 def curated(tiny_run, tmp_path_factory):
     prompt, completion = _query(tiny_run)
     out = tmp_path_factory.mktemp("cli-curate-out") / "clean"
+    second = _query(tiny_run, 1)  # a second query: repeatable --prompt/--completion
     args = ["curate", str(tiny_run), "--prompt", prompt, "--completion", completion]
+    args += ["--prompt", second[0], "--completion", second[1]]
     rc = main(
         [*args, "--remove-top-k", "3", "--remove-ids", "1,2", "--out", str(out), "--retrain"]
         + ["--threads", "1", "--compare-top-k", "5"]
@@ -63,6 +65,7 @@ def test_proof_compares_the_motivating_query(tiny_run, curated, capsys):
     out, prompt, completion = curated
     proof = json.loads((out / "proof.json").read_text())
     doc = json.loads((out / "curate.json").read_text())
+    assert len(proof["queries"]) == 2 and len(doc["queries"]) == 2
     q = proof["queries"][0]
     assert q["query"] == {"prompt": prompt, "completion": completion, "label": None}
     # "before" is the run's own answer to the query
