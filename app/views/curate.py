@@ -74,7 +74,10 @@ def _running(job: dict) -> None:
     if s["status"] == "comparing":
         st.progress(1.0, text="Retrained: comparing the two runs on the queries…")
         return
-    st.progress(js.fraction, text=f"Retraining: step {js.step}/{js.total or '?'}")
+    if not js.total:  # no training step yet: the copy is being written, the model built
+        st.progress(0.0, text="Writing the cleaned copy and starting the retrain…")
+    else:
+        st.progress(js.fraction, text=f"Retraining: step {js.step}/{js.total}")
     if st.button("Cancel", key="cur_cancel"):
         jobs.cancel_job(js.run_dir)
 

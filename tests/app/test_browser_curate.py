@@ -130,7 +130,11 @@ def test_curate_retrain_and_proof(server):
         page.screenshot(path=str(img / "curate-select.png"), full_page=True)
         page.get_by_role("button", name="Write the cleaned copy and retrain").click()
         expect(
-            page.get_by_text(re.compile(r"Retraining: step|comparing the two runs"))
+            page.get_by_text(
+                re.compile(
+                    r"Writing the cleaned copy and starting|Retraining: step|comparing the two"
+                )
+            )
         ).to_be_visible()
         page.screenshot(path=str(img / "curate-running.png"), full_page=True)
         expect(page.get_by_text(re.compile(r"Retrained without 3 example"))).to_be_visible(
