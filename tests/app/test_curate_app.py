@@ -101,3 +101,22 @@ def test_a_bad_hand_picked_row_says_why(sample_copy):
     assert at.button(key="cur_go").disabled
     at.text_input(key="cur_ids").input("planets.jsonl:2, 5").run()
     assert len(_table(at, "why")) == 2
+    # and the top 3 of a ranking: the union, each row with every reason that picked it
+    at.number_input(key="cur_k").set_value(3).run()
+    at.selectbox(key="cur_by").set_value("loss").run()
+    picked = _table(at, "why")
+    by_loss = [w for w in picked["why"] if "loss #" in w]
+    assert len(by_loss) == 3 and 3 <= len(picked) <= 5
+    assert not at.button(key="cur_go").disabled
+
+
+def test_without_runs_the_page_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(tmp_path / "none"))
+    monkeypatch.setenv("TRACEPROP_RUNS_ROOT", str(tmp_path / "runs"))
+    monkeypatch.setenv("TRACEPROP_DATA_ROOT", str(tmp_path / "data"))
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page("views/curate.py")
+    at.run()
+    assert not at.exception
+    assert any("No run to curate" in w.value for w in at.warning)

@@ -275,3 +275,15 @@ def test_source_row_maps_the_copys_rows_back():
     for dropped in ([], [1], [2, 3], [1, 2, 5, 9, 10], [4, 7]):
         kept = [r for r in range(1, 15) if r not in dropped]
         assert [source_row(i, dropped) for i in range(1, len(kept) + 1)] == kept
+
+
+def test_a_cancelled_retrain_is_recorded(cleaned, tmp_path):
+    from traceprop_engine.curate import retrain
+    from traceprop_engine.errors import RunError
+    from traceprop_engine.training.loop import StopFlag
+
+    out, *_ = cleaned
+    with pytest.raises(RunError, match="cancelled"):
+        retrain(out, tmp_path / "rerun", stop=StopFlag(requested=True), threads=1)
+    assert load_manifest(out)["retrain"]["status"] == "cancelled"
+    assert verify_clean_copy(out)["ok"]  # the copy itself is untouched
