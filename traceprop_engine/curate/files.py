@@ -12,7 +12,6 @@ rows, with the same schema (Parquet has no lines to keep).
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,19 +43,18 @@ def _line_units(data: bytes) -> list[bytes]:
     return units
 
 
-def _text_records(data: bytes, suffix: str) -> tuple[list[bytes], dict, dict]:
+def _text_records(data: bytes) -> tuple[list[bytes], dict]:
+    """jsonl/txt: one record per non-blank line, numbered as an editor numbers lines."""
     units = _line_units(data)
-    spans, sha = {}, {}
+    spans = {}
     for number, unit in enumerate(units, start=1):
-        raw = unit[:-1] if unit.endswith(b"\n") else unit
-        raw = raw[:-1] if raw.endswith(b"\r") else raw
+        raw = unit.removesuffix(b"\n").removesuffix(b"\r")
         if raw.decode("utf-8").strip():
             spans[number] = (number - 1, number)
-            sha[number] = hashlib.sha256(raw).hexdigest()
-    return units, spans, sha
+    return units, spans
 
 
-def _csv_records(data: bytes, source: str) -> tuple[list[bytes], dict, dict]:
+def _csv_records(data: bytes, source: str) -> tuple[list[bytes], dict]:
     """CSV records may span lines (quoted newlines): each row's units are the lines the csv
     module read for it, split the way the readers' ``StringIO(newline="")`` splits them."""
     lines = list(io.StringIO(data.decode("utf-8"), newline=""))
@@ -72,7 +70,7 @@ def _csv_records(data: bytes, source: str) -> tuple[list[bytes], dict, dict]:
             start = end
     except csv.Error as e:
         raise DataError(f"{source}:{reader.line_num}: malformed CSV ({e}).") from e
-    return [ln.encode("utf-8") for ln in lines], spans, {}
+    return [ln.encode("utf-8") for ln in lines], spans
 
 
 def read_records(path: Path, source: str, task: str) -> FileRecords:
@@ -92,9 +90,9 @@ def read_records(path: Path, source: str, task: str) -> FileRecords:
     bom = data.startswith(_BOM)
     body = data[len(_BOM) :] if bom else data
     if suffix == ".csv":
-        units, spans, _ = _csv_records(body, source)
+        units, spans = _csv_records(body, source)
     else:
-        units, spans, _ = _text_records(body, suffix)
+        units, spans = _text_records(body)
     if set(spans) != set(hashes):
         raise DataError(f"{source}: the records found here differ from the data readers' rows")
     return FileRecords(suffix, bom, units, spans, hashes)
