@@ -25,6 +25,7 @@ pages = [
     st.Page("views/runs.py", title="Runs", icon="🗂️"),
     st.Page("views/launch.py", title="Launch", icon="🚀"),
     st.Page("views/influencers.py", title="Influencers", icon="🔎"),
+    st.Page("views/curate.py", title="Curate", icon="✂️"),
     st.Page("views/compare.py", title="Compare", icon="⚖️"),
     st.Page("views/rankings.py", title="Rankings", icon="📊"),
     st.Page("views/overhead.py", title="Overhead", icon="⏱️"),

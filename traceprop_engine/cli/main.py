@@ -13,7 +13,18 @@ import logging
 import sys
 
 from ..errors import TracepropError
-from . import attribute, audit, bench, counterfactual, evaluate, runs, sample, store, train
+from . import (
+    attribute,
+    audit,
+    bench,
+    counterfactual,
+    curate,
+    evaluate,
+    runs,
+    sample,
+    store,
+    train,
+)
 
 log = logging.getLogger("traceprop")
 
@@ -32,6 +43,7 @@ _COMMANDS = (
     sample.add_sample,
     evaluate.register,
     counterfactual.register,
+    curate.register,
 )
 
 
