@@ -61,6 +61,12 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="evaluation directory (EVAL_DIR)")
     _add_train_flags(p)
     p.add_argument("--scope", default="all", help="tracked layers of the factored runs")
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="peft LoRA rank of every run (0 = no LoRA)"
+    )
+    p.add_argument(
+        "--lora-targets", default="all-linear", help="LoRA target modules (comma-separated)"
+    )
     p.add_argument("--subsets", type=int, default=32, help="m, number of retrained subsets")
     p.add_argument(
         "--alpha", type=float, default=0.5, help="fraction of the training set per subset"
@@ -84,6 +90,16 @@ def register(sub) -> None:
         "and with 2 or more the split-half noise ceiling is reported",
     )
     p.add_argument("--no-bm25", action="store_true", help="skip the BM25 text baseline")
+    p.add_argument(
+        "--no-levers",
+        action="store_true",
+        help="skip the lever rows (other record weightings, per-layer normalisation)",
+    )
+    p.add_argument(
+        "--no-final-grad",
+        action="store_true",
+        help="skip full-gradient dot/cosine on the final model (post-hoc, every trainable parameter)",
+    )
     p.add_argument(
         "--config",
         action="append",
@@ -164,6 +180,8 @@ def _cmd_lds(a) -> int:
         tiny_width=a.tiny_width,
         tiny_vocab=a.tiny_vocab,
         threads=1,
+        lora_rank=a.lora_rank,
+        lora_targets=a.lora_targets,
         track=TrackSettings(scope=a.scope),
     )
     s = LdsSettings(
@@ -181,6 +199,8 @@ def _cmd_lds(a) -> int:
         damping=a.damping,
         exact=not a.no_exact,
         bm25=not a.no_bm25,
+        levers=not a.no_levers,
+        final_grad=not a.no_final_grad,
         configs=tuple(parse_config_spec(c) for c in a.config),
         retrain_seeds=a.retrain_seeds,
     )
