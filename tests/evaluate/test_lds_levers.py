@@ -174,3 +174,23 @@ def test_lexical_hard_variant_adds_contrast_and_echo_rows(tmp_path):
     assert "variant" not in json.loads((tmp_path / "basic" / HARD_TRUTH_FILE).read_text())
     with pytest.raises(ConfigError, match="variant"):
         generate_hard_facts(tmp_path / "x", variant="nope")
+
+
+def test_named_sets_are_generated_beside_the_evaluation_folder(tmp_path):
+    from traceprop_engine.evaluate.lds_sets import SETS, make_set
+
+    for name in SETS:
+        tr, ev = make_set(name, tmp_path / f"{name}-s1", seed=1)
+        assert Path(tr).parent == tmp_path / f"{name}-s1-data"
+        assert any(Path(tr).iterdir()) and any(Path(ev).iterdir())
+    with pytest.raises(ConfigError, match="unknown LDS set"):
+        make_set("nope", tmp_path / "x", 0)
+
+
+def test_cli_set_and_data_together_is_an_error(tmp_path, capsys):
+    from traceprop_engine.cli.main import main
+
+    rc = main(
+        ["eval", "lds", "--set", "hard60", "--data", str(tmp_path), "--out", str(tmp_path / "o")]
+    )
+    assert rc != 0 and "either --set or --data" in capsys.readouterr().err

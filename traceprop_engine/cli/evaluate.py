@@ -35,6 +35,7 @@ def _add_train_flags(p) -> None:
 # long: one add_argument per flag of eval lds and eval detect; a flat list reads best
 def register(sub) -> None:
     """Add ``eval`` with its ``lds`` and ``detect`` subcommands to an argparse subparsers object."""
+    from ..evaluate.lds_sets import SETS
     from ..settings import Task, TrackSettings, TrainSettings
 
     train_defaults = field_defaults(TrainSettings)
@@ -52,7 +53,13 @@ def register(sub) -> None:
         "of a subset and the (sign-flipped) test loss of the model retrained on it, with a bootstrap 95%% "
         "interval. Resumable: rerun the same command to continue a killed evaluation.",
     )
-    p.add_argument("--data", required=True, help="training data file or directory")
+    p.add_argument("--data", help="training data file or directory (or --set)")
+    p.add_argument(
+        "--set",
+        choices=SETS,
+        help="generate a named benchmark set of benchmarks/EVAL.md into OUT-data and use it "
+        "as --data/--eval-data (docs8 also sets --task classification)",
+    )
     p.add_argument(
         "--eval-data", help="eval data (otherwise --eval-fraction of --data is held out)"
     )
@@ -159,11 +166,22 @@ def _fmt(v) -> str:
 
 
 def _cmd_lds(a) -> int:
+    from ..errors import ConfigError
     from ..evaluate.lds import run_lds
     from ..evaluate.lds_settings import LdsSettings, parse_config_spec
     from ..settings import TrackSettings, TrainSettings
 
     logging.getLogger("traceprop_engine").setLevel(logging.INFO)
+    if a.set:
+        from ..evaluate.lds_sets import CLASSIFICATION_SETS, make_set
+
+        if a.data or a.eval_data:
+            raise ConfigError("--set generates the data: pass either --set or --data/--eval-data")
+        a.data, a.eval_data = make_set(a.set, a.out, a.seed)
+        if a.set in CLASSIFICATION_SETS:
+            a.task = "classification"
+    elif not a.data:
+        raise ConfigError("pass --data (and --eval-data), or a named benchmark set with --set")
     t = TrainSettings(
         data=a.data,
         eval_data=a.eval_data,
