@@ -128,6 +128,11 @@ class TrackSettings:
             The statistics cost a full batch's projection otherwise (≈ 80 ms, a quarter of a
             step on the default tiny model with 1024 tokens a batch); benchmarks/EVAL.md says
             what it does to K-FAC quality.
+        optimizer_aware: scale each record by AdamW's per-parameter step size at the recorded
+            step, ``1/(√v̂_t + ε)`` (its rank-1 fit, so the record stays rank 1 at the same
+            bytes; ``capture/optimizer_scale.py``), instead of the raw gradient. Needs the
+            optimizer (``Tracker(..., optimizer=opt)``; ``traceprop train`` passes its AdamW)
+            and the default factor records. Off by default: benchmarks/EVAL.md §1d.
         seed: seed of the projection matrices.
         buffer_records: records held in the device buffer before one transfer to the host.
     """
@@ -147,6 +152,7 @@ class TrackSettings:
     power_iters: int = 0
     covariance_stride: int = 32
     covariance_tokens: int = 256
+    optimizer_aware: bool = False
     seed: int = 0
     buffer_records: int = 2048
 
@@ -168,6 +174,10 @@ class TrackSettings:
         ):
             raise ConfigError(
                 f"power_iters must be a non-negative integer (0 = half a step), got {self.power_iters!r}"
+            )
+        if not isinstance(self.optimizer_aware, bool):
+            raise ConfigError(
+                f"optimizer_aware must be true or false, got {self.optimizer_aware!r}"
             )
         if not isinstance(self.share_k, bool):
             raise ConfigError(f"share_k must be true or false, got {self.share_k!r}")

@@ -94,6 +94,8 @@ class Capture:
         self._n_tokens: torch.Tensor | None = None
         self._batches = 0  # rotates the covariance token offset
         self._deferred: DeferredFactors | None = None  # made on attach
+        # optimizer-aware records: () -> {layer: (a, b)} read after the backward of a batch
+        self.row_scales = None
 
     # -- lifetime -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -204,6 +206,8 @@ class Capture:
         try:
             yield
             if deferred is not None:
+                if self.row_scales is not None:
+                    deferred.scale_rows(self.row_scales(), slots[deferred.members[0]].shape[0])
                 deferred.finish(slots, self._scale)
                 if not defer:
                     deferred.write()

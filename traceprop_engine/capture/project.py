@@ -191,6 +191,20 @@ class DeferredFactors:
                 )
         return views[i]
 
+    def scale_rows(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
+        """Scale the open batch's raw rows elementwise, ``σ ← a ⊙ σ``, ``w ← b ⊙ w`` (layer
+        ``i``: ``scales[i] = (a, b)``), so that the record becomes ``(a ⊙ σ)(b ⊙ w)ᵀ / ‖σ‖²``
+        of the *unscaled* ``σ`` (``w`` also takes ``‖a ⊙ σ‖² / ‖σ‖²``: the projection divides
+        by the norm of the row it finds). Optimizer-aware records (``optimizer_scale.py``)."""
+        for i, (a, b) in scales.items():
+            if i not in self.pending:
+                continue
+            sig, w = self.raw(i, batch)
+            n0 = sig.square().sum(-1, keepdim=True)
+            sig.mul_(a)
+            ratio = sig.square().sum(-1, keepdim=True) / n0.clamp_min(SIGMA_FLOOR**2)
+            w.mul_(b).mul_(ratio)
+
     def finish(self, slots: list[torch.Tensor], scale: float) -> None:
         """Queue the open batch: its pending layers' records go to ``slots`` at the next write."""
         if self._open is None:

@@ -52,6 +52,13 @@ from .buffer import BackgroundSink, SketchBuffer
 from .finish import make_run
 from .hooks import Capture
 from .layers import build_layers
+from .optimizer_scale import (
+    adam_row_scales,
+    check_optimizer_aware,
+    missing_optimizer,
+    param_groups_of,
+)
+from .project import deferrable
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +101,7 @@ class Tracker:
         background: bool = True,
         writer: StoreWriter | None = None,
         overwrite: bool = False,
+        optimizer=None,
     ) -> None:
         if Path(store_path).is_dir():
             raise ConfigError(
@@ -136,6 +144,22 @@ class Tracker:
             0  # inferred epoch (when step() is not given one): a repeated id starts the next
         )
         self._seen: set[int] = set()
+        self.optimizer = None
+        if self.settings.optimizer_aware:
+            check_optimizer_aware(self.layers, deferrable)
+            self.capture.row_scales = self._optimizer_scales
+            if optimizer is not None:
+                self.attach_optimizer(optimizer)
+
+    def attach_optimizer(self, optimizer) -> None:
+        """The optimizer whose second moments scale the records (``optimizer_aware``)."""
+        self.optimizer = optimizer
+        self._groups = param_groups_of(optimizer)
+
+    def _optimizer_scales(self) -> dict:
+        if self.optimizer is None:
+            raise missing_optimizer()
+        return adam_row_scales(self.layers, self.optimizer, self._groups)
 
     # -- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> Tracker:

@@ -35,6 +35,7 @@ def _add_train_flags(p) -> None:
 # long: one add_argument per flag of eval lds and eval detect; a flat list reads best
 def register(sub) -> None:
     """Add ``eval`` with its ``lds`` and ``detect`` subcommands to an argparse subparsers object."""
+    from ..evaluate.lds_sets import SETS
     from ..settings import Task, TrackSettings, TrainSettings
 
     train_defaults = field_defaults(TrainSettings)
@@ -52,7 +53,13 @@ def register(sub) -> None:
         "of a subset and the (sign-flipped) test loss of the model retrained on it, with a bootstrap 95%% "
         "interval. Resumable: rerun the same command to continue a killed evaluation.",
     )
-    p.add_argument("--data", required=True, help="training data file or directory")
+    p.add_argument("--data", help="training data file or directory (or --set)")
+    p.add_argument(
+        "--set",
+        choices=SETS,
+        help="generate a named benchmark set of benchmarks/EVAL.md into OUT-data and use it "
+        "as --data/--eval-data (docs8 also sets --task classification)",
+    )
     p.add_argument(
         "--eval-data", help="eval data (otherwise --eval-fraction of --data is held out)"
     )
@@ -61,6 +68,12 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="evaluation directory (EVAL_DIR)")
     _add_train_flags(p)
     p.add_argument("--scope", default="all", help="tracked layers of the factored runs")
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="peft LoRA rank of every run (0 = no LoRA)"
+    )
+    p.add_argument(
+        "--lora-targets", default="all-linear", help="LoRA target modules (comma-separated)"
+    )
     p.add_argument("--subsets", type=int, default=32, help="m, number of retrained subsets")
     p.add_argument(
         "--alpha", type=float, default=0.5, help="fraction of the training set per subset"
@@ -84,6 +97,16 @@ def register(sub) -> None:
         "and with 2 or more the split-half noise ceiling is reported",
     )
     p.add_argument("--no-bm25", action="store_true", help="skip the BM25 text baseline")
+    p.add_argument(
+        "--no-levers",
+        action="store_true",
+        help="skip the lever rows (other record weightings, per-layer normalisation)",
+    )
+    p.add_argument(
+        "--no-final-grad",
+        action="store_true",
+        help="skip full-gradient dot/cosine on the final model (post-hoc, every trainable parameter)",
+    )
     p.add_argument(
         "--config",
         action="append",
@@ -143,11 +166,22 @@ def _fmt(v) -> str:
 
 
 def _cmd_lds(a) -> int:
+    from ..errors import ConfigError
     from ..evaluate.lds import run_lds
     from ..evaluate.lds_settings import LdsSettings, parse_config_spec
     from ..settings import TrackSettings, TrainSettings
 
     logging.getLogger("traceprop_engine").setLevel(logging.INFO)
+    if a.set:
+        from ..evaluate.lds_sets import CLASSIFICATION_SETS, make_set
+
+        if a.data or a.eval_data:
+            raise ConfigError("--set generates the data: pass either --set or --data/--eval-data")
+        a.data, a.eval_data = make_set(a.set, a.out, a.seed)
+        if a.set in CLASSIFICATION_SETS:
+            a.task = "classification"
+    elif not a.data:
+        raise ConfigError("pass --data (and --eval-data), or a named benchmark set with --set")
     t = TrainSettings(
         data=a.data,
         eval_data=a.eval_data,
@@ -164,6 +198,8 @@ def _cmd_lds(a) -> int:
         tiny_width=a.tiny_width,
         tiny_vocab=a.tiny_vocab,
         threads=1,
+        lora_rank=a.lora_rank,
+        lora_targets=a.lora_targets,
         track=TrackSettings(scope=a.scope),
     )
     s = LdsSettings(
@@ -181,6 +217,8 @@ def _cmd_lds(a) -> int:
         damping=a.damping,
         exact=not a.no_exact,
         bm25=not a.no_bm25,
+        levers=not a.no_levers,
+        final_grad=not a.no_final_grad,
         configs=tuple(parse_config_spec(c) for c in a.config),
         retrain_seeds=a.retrain_seeds,
     )

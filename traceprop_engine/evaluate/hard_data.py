@@ -73,6 +73,13 @@ _ATTRIBUTES: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
 }
 QUESTION = "{e} {a} ?"  # the eval format (a terse question); no training row has a "?"
+# variant "lexical" adds two rows per entity that share words with its question and answer
+# but state another fact: a *contrast* row (the entity and the asked attribute word, another
+# value of that attribute) and an *echo* row (the entity and the answer word, in an unrelated
+# relation). Keyword overlap then points at rows that do not support the answer.
+CONTRAST = "{e} never wanted the {a}"
+ECHO = "{e} wrote a short song called"
+VARIANTS = ("basic", "lexical")
 _MIN_ENTITIES, _MAX_ENTITIES = 2, 400
 
 
@@ -89,7 +96,7 @@ def _invent_names(rng: random.Random, n: int) -> list[str]:
 
 
 def _facts_and_rows(
-    rng: random.Random, names: list[str]
+    rng: random.Random, names: list[str], variant: str = "basic"
 ) -> tuple[list[tuple[dict[str, str], int, str]], list[dict[str, Any]]]:
     """The shuffled training rows ``(row, entity index, role)`` and one asked fact per entity.
 
@@ -113,6 +120,16 @@ def _facts_and_rows(
                 "distractor",
             )
         )
+        if variant == "lexical":
+            wrong = rng.choice([v for v in values if v != answer])
+            rows.append(
+                (
+                    {"prompt": CONTRAST.format(e=name, a=asked), "completion": " " + wrong},
+                    i,
+                    "contrast",
+                )
+            )
+            rows.append(({"prompt": ECHO.format(e=name), "completion": " " + answer}, i, "echo"))
         facts.append(
             {
                 "entity": name,
@@ -124,12 +141,16 @@ def _facts_and_rows(
     rng.shuffle(rows)
     for f in facts:
         f["supporting"], f["distractor"] = [], []
+        if variant == "lexical":
+            f["contrast"], f["echo"] = [], []
     for line, (_, i, role) in enumerate(rows, start=1):
         facts[i][role].append({"source": "facts.jsonl", "row": line})
     return rows, facts
 
 
-def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -> dict[str, Any]:
+def generate_hard_facts(
+    out_dir: Path, *, seed: int = 0, n_entities: int = 60, variant: str = "basic"
+) -> dict[str, Any]:
     """Write the hard fact-tracing data set (statements in training, questions in eval).
 
     Files written under ``out_dir``:
@@ -146,6 +167,12 @@ def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -
         out_dir: output directory (created if needed; the files above are overwritten).
         seed: seed of names, attributes, values and row order.
         n_entities: entities, one eval question each (60 gives 180 training rows).
+        variant: ``"basic"`` (the rows above) or ``"lexical"``: per entity two more rows that
+            share words with its question but do not support the answer, a *contrast* row
+            (``"kavo never wanted the colour"`` → another colour) and an *echo* row (``"kavo
+            wrote a short song called"`` → the answer word): ``5 * n_entities`` training rows;
+            the ground truth lists them as ``contrast`` and ``echo``. ``"basic"`` writes the same
+            bytes as before the variant existed.
 
     Returns:
         The ground-truth dictionary that was written.
@@ -153,13 +180,15 @@ def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -
     Raises:
         ConfigError: ``n_entities`` is out of range.
     """
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if not _MIN_ENTITIES <= n_entities <= _MAX_ENTITIES:
         raise ConfigError(
             f"n_entities must be between {_MIN_ENTITIES} and {_MAX_ENTITIES}, got {n_entities}"
         )
     rng = random.Random(seed)
     out_dir = Path(out_dir)
-    rows, facts = _facts_and_rows(rng, _invent_names(rng, n_entities))
+    rows, facts = _facts_and_rows(rng, _invent_names(rng, n_entities), variant)
 
     train_path, eval_path = out_dir / HARD_TRAIN_FILE, out_dir / HARD_EVAL_FILE
     train_path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,5 +207,7 @@ def generate_hard_facts(out_dir: Path, *, seed: int = 0, n_entities: int = 60) -
         "eval_marker": EVAL_MARKER,
         "eval": [{"eval_row": j + 1, **f} for j, f in enumerate(facts)],
     }
+    if variant != "basic":
+        truth["variant"] = variant
     (out_dir / HARD_TRUTH_FILE).write_text(json.dumps(truth, indent=1))
     return truth

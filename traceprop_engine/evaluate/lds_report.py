@@ -150,7 +150,9 @@ def write_results(
 
 def _bar_label(row: dict) -> str:
     """The bar's x label; rows of a family scored at several k (compact storage) name their k."""
-    if row.get("family") in ("factored", "k-sweep", "dense", "baseline", "exact", "config"):
+    if row.get("family") in (
+        "factored", "k-sweep", "dense", "baseline", "exact", "config", "lever", "final-model",
+    ):  # fmt: skip
         return row["method"]
     return f"{row['method']} (k={row['k']})" if row.get("k") is not None else row["method"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .lds_levers import final_model_methods, lever_methods, same_label_scores
 from .lds_settings import (
     BM25_B,
     BM25_K1,
@@ -130,7 +131,28 @@ def score_methods(
                 yield from _compact_methods(s, rd, k, entries, eval_ids, n_train)
         if progress:
             progress("scoring", list(run_dirs).index(name) + 1, len(run_dirs))
-    yield from _baselines(s, run_dirs[f"k{s.main_k}"], eval_ids, n_train)
+    main = run_dirs[f"k{s.main_k}"]
+    if s.levers:
+        yield from _guarded("levers", lever_methods, main, eval_ids, n_train, s.main_k)
+    if s.final_grad:
+        yield from _guarded("final-model gradients", final_model_methods, main, eval_ids, n_train)
+    yield from _baselines(s, main, eval_ids, n_train)
+
+
+def _guarded(what: str, fn, *args):
+    """The rows of ``fn(*args)``; one row with the error if it fails (the table goes on)."""
+    try:
+        yield from list(fn(*args))
+    except Exception as e:  # noqa: BLE001 - a method that cannot be scored is reported, not fatal
+        log.warning("%s cannot be scored: %s", what, e)
+        yield {
+            "method": what,
+            "family": "lever" if what == "levers" else "final-model",
+            "k": None,
+            "preconditioner": None,
+            "scores": None,
+            "error": f"{type(e).__name__}: {e}",
+        }
 
 
 def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[int], n_train: int):
@@ -199,8 +221,17 @@ def _baselines(s: LdsSettings, main: Path, eval_ids: list[int], n_train: int):
         "preconditioner": None,
         "scores": np.broadcast_to(g, (len(eval_ids), n_train)).copy(),
     }
+    ex = run.examples()
+    if run.task == "classification" and "label" in ex.columns:
+        labels = ex["label"].to_list()
+        yield {
+            "method": "same label",
+            "family": "baseline",
+            "k": None,
+            "preconditioner": None,
+            "scores": same_label_scores(labels[:n_train], [labels[e] for e in eval_ids]),
+        }
     if s.bm25:
-        ex = run.examples()
         texts = [_example_text(r) for r in ex.iter_rows(named=True)]
         yield {
             "method": "bm25",

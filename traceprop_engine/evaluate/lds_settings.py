@@ -101,8 +101,12 @@ class LdsSettings:
             between the mean loss of the even and of the odd replicates (r = 2: replicate 0
             against replicate 1). A resume with a larger ``r``
             trains only the missing replicates.
+        levers: also score the main run's records with other record weightings and per-layer
+            normalisation (family ``lever``, :mod:`.lds_levers`).
+        final_grad: also score exact per-example gradients of every trainable parameter on
+            the main run's final model, dot and cosine (family ``final-model``), post-hoc.
 
-        The k sweep, dense, exact, bm25 and configs are not part of the settings a resume checks
+        The k sweep, dense, exact, bm25, configs, levers and final_grad are not part of the settings a resume checks
         (``RESUME_KEYS``): adding one to an existing evaluation reuses its subset losses.
     """
 
@@ -123,6 +127,8 @@ class LdsSettings:
     bm25: bool = True
     configs: tuple[dict, ...] = ()
     retrain_seeds: int = 1
+    levers: bool = True
+    final_grad: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(

@@ -42,6 +42,8 @@ def train_steps(
     forward = dist_ctx.wrap(prep.model, device)
     params = [p for p in prep.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    if job.tracker is not None and settings.track is not None and settings.track.optimizer_aware:
+        job.tracker.attach_optimizer(opt)  # its second moments scale the records
     steps_per_epoch, total_steps = _step_counts(job, prep.n_train)
     rng = np.random.default_rng(settings.seed)  # each epoch's order: drawn again on resume
     step_ms: list[float] = []

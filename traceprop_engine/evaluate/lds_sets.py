@@ -1,0 +1,52 @@
+"""The named LDS data sets of benchmarks/EVAL.md, generated on demand (``traceprop eval lds --set``).
+
+Each set writes ``train/`` and ``eval/`` under a folder beside the evaluation directory
+(``OUT-data``, so ``--overwrite`` of ``OUT`` keeps it), deterministically from its seed:
+
+- ``facts24``: :func:`~traceprop_engine.samples.data.generate_sample_data`, 24 entities (data
+  seed 0 for every evaluation seed, as in EVAL.md §1).
+- ``hard60``: :func:`~.hard_data.generate_hard_facts`, 60 entities (data seed = seed).
+- ``lexical48``: the same, ``variant="lexical"``, 48 entities (5 rows each; data seed = seed).
+- ``docs8``: :func:`~.prose_data.generate_docstring_classes`, 20 training and 6 eval docstrings
+  of each of 8 standard-library families (classification; data seed = seed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError
+
+SETS = ("facts24", "hard60", "lexical48", "docs8")
+CLASSIFICATION_SETS = ("docs8",)
+
+
+def set_data_dir(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + "-data")
+
+
+def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
+    """Write set ``name`` for evaluation directory ``out``; returns ``(train dir, eval dir)``."""
+    d = set_data_dir(out)
+    if name == "facts24":
+        from ..samples.data import generate_sample_data
+
+        generate_sample_data(d, seed=0, n_entities=24)
+    elif name in ("hard60", "lexical48"):
+        from .hard_data import generate_hard_facts
+
+        lexical = name == "lexical48"
+        generate_hard_facts(
+            d,
+            seed=seed,
+            n_entities=48 if lexical else 60,
+            variant="lexical" if lexical else "basic",
+        )
+    elif name == "docs8":
+        from .prose_data import generate_docstring_classes
+
+        generate_docstring_classes(d, seed=seed, n_train_per_class=20, n_eval_per_class=6)
+    else:
+        raise ConfigError(f"unknown LDS set {name!r}; one of {', '.join(SETS)}")
+    return str(d / "train"), str(d / "eval")

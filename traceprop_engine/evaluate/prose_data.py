@@ -1,0 +1,202 @@
+"""A classification LDS set of real prose: docstrings of Python's standard library, by module family.
+
+:func:`generate_docstring_classes` reads the docstrings that ship with the running Python
+(``inspect.getdoc`` of each public function, class and method of the modules listed in
+``FAMILIES``), keeps the first paragraph of each (whitespace collapsed, 60–400 characters, no
+doctest or code lines, each text once), and labels it with its module's family (8 classes:
+``text``, ``numbers``, ``files``, ``email``, ``web``, ``concurrency``, ``formats``, ``time``).
+Rows per class are drawn with a seeded ``random.Random``, then split into training and eval rows.
+This is prose written by CPython's authors, not generated text; the exact rows depend on the
+Python version (the data files record it), and the same Python, seed and sizes give the same bytes.
+
+The labels are the module family, which a docstring's words often but not always give away
+(``"Return the absolute value ..."`` is ``numbers``; ``"Return a new ...`` could be anything):
+the model has to learn from the prose, and a training row's influence on an eval row is not
+just "same label".
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["FAMILIES", "PROSE_EVAL_FILE", "PROSE_TRAIN_FILE", "generate_docstring_classes"]
+
+PROSE_TRAIN_FILE = "train/docs.jsonl"
+PROSE_EVAL_FILE = "eval/docs.jsonl"
+PROSE_INFO_FILE = "source.json"
+
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "text": ("string", "re", "textwrap", "difflib", "unicodedata", "stringprep", "codecs"),
+    "numbers": ("math", "cmath", "decimal", "fractions", "statistics", "random", "numbers"),
+    "files": ("os", "os.path", "shutil", "pathlib", "glob", "tempfile", "filecmp", "fnmatch"),
+    "email": (
+        "email.message",
+        "email.utils",
+        "email.header",
+        "email.parser",
+        "email.generator",
+        "email.policy",
+        "email.headerregistry",
+        "email.quoprimime",
+        "email.feedparser",
+        "email.charset",
+        "email.iterators",
+        "smtplib",
+        "imaplib",
+        "poplib",
+        "mailbox",
+        "mimetypes",
+    ),
+    "web": (
+        "http.client",
+        "http.server",
+        "http.cookies",
+        "http.cookiejar",
+        "urllib.request",
+        "urllib.parse",
+        "urllib.robotparser",
+        "wsgiref.handlers",
+    ),
+    "concurrency": (
+        "threading",
+        "multiprocessing.pool",
+        "multiprocessing.managers",
+        "queue",
+        "asyncio.tasks",
+        "asyncio.queues",
+        "asyncio.locks",
+        "concurrent.futures",
+        "subprocess",
+        "sched",
+    ),
+    "formats": (
+        "json",
+        "csv",
+        "pickle",
+        "configparser",
+        "plistlib",
+        "xml.etree.ElementTree",
+        "xml.dom.minidom",
+        "tomllib",
+        "zipfile",
+        "tarfile",
+    ),
+    "time": ("datetime", "time", "calendar", "zoneinfo", "timeit"),
+}
+_MIN_CHARS, _MAX_CHARS = 60, 400
+
+
+def _first_paragraph(doc: str | None) -> str | None:
+    if not doc:
+        return None
+    para = doc.strip().split("\n\n")[0]
+    if ">>>" in para or "::" in para or re.search(r"^\s*[\w.]+\(.*\)\s*(->.*)?$", para, re.M):
+        return None  # a signature line or code, not prose
+    text = " ".join(para.split())
+    if not _MIN_CHARS <= len(text) <= _MAX_CHARS or len(text.split()) < 8:
+        return None
+    return text
+
+
+def _module_docs(name: str) -> list[str]:
+    """First paragraphs of the public functions, classes and methods defined in module ``name``."""
+    try:
+        mod = importlib.import_module(name)
+    except ImportError:
+        return []
+    out = []
+    for attr, obj in sorted(vars(mod).items()):
+        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        if getattr(obj, "__module__", None) not in (name, mod.__name__):
+            continue  # imported from elsewhere: it belongs to its own module's family
+        members = [obj]
+        if inspect.isclass(obj):
+            members += [v for k, v in sorted(vars(obj).items()) if not k.startswith("_")]
+        for m in members:
+            text = _first_paragraph(
+                inspect.getdoc(m) if callable(m) or inspect.isclass(m) else None
+            )
+            if text:
+                out.append(text)
+    return out
+
+
+def collect_docstrings() -> dict[str, list[str]]:
+    """``{family: [first paragraphs]}``, each text once over all families (first family wins)."""
+    seen: set[str] = set()
+    out: dict[str, list[str]] = {}
+    for fam, modules in FAMILIES.items():
+        texts = []
+        for name in modules:
+            for t in _module_docs(name):
+                if t not in seen:
+                    seen.add(t)
+                    texts.append(t)
+        out[fam] = texts
+    return out
+
+
+def generate_docstring_classes(
+    out_dir: Path, *, seed: int = 0, n_train_per_class: int = 30, n_eval_per_class: int = 8
+) -> dict[str, Any]:
+    """Write the docstring classification set: ``train/docs.jsonl``, ``eval/docs.jsonl``.
+
+    Rows are ``{"text": first paragraph of a docstring, "label": family}``, ``n_train_per_class``
+    and ``n_eval_per_class`` per family (8 families: 240 / 64 rows by default), shuffled;
+    ``source.json`` records the Python version, the modules of each family and the counts.
+
+    Args:
+        out_dir: output directory (created; the files are overwritten).
+        seed: seed of the draw and of the row order.
+        n_train_per_class: training rows per family.
+        n_eval_per_class: eval rows per family.
+
+    Returns:
+        The ``source.json`` dictionary.
+
+    Raises:
+        ConfigError: a count is not positive, or a family has fewer docstrings than asked for.
+    """
+    if n_train_per_class < 1 or n_eval_per_class < 1:
+        raise ConfigError("n_train_per_class and n_eval_per_class must be positive integers")
+    docs = collect_docstrings()
+    rng = random.Random(seed)
+    train, evals = [], []
+    need = n_train_per_class + n_eval_per_class
+    for fam, texts in docs.items():
+        if len(texts) < need:
+            raise ConfigError(
+                f"family {fam!r} has {len(texts)} usable docstrings in this Python, fewer than "
+                f"the {need} asked for; lower n_train_per_class / n_eval_per_class"
+            )
+        pick = rng.sample(texts, need)
+        train += [{"text": t, "label": fam} for t in pick[:n_train_per_class]]
+        evals += [{"text": t, "label": fam} for t in pick[n_train_per_class:]]
+    rng.shuffle(train)
+    rng.shuffle(evals)
+    out_dir = Path(out_dir)
+    for rel, rows in ((PROSE_TRAIN_FILE, train), (PROSE_EVAL_FILE, evals)):
+        p = out_dir / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    info = {
+        "generator": "traceprop_engine.evaluate.prose_data.generate_docstring_classes",
+        "python": sys.version.split()[0],
+        "seed": seed,
+        "families": {f: list(m) for f, m in FAMILIES.items()},
+        "available": {f: len(t) for f, t in docs.items()},
+        "n_train": len(train),
+        "n_eval": len(evals),
+    }
+    (out_dir / PROSE_INFO_FILE).write_text(json.dumps(info, indent=1))
+    return info
