@@ -26,9 +26,7 @@ async def _lifespan(_app):
 
     warmup.start_worker()  # returns at once: the worker imports torch in its own process
     yield None
-    from services import model_worker
-
-    model_worker.stop()
+    warmup.shutdown()  # the warm-up stopped and joined, the worker stopped (Ctrl-C included)
 
 
 if __name__ != "__main__" and hasattr(st, "App"):

@@ -15,22 +15,24 @@ for p in (APP_DIR, APP_DIR.parent):  # `import services` and the engine, from an
 
 from services import config, jobs, preload, runs, warmup  # noqa: E402
 
-st.set_page_config(page_title="Traceprop", page_icon="🧭", layout="wide")
+st.set_page_config(page_title="Traceprop", page_icon="↪", layout="wide")
 
 cfg = config.AppConfig.from_env()
 active = runs.ensure_active_run(cfg, st.session_state)
 
+# icons from the symbol blocks a plain text font (DejaVu Sans) carries: emoji such as 🧭 or 🗂️
+# were empty boxes on a system without an emoji font (tests/app/test_app_defects.py)
 pages = [
-    st.Page("views/home.py", title="Home", icon="🧭", default=True),
-    st.Page("views/runs.py", title="Runs", icon="🗂️"),
-    st.Page("views/launch.py", title="Launch", icon="🚀"),
-    st.Page("views/influencers.py", title="Influencers", icon="🔎"),
-    st.Page("views/curate.py", title="Curate", icon="✂️"),
-    st.Page("views/compare.py", title="Compare", icon="⚖️"),
-    st.Page("views/rankings.py", title="Rankings", icon="📊"),
-    st.Page("views/overhead.py", title="Overhead", icon="⏱️"),
-    st.Page("views/quality.py", title="Quality", icon="📈"),
-    st.Page("views/audit.py", title="Audit", icon="🧾"),
+    st.Page("views/home.py", title="Home", icon="▶", default=True),
+    st.Page("views/runs.py", title="Runs", icon="☑"),
+    st.Page("views/launch.py", title="Launch", icon="✈"),
+    st.Page("views/influencers.py", title="Influencers", icon="➡"),
+    st.Page("views/curate.py", title="Curate", icon="✂"),
+    st.Page("views/compare.py", title="Compare", icon="⚖"),
+    st.Page("views/rankings.py", title="Rankings", icon="↕"),
+    st.Page("views/overhead.py", title="Overhead", icon="⚡"),
+    st.Page("views/quality.py", title="Quality", icon="✔"),
+    st.Page("views/audit.py", title="Audit", icon="✍"),
 ]
 nav = st.navigation(pages)
 

@@ -15,6 +15,9 @@ DATA_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 UPLOADS_DIR = "uploads"
 DATASETS_DIR = "datasets"
 BENCH_DIR = "bench"
+BUNDLED_RESULTS_DIR = "bundled-run-results"
+"""Under the runs root: what the app computes for a run it must not write (a bundled sample run,
+a read-only run), one folder per run (``services.counterfactual.results_dir``)."""
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 
 

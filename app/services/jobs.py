@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,7 +263,7 @@ def spawn_logged(cmd: list[str], log_path: Path, env: dict[str, str]) -> subproc
     session (so Cancel can signal its whole process group), output to ``log_path``, unbuffered."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             cmd,
             cwd=str(REPO),
             stdin=subprocess.DEVNULL,
@@ -271,3 +272,7 @@ def spawn_logged(cmd: list[str], log_path: Path, env: dict[str, str]) -> subproc
             start_new_session=True,
             env=full_env,
         )
+    # the job's state is read from its files, not from this handle: a thread reaps the child
+    # when it ends, so no zombie is left in the server's process table (issue 29, defect 7)
+    threading.Thread(target=proc.wait, name=f"traceprop-reap-{proc.pid}", daemon=True).start()
+    return proc

@@ -11,7 +11,10 @@ server's interpreter lock with the first page, and the first query finds them do
 
 When there is no worker (``TRACEPROP_QUERY_WORKER=0``, warm-up off as in the tests, or it died)
 :func:`call` raises ``WorkerUnavailable`` and the caller does the work in this process, as
-before; nothing is lost either way.
+before; nothing is lost either way. Once the server is stopping (:func:`shutdown`: the server's
+exit, or the interpreter's) a call raises :class:`AppExiting` instead, which no caller answers
+by importing torch here: a thread left doing that while the interpreter shuts down crashed it
+(rc 139, issue 27 item 3).
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ REQUEST_TIMEOUT_S = float(os.environ.get("TRACEPROP_WORKER_TIMEOUT_S", "600"))
 """A request that takes longer is given up (the worker is stopped, the page does the work)."""
 _worker: QueryWorker | None = None
 _guard = threading.Lock()
+_exiting = threading.Event()  # the server or the interpreter is stopping: no fallback work
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerUnavailable", "call", "enabled", "start", "stop"]
+__all__ = ["AppExiting", "WorkerUnavailable", "call", "enabled", "shutdown", "start", "stop"]
+
+
+class AppExiting(RuntimeError):
+    """The server is stopping: the request was not answered and must not be redone here."""
 
 
 def enabled() -> bool:
@@ -55,7 +63,7 @@ def start(run_dir: str | os.PathLike | None, threads: int = 1) -> QueryWorker | 
             except OSError as e:  # no fork/pipe left: queries run here
                 log.warning("query worker not started: %s", e)
                 return None
-            atexit.register(_worker.close)
+            atexit.register(shutdown)
         return _worker
 
 
@@ -65,21 +73,41 @@ def call(op: str, run_dir: str | os.PathLike, **kw):
     Raises:
         TracepropError: what the op raised (shown by the page like any query error).
         WorkerUnavailable: no worker: do the work in this process.
+        AppExiting: the server is stopping (:func:`shutdown`): do nothing more.
     """
+    if _exiting.is_set():
+        raise AppExiting(f"the app is stopping: {op} not done")
     w = _worker
     if w is None:
         raise WorkerUnavailable("no query worker in this process")
     try:
         return w.call(op, run_dir, timeout=REQUEST_TIMEOUT_S, **kw)
     except WorkerUnavailable as e:
+        if _exiting.is_set():  # closed under this request by shutdown()
+            raise AppExiting(f"the app is stopping: {op} not done") from e
         log.warning("query worker: %s; doing %s in the server process", e, op)
         raise
 
 
-def stop() -> None:
-    """Stop the worker (tests; the server's exit closes its pipe anyway)."""
+def stop(timeout: float = 5.0) -> None:
+    """Stop the worker (tests; the server's exit closes its pipe anyway), killed after
+    ``timeout`` s. A request in flight gives up with ``WorkerUnavailable`` (its caller then does
+    the work here)."""
     global _worker
     with _guard:
         w, _worker = _worker, None
     if w is not None:
-        w.close()
+        w.close(timeout)
+
+
+def exiting() -> bool:
+    """Whether :func:`shutdown` was called (the server or the interpreter is stopping)."""
+    return _exiting.is_set()
+
+
+def shutdown() -> None:
+    """The server is stopping: every later or in-flight :func:`call` raises :class:`AppExiting`
+    (no caller then starts torch work in this process), and the worker is stopped (at once
+    when it is still importing: it holds nothing to save)."""
+    _exiting.set()
+    stop(timeout=1.0)

@@ -72,7 +72,12 @@ else:
         st.info("Run A has no eval examples: type a query instead.")
     prompt = st.text_area("Text" if classification else "Prompt", key="cmp_prompt", height=80)
     second = st.text_input("Label" if classification else "Completion", key="cmp_second")
-    query = {"prompt": prompt, ("label" if classification else "completion"): second or None}
+    # an empty completion is the engine's to refuse (it is not a whole-text query)
+    query = (
+        {"prompt": prompt, "label": second or None}
+        if classification
+        else {"prompt": prompt, "completion": second}
+    )
 top_k = st.slider("Top k", 1, 100, 10, key="cmp_topk")
 
 if st.button("Compare", type="primary", key="cmp_go"):

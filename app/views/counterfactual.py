@@ -50,11 +50,7 @@ def render_tokens(active, res, rows) -> None:
     )
     # every piece is HTML-escaped by highlighted_html: no data is rendered as markup
     st.markdown(cf.highlighted_html(pieces, tc.contributions, tc.loss_mask), unsafe_allow_html=True)
-    stored = f" · ranking score {tc.stored_score:+.4g}" if tc.stored_score is not None else ""
-    st.caption(
-        f"Sum over tokens {tc.contributions.sum():+.4g} = this example's score on the final "
-        f"model{stored} (the ranking sums the example's recorded gradients over training)."
-    )
+    st.caption(text.md_escape(cf.score_line(pieces, tc)))
     top = sorted(
         ((float(v), pieces[i]) for i, v in enumerate(tc.contributions) if tc.loss_mask[i]),
         key=lambda x: -abs(x[0]),
@@ -134,9 +130,37 @@ def render_counterfactual(active, res) -> None:
     if not (q.get("prompt") or q.get("completion")) or q.get("label"):
         st.info("The counterfactual check needs a prompt/completion query of a causal-LM run.")
         return
+    try:
+        k_default, k_most = cf.k_range(active)
+    except TracepropError as e:
+        st.warning(text.md_escape(f"Counterfactual check unavailable: {e}"))
+        return
+    if k_most < 1:
+        st.info("This run has too few training examples for the counterfactual check.")
+        return
     c1, c2 = st.columns(2)
-    k = c1.number_input("Remove top k", 1, 100, min(int(q.get("top_k") or 10), 100), key="cf_k")
-    seeds = c2.number_input("Seeds", 1, 5, 3, key="cf_seeds")
+    # no bounds on the fields: a browser keeps an out-of-range value to itself (a red field,
+    # the old estimate on the button); checked here instead, with the range said
+    k = c1.number_input(
+        "Proponents to remove (k)",
+        value=k_default,
+        step=1,
+        key="cf_k",
+        help=f"1 to {k_most}: the top-k proponents of this query, and as many random examples.",
+    )
+    seeds = c2.number_input(
+        "Seeds", value=3, step=1, key="cf_seeds", help="1 to 5 retrains per arm"
+    )
+    bad = []
+    if not 1 <= k <= k_most:
+        bad.append(
+            f"k must be 1 to {k_most} for this run (half its training examples, at most {cf.MAX_K})"
+        )
+    if not 1 <= seeds <= 5:
+        bad.append("seeds must be 1 to 5")
+    if bad:
+        st.warning("; ".join(bad).capitalize() + ".")
+        return
     try:
         spec = cf.spec_for(q, int(k), int(seeds), str(q.get("preconditioner")))
         est = cf.plan(active, spec)

@@ -4,6 +4,7 @@ Values are checked against the engine's own functions."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -174,6 +175,25 @@ def test_warm_up_loads_the_model_once(app_env, monkeypatch):
     assert calls == [False]  # no worker: the warm-up loads the model in this process
 
 
+CROSS_PROCESS_RTOL = 1e-6
+"""Scores computed in another process (the worker, a subprocess's server half) against this
+one: the same code, but numpy's BLAS may run with another thread count in each process, and a
+GEMM split differently rounds differently (issue 27 item 1)."""
+
+
+def _assert_frames_close(a, b) -> None:
+    import polars as pl
+
+    assert a.columns == b.columns and a.height == b.height
+    for c in a.columns:
+        if a[c].dtype.is_float():
+            np.testing.assert_allclose(
+                a[c].to_numpy(), b[c].to_numpy(), rtol=CROSS_PROCESS_RTOL, atol=1e-9, err_msg=c
+            )
+        else:
+            assert a[c].equals(b[c]) or a.select(pl.col(c)).equals(b.select(pl.col(c))), c
+
+
 @pytest.mark.slow
 def test_warm_up_with_the_worker_leaves_torch_out_of_the_server(app_env, tmp_path):
     """Item 8: with the query worker (the default), the server process answers the sample
@@ -184,7 +204,7 @@ def test_warm_up_with_the_worker_leaves_torch_out_of_the_server(app_env, tmp_pat
     run = tmp_path / "facts"
     shutil.copytree(SAMPLE, run)  # its index is built here, not in the repository
     code = f"""
-import sys, threading, pickle
+import sys, pickle
 sys.path[:0] = [{str(APP)!r}, {str(REPO)!r}]
 from services import answers, counterfactual, model_worker, queries, warmup
 assert warmup.start_worker()  # what the server's start does (main.py): the sample's model
@@ -192,7 +212,10 @@ w = model_worker._worker
 assert w is not None and w.alive
 assert warmup.start({str(run)!r})  # a session on another run: the same worker warms it too
 assert model_worker._worker is w
-next(t for t in threading.enumerate() if t.name == "traceprop-warmup").join(120)
+# the warm-up's end, however long it takes on a loaded machine (subprocess.run's timeout bounds
+# it): stopping the worker under a warm-up still asking it made that request fall back to
+# torch in this process, which then crashed the exit (issue 27 item 4)
+assert warmup.join()
 ex = queries.cached_examples({str(run)!r}, queries.manifest_mtime({str(run)!r}), "eval")
 eid = int(ex["example_id"][0])
 res, by_source, table = queries.run_query_and_scores({str(run)!r}, eval_example=eid)
@@ -221,9 +244,11 @@ with open({str(tmp_path / "out.pkl")!r}, "wb") as f:
     from services import answers, counterfactual, queries
 
     res, _, table_here = queries.run_query_and_scores(run, eval_example=eid)
-    assert rows.equals(res.rows)
-    assert table.equals(table_here)
-    assert ans == answers.model_answer(run, eval_example=eid)
+    _assert_frames_close(rows, res.rows)
+    _assert_frames_close(table, table_here)
+    ans_here = answers.model_answer(run, eval_example=eid)
+    assert dataclasses.replace(ans, loss=0.0) == dataclasses.replace(ans_here, loss=0.0)
+    assert ans.loss == pytest.approx(ans_here.loss, rel=CROSS_PROCESS_RTOL)
     top = int(res.proponents["example_id"][0])
     assert text == queries.example_tokens_text(run, top)
     pieces_here, tc = counterfactual.token_view(run, res, top)

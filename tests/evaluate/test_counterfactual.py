@@ -90,7 +90,7 @@ def test_bad_input_is_refused(sample_run, monkeypatch):
         cf.CounterfactualSpec("", "", 10, 1)
     with pytest.raises(ConfigError, match="--seeds"):
         cf.CounterfactualSpec(PROMPT, " a planet", 10, 0)
-    with pytest.raises(ConfigError, match="too large"):
+    with pytest.raises(ConfigError, match="too many"):
         cf.plan(sample_run, cf.CounterfactualSpec(PROMPT, " a planet", 100, 1))
     monkeypatch.setattr(cf, "MAX_ESTIMATED_S", 5.0)
     with pytest.raises(RunError, match="too big for the counterfactual check"):

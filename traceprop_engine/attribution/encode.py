@@ -245,6 +245,7 @@ class QueryEncoder:
             raise QueryError(
                 "the prompt is empty: type a prompt (and the completion whose origin you want explained)"
             )
+        _check_prompt_and_completion(prompt, completion)
         if completion:
             ex = Example(
                 source="<query>", row=1, sha256="", prompt=prompt or "", completion=completion
@@ -319,6 +320,25 @@ class QueryEncoder:
             m = batch["attention_mask"].unsqueeze(-1).float()
             out.append(((h * m).sum(1) / m.sum(1)).float().cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+def _check_prompt_and_completion(prompt: str | None, completion: str | None) -> None:
+    """Refuse the two text queries that looked answered but explained something else: an empty
+    completion (it read as a whole-text query of the prompt: the loss on every prompt token but
+    the first) and a completion with no prompt (its first token has nothing to be predicted
+    from: a one-word completion explained only the end-of-text token). A whole-text query
+    passes no completion at all (``completion=None``)."""
+    if completion is not None and not completion.strip():
+        raise QueryError(
+            "the completion is empty: type the completion whose origin you want explained (to "
+            "explain every token of a text instead, give it as the prompt and no completion)"
+        )
+    if completion is not None and not (prompt or "").strip():
+        raise QueryError(
+            "the prompt is empty: type the prompt the completion follows (with no prompt, the "
+            "completion's first token has nothing to be predicted from and the query would "
+            "explain only the tokens after it)"
+        )
 
 
 def pad_id(loaded) -> int:

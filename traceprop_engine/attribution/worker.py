@@ -78,6 +78,7 @@ class QueryWorker:
         self._send: Connection | None = None
         self._recv: Connection | None = None
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # close() was called: a request in flight gives up
 
     def start(self) -> QueryWorker:
         """Start the process (returns at once: its imports run in the background)."""
@@ -131,12 +132,15 @@ class QueryWorker:
                 failed unexpectedly (the caller can do the work itself and see the error there).
         """
         with self._lock:
-            if not self.alive or self._send is None or self._recv is None:
+            if self._closing.is_set() or not self.alive or self._send is None or self._recv is None:
                 raise WorkerUnavailable("the query worker is not running")
             try:
                 self._send.send((op, str(Path(run_dir).resolve()), kw))
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while not self._recv.poll(0.2):
+                    if self._closing.is_set():
+                        self._stop()
+                        raise WorkerUnavailable("the query worker was closed during the request")
                     if not self.alive:
                         raise WorkerUnavailable(
                             f"the query worker exited ({self._proc.returncode})"
@@ -163,15 +167,19 @@ class QueryWorker:
             self._proc.kill()
             self._proc.wait()
 
-    def close(self) -> None:
-        """Stop the worker (closing its request pipe ends it; killed if it does not exit)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker (closing its request pipe ends it; killed if it has not exited
+        within ``timeout`` s: it holds nothing that needs saving). A request in flight in
+        another thread gives up within 0.2 s (``WorkerUnavailable``) instead of holding the
+        close until its reply."""
+        self._closing.set()
         with self._lock:
             if self._send is not None:
                 self._send.close()
                 self._send = None
             if self._proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(timeout=5)
+                    self._proc.wait(timeout=timeout)
             self._stop()
 
     def __enter__(self) -> QueryWorker:

@@ -16,7 +16,8 @@ def register(sub) -> None:
         description="Retrain the run's model (same recipe, same seeds) on all its training examples, "
         "without the query's top-k proponents, and without k random other examples, for --seeds "
         "seeds; print the change of the query's loss for both removals with its spread. The result "
-        "is saved to RUN/counterfactual/<key>.json and printed again (without retraining) on a rerun.",
+        "is saved to RUN/counterfactual/<key>.json (or --out DIR/<key>.json) and printed again "
+        "(without retraining) on a rerun.",
     )
     p.add_argument("run", help="run directory (a completed run small enough to retrain)")
     p.add_argument("--prompt", required=True, help="the query's prompt")
@@ -29,6 +30,12 @@ def register(sub) -> None:
         "--preconditioner",
         default=C.DEFAULT_PRECONDITIONER,
         help=f"which ranking to check (default {C.DEFAULT_PRECONDITIONER})",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for the result, progress and work files (default RUN/counterfactual; "
+        "give one for a read-only or bundled run: nothing is then written into the run)",
     )
     p.add_argument("--force", action="store_true", help="recompute even when a result is saved")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -69,10 +76,10 @@ def _cmd(a) -> int:
     )
 
     spec = CounterfactualSpec(a.prompt, a.completion, a.top_k, a.seeds, a.preconditioner)
-    doc = None if a.force else load_result(a.run, spec)
+    doc = None if a.force else load_result(a.run, spec, a.out)
     if doc is None:
-        doc = run_with_progress_file(a.run, spec)
+        doc = run_with_progress_file(a.run, spec, a.out)
     print(json.dumps(doc, indent=1) if a.json else format_result(doc))
     if not a.json:
-        print(f"saved: {result_path(a.run, spec)}")
+        print(f"saved: {result_path(a.run, spec, a.out)}")
     return 0

@@ -20,8 +20,10 @@ and a subset would get another vocabulary). The reported change of an arm is, pe
 ``loss(arm) - loss(full)`` of the query (mean token cross-entropy of its completion), then the
 mean, the standard deviation and the standard error over the seeds.
 
-Files, beside the run: ``RUN/counterfactual/<key>.json`` (the result, written atomically) and
-``<key>.progress.json`` (what is running, for the app), ``<key>.work/`` while retraining.
+Files, in the check's results folder (``RUN/counterfactual/`` by default; ``out`` elsewhere: a
+bundled or read-only run is never written to, the app puts its checks beside the user's runs):
+``<key>.json`` (the result, written atomically), ``<key>.progress.json`` (what is running, for
+the app), ``<key>.log`` (the app's log of the job), ``<key>.work/`` while retraining.
 """
 
 from __future__ import annotations
@@ -74,9 +76,11 @@ class CounterfactualSpec:
                 "the counterfactual check needs a query: give a prompt and a completion"
             )
         if not 1 <= self.seeds <= MAX_SEEDS:
-            raise ConfigError(f"--seeds must be 1..{MAX_SEEDS}, got {self.seeds}")
+            raise ConfigError(f"the seeds (--seeds) must be 1..{MAX_SEEDS}, got {self.seeds}")
         if self.top_k < 1:
-            raise ConfigError(f"--top-k must be >= 1, got {self.top_k}")
+            raise ConfigError(
+                f"the proponents to remove (k, --top-k) must be at least 1, got {self.top_k}"
+            )
 
     def key(self) -> str:
         """The file name of this check's result (a hash of the query and the settings)."""
@@ -84,18 +88,55 @@ class CounterfactualSpec:
         return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
-def result_path(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> Path:
-    return Path(run_dir) / CF_DIR / f"{spec.key()}.json"
+Out = str | os.PathLike | None
+"""A check's results folder; None: ``RUN/counterfactual``."""
 
 
-def progress_path(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> Path:
-    return Path(run_dir) / CF_DIR / f"{spec.key()}.progress.json"
+def results_dir(run_dir: str | os.PathLike, out: Out = None) -> Path:
+    """The folder of a run's check results: ``out``, or ``RUN/counterfactual`` by default."""
+    return Path(out) if out is not None else Path(run_dir) / CF_DIR
 
 
-def load_result(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict | None:
+def result_path(run_dir: str | os.PathLike, spec: CounterfactualSpec, out: Out = None) -> Path:
+    return results_dir(run_dir, out) / f"{spec.key()}.json"
+
+
+def progress_path(run_dir: str | os.PathLike, spec: CounterfactualSpec, out: Out = None) -> Path:
+    return results_dir(run_dir, out) / f"{spec.key()}.progress.json"
+
+
+def load_result(
+    run_dir: str | os.PathLike, spec: CounterfactualSpec, out: Out = None
+) -> dict | None:
     """The saved result of this check on this run, or None when it was never completed."""
-    p = result_path(run_dir, spec)
+    p = result_path(run_dir, spec, out)
     return json.loads(p.read_text()) if p.exists() else None
+
+
+def check_writable(run_dir: str | os.PathLike, out: Out = None) -> Path:
+    """The results folder, made if missing.
+
+    Raises:
+        RunError: it cannot be written (a read-only run with no ``out``): nothing is retrained.
+    """
+    d = results_dir(run_dir, out)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise RunError(
+            f"cannot write the counterfactual check's results to {d}: {e.strerror or e}"
+            + ("; the run is read-only: give another folder (--out DIR)" if out is None else "")
+        ) from e
+    return d
+
+
+def max_top_k(n_train: int) -> int:
+    """The most proponents a check can remove: half the training examples (the control removes
+    as many others)."""
+    return max(0, int(n_train) // 2)
 
 
 def plan(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict:
@@ -112,10 +153,11 @@ def plan(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict:
             f"{run_dir} is not a completed run (status {m.status!r}); nothing to retrain"
         )
     n_train = int(m.data.n_train or 0)
-    if spec.top_k * 2 > n_train:
+    if spec.top_k > max_top_k(n_train):
         raise ConfigError(
-            f"--top-k {spec.top_k} is too large for {n_train} training examples (the control "
-            "draws k other examples: k must be at most half of them)"
+            f"removing {spec.top_k} proponents (k, --top-k) is too many for {n_train} training "
+            f"examples: the control removes k other examples, so k can be at most "
+            f"{max_top_k(n_train)}"
         )
     per_retrain = float(m.timings.total_s or 0.0) + 3.0  # + model build / load / save
     n_retrains = len(ARMS) * spec.seeds
@@ -232,10 +274,13 @@ def run_counterfactual(
     spec: CounterfactualSpec,
     progress: ProgressFn | None = None,
     stop=None,
+    out: Out = None,
 ) -> dict:
     """Run the counterfactual check of ``spec`` on ``run_dir`` and save its result.
 
     Args:
+        out: the results folder (default ``RUN/counterfactual``); nothing is written into the
+            run when it is given.
         progress: called as ``progress(done, total, message)`` after each step.
         stop: a :class:`~traceprop_engine.training.loop.StopFlag`; SIGTERM sets it (in the main
             thread) and the check stops at the next training step, raising :class:`Cancelled`.
@@ -250,6 +295,7 @@ def run_counterfactual(
     run_dir = Path(run_dir)
     t0 = time.perf_counter()
     info = plan(run_dir, spec)
+    cf = check_writable(run_dir, out)  # before the work, not after it
     os.environ.setdefault("TQDM_DISABLE", "1")
     stop = stop or StopFlag()
     m = RunManifest.load(run_dir)
@@ -262,7 +308,7 @@ def run_counterfactual(
     try:
         res = run.query(
             spec.prompt,
-            spec.completion,
+            spec.completion or None,  # "": a text query (an eval example of a text data set)
             top_k=spec.top_k,
             settings=IndexSettings(preconditioner=spec.preconditioner),
         )
@@ -280,7 +326,6 @@ def run_counterfactual(
         raise QueryError(
             f"the query has only {len(top)} proponents (positive scores); use --top-k {len(top)} or less"
         )
-    cf = run_dir / CF_DIR
     work = cf / f"{spec.key()}.work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -340,8 +385,8 @@ def run_counterfactual(
         "seconds": round(time.perf_counter() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    cf.mkdir(exist_ok=True)
-    atomic_write_text(result_path(run_dir, spec), json.dumps(doc, indent=1))
+    cf.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(result_path(run_dir, spec, out), json.dumps(doc, indent=1))
     return doc
 
 
@@ -351,13 +396,16 @@ def _write_progress(path: Path, doc: dict) -> None:
     atomic_write_text(path, json.dumps({**doc, "updated": time.time()}))
 
 
-def run_with_progress_file(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict:
+def run_with_progress_file(
+    run_dir: str | os.PathLike, spec: CounterfactualSpec, out: Out = None
+) -> dict:
     """:func:`run_counterfactual` recording its state in :func:`progress_path` (status running,
     completed, cancelled or failed; done/total; the last message; the error)."""
     from ..training.loop import StopFlag
 
     plan(run_dir, spec)  # a check refused up front leaves no progress file behind
-    path = progress_path(run_dir, spec)
+    check_writable(run_dir, out)
+    path = progress_path(run_dir, spec, out)
     state = {"pid": os.getpid(), "status": "running", "done": 0, "total": 0, "message": "starting"}
     _write_progress(path, state)
 
@@ -368,7 +416,7 @@ def run_with_progress_file(run_dir: str | os.PathLike, spec: CounterfactualSpec)
     stop = StopFlag()
     old = signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "requested", True))
     try:
-        doc = run_counterfactual(run_dir, spec, progress=progress, stop=stop)
+        doc = run_counterfactual(run_dir, spec, progress=progress, stop=stop, out=out)
     except Cancelled as e:
         _write_progress(path, {**state, "status": "cancelled", "error": str(e)})
         raise
@@ -381,14 +429,14 @@ def run_with_progress_file(run_dir: str | os.PathLike, spec: CounterfactualSpec)
     return doc
 
 
-def job_state(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict:
+def job_state(run_dir: str | os.PathLike, spec: CounterfactualSpec, out: Out = None) -> dict:
     """The check's state: ``status`` one of none, running, completed, cancelled, failed (a
     process that vanished without saying so reads as failed), with done/total/message/error.
     A running check reads as running even when an older result is saved."""
     from ..run import pid_alive
 
     st: dict = {"status": "none", "done": 0, "total": 0, "message": "", "error": ""}
-    p = progress_path(run_dir, spec)
+    p = progress_path(run_dir, spec, out)
     if p.exists():
         try:
             st.update(json.loads(p.read_text()))
@@ -397,6 +445,6 @@ def job_state(run_dir: str | os.PathLike, spec: CounterfactualSpec) -> dict:
         pid = int(st.get("pid") or 0)
         if st["status"] == "running" and not (pid > 0 and pid_alive(pid)):
             st.update(status="failed", error=st.get("error") or "the counterfactual process exited")
-    if st["status"] != "running" and result_path(run_dir, spec).exists():
+    if st["status"] != "running" and result_path(run_dir, spec, out).exists():
         st.update(status="completed", error="")
     return st
