@@ -7,6 +7,10 @@ the loop writes ``RUN/checkpoint/``:
     the model's and the optimiser's state dicts, torch's RNG states (CPU and CUDA) and the
     capture's running K-FAC sums (``A``, ``S``, token counts) per tracked layer; loaded with
     ``torch.load(weights_only=True)`` (tensors and plain containers only, no pickled code).
+``model/``
+    (one process) the model saved as a run's ``model/`` is, its fingerprint in
+    ``checkpoint.json`` (``model_fingerprint``): a run killed before its final save is queried
+    on it.
 ``checkpoint.json``
     the step and epoch reached, the store's record count and per-layer stored norms at that
     step, numpy's and Python's global RNG states, the capture's batch counter and the
