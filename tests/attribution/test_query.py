@@ -72,12 +72,16 @@ def reference_scores(store, test, kind, damping=0.1):
                 A + damping * np.trace(A) / k_in * np.eye(k_in),
             )
             Hinv = np.linalg.inv(H)  # row-major vec: vec(S_hat)[a*k_in + b]
-            total += X.reshape(len(X), -1) @ Hinv @ t.reshape(-1)
+            # per-layer trace normalisation: the layer keeps identity's mean squared norm
+            flat = raw.reshape(len(raw), -1)
+            f2 = (flat**2).sum() / np.einsum("na,ab,nb->", flat, Hinv, flat)
+            total += f2 * (X.reshape(len(X), -1) @ Hinv @ t.reshape(-1))
         else:  # ekfac
             _, QA = np.linalg.eigh(A)
             _, QS = np.linalg.eigh(S)
             lam = np.mean([(QS.T @ r @ QA) ** 2 for r in raw], axis=0)
             lam_d = lam + damping * lam.mean()
+            lam_d = lam_d * (lam / lam_d).sum() / lam.sum()  # the same trace normalisation
             rot_t = QS.T @ t @ QA
             rot_x = np.einsum("ia,nab,bj->nij", QS.T, X, QA)
             total += np.einsum("ab,nab->n", rot_t / lam_d, rot_x)
@@ -272,5 +276,13 @@ def test_a_model_that_does_not_match_the_store_is_refused(data, run_dir, tmp_pat
     shutil.copytree(run_dir, copy)
     shutil.rmtree(copy / "model")
     shutil.copytree(other / "model", copy / "model")  # same layer names, other widths
+    # the fingerprint check refuses the swapped model first
+    with pytest.raises(ModelMismatchError, match="is not the one this run saved"):
+        open_run(copy).query("Q: a\nA:", " b")
+    # with run.json made to vouch for it, the shape check against the store still refuses it
+    manifest = json.loads((copy / "run.json").read_text())
+    other_manifest = json.loads((other / "run.json").read_text())
+    manifest["model"]["fingerprint"] = other_manifest["model"]["fingerprint"]
+    (copy / "run.json").write_text(json.dumps(manifest))
     with pytest.raises(ModelMismatchError, match="does not match the store"):
         open_run(copy).query("Q: a\nA:", " b")

@@ -165,13 +165,10 @@ def _fmt(v) -> str:
     return "   nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:+.3f}"
 
 
-def _cmd_lds(a) -> int:
+def _resolve_lds_data(a) -> None:
+    """``--set`` writes a named benchmark's data beside ``--out`` and points ``a`` at it."""
     from ..errors import ConfigError
-    from ..evaluate.lds import run_lds
-    from ..evaluate.lds_settings import LdsSettings, parse_config_spec
-    from ..settings import TrackSettings, TrainSettings
 
-    logging.getLogger("traceprop_engine").setLevel(logging.INFO)
     if a.set:
         from ..evaluate.lds_sets import CLASSIFICATION_SETS, make_set
 
@@ -182,6 +179,15 @@ def _cmd_lds(a) -> int:
             a.task = "classification"
     elif not a.data:
         raise ConfigError("pass --data (and --eval-data), or a named benchmark set with --set")
+
+
+def _cmd_lds(a) -> int:
+    from ..evaluate.lds import run_lds
+    from ..evaluate.lds_settings import LdsSettings, parse_config_spec
+    from ..settings import TrackSettings, TrainSettings
+
+    logging.getLogger("traceprop_engine").setLevel(logging.INFO)
+    _resolve_lds_data(a)
     t = TrainSettings(
         data=a.data,
         eval_data=a.eval_data,

@@ -28,6 +28,25 @@ if TYPE_CHECKING:
     from .loop import ProgressFn, StopFlag
 
 
+def _optimizer(job: Job, prep: Prepared) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; an optimizer-aware tracker reads its moments."""
+    settings = job.settings
+    params = [p for p in prep.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    if job.tracker is not None and settings.track is not None and settings.track.optimizer_aware:
+        job.tracker.attach_optimizer(opt)  # its second moments scale the records
+    return opt
+
+
+def _restore(job: Job, prep: Prepared, opt: torch.optim.Optimizer) -> int:
+    """The step to start from: 0, or a resumed run's checkpoint step (its states restored)."""
+    if job.checkpoint is None:
+        return 0
+    return checkpoint.restore(
+        job.checkpoint, prep.model, opt, job.tracker, prep.device, job.dist.rank
+    )
+
+
 def train_steps(
     job: Job, prep: Prepared, stop: StopFlag, progress_file, on_progress: ProgressFn | None
 ) -> float:
@@ -40,19 +59,12 @@ def train_steps(
     # DDP when WORLD_SIZE > 1, else the model itself; FSDP shards the model in place (the hooks'
     # Linear modules stay, their weights become DTensor shards between steps)
     forward = dist_ctx.wrap(prep.model, device)
-    params = [p for p in prep.model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    if job.tracker is not None and settings.track is not None and settings.track.optimizer_aware:
-        job.tracker.attach_optimizer(opt)  # its second moments scale the records
+    opt = _optimizer(job, prep)
     steps_per_epoch, total_steps = _step_counts(job, prep.n_train)
     rng = np.random.default_rng(settings.seed)  # each epoch's order: drawn again on resume
     step_ms: list[float] = []
     # a resumed run: model, optimiser, capture and RNG states of its checkpoint, then on from there
-    start = 0
-    if job.checkpoint is not None:
-        start = checkpoint.restore(
-            job.checkpoint, prep.model, opt, job.tracker, device, dist_ctx.rank
-        )
+    start = _restore(job, prep, opt)
     # FSDP's model and optimiser states are sharded: those runs write no checkpoint
     every = 0 if dist_ctx.fsdp else settings.checkpoint_every
     # one process: the checkpoint also holds the model as saved, so a killed run can be queried
