@@ -98,24 +98,10 @@ def add_query(sub) -> None:
     p.set_defaults(func=_cmd_query)
 
 
-def _check_utf8(a) -> None:
-    from ..errors import QueryError
-
-    for flag in ("prompt", "completion", "label"):
-        v = getattr(a, flag)
-        try:
-            v is None or v.encode("utf-8")
-        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
-            raise QueryError(
-                f"--{flag} holds bytes that are not valid UTF-8; pass the text in UTF-8"
-            ) from None
-
-
 def _cmd_query(a) -> int:
     from ..attribution.export import rows_for_export, write_rows
     from ..attribution.query import open_run
 
-    _check_utf8(a)
     run = open_run(a.run)
     s = index_settings(a)
     res = run.query(
