@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import IndexBuildError, IndexStaleError, StoreError, TracepropError
+from ..permissions import make_temp_dir
 from ..settings import IndexSettings
 from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
@@ -145,7 +145,7 @@ class RunIndexes:
         for leftover in (*root.glob(f".{s.name}.tmp-*"), *root.glob(f".{s.name}.old-*")):
             # a build killed before it could clean up (we hold the lock: nobody else is building)
             shutil.rmtree(leftover, ignore_errors=True)
-        out = Path(tempfile.mkdtemp(prefix=f".{s.name}.tmp-", dir=root))
+        out = make_temp_dir(root, f".{s.name}.tmp-")  # the umask's mode, not 0700
         try:
             t0 = time.perf_counter()
             pre = fit_preconditioner(
