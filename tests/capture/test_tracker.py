@@ -320,3 +320,51 @@ def test_a_directory_as_store_path_raises_and_leaves_no_file(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         Tracker(tiny_neox(), d, SETTINGS)
     assert list(tmp_path.rglob("*")) == [d]
+
+
+# -- issue 27 (round 2): values that would make every record silently wrong ------------------------
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"lr": float("nan")}, r"lr=\.\.\.\) must be .* finite number >= 0, got nan"),
+        ({"lr": -1.0}, r"got -1\.0"),  # would swap proponents and opponents
+        ({"lr": float("inf")}, "got inf"),
+        ({"lr": "0.1"}, "got '0.1'"),
+        ({"loss_scale": 0.0}, r"loss_scale=\.\.\.\) must be a finite number > 0"),
+        ({"padding_mask": torch.ones(3, 5)}, r"2 example ids but a padding_mask of shape \(3, 5\)"),
+    ],
+)
+def test_a_bad_lr_loss_scale_or_mask_raises_at_the_call(tracker, kw, match):
+    with pytest.raises(ConfigError, match=match), tracker.step([0, 1], **kw):
+        pytest.fail("the block must not run")  # refused before the block, nothing recorded
+    assert tracker.n_records == 0
+
+
+def test_a_nan_loss_is_refused_and_the_tracker_goes_on(tracker):
+    model = tracker.trained_model
+    with pytest.raises(RunError, match="non-finite loss"), tracker.step([0, 1], lr=1e-3) as rec:
+        losses = _batch(model)
+        losses.mean().backward()
+        rec.losses = losses * float("nan")
+    assert tracker.n_records == 0
+    with tracker.step([0, 1], lr=1e-3) as rec:  # the tracker still works after the error
+        rec.losses = _batch(model)
+        rec.losses.mean().backward()
+    assert tracker.n_records == 2
+
+
+def test_fewer_example_ids_than_the_batch_raise_in_the_forward(tracker):
+    """2 ids for a batch of 3 used to fail at the end of the step with an internal
+    RuntimeError about the factor scratch; the first tracked layer now names the mismatch."""
+    model = tracker.trained_model
+    ids, mask, labels, _ = causal_batch()
+    with (
+        pytest.raises(ConfigError, match="sees a batch of 3 examples, but the step was given 2"),
+        tracker.step([0, 1]) as rec,
+    ):
+        rec.losses = _losses(model, ids, mask, labels)
+    assert tracker.n_records == 0
+    with tracker.step([0, 1, 2], padding_mask=mask) as rec:
+        rec.losses = _losses(model, ids, mask, labels)
+        rec.losses.mean().backward()
+    assert tracker.n_records == 3

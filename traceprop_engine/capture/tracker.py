@@ -52,6 +52,7 @@ from .buffer import BackgroundSink, SketchBuffer
 from .finish import make_run
 from .hooks import Capture
 from .layers import build_layers
+from .step_checks import check_losses, check_step_args, example_ids
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +212,13 @@ class Tracker:
             token_mask: deprecated alias of ``padding_mask``.
 
         Raises:
-            ConfigError: example ids that are not integers in range; both ``padding_mask`` and
+            ConfigError: example ids that are not integers in range, or not one per example of
+                the batch the model sees; ``lr`` or ``loss_scale`` not a finite number >= 0
+                (> 0); a ``padding_mask`` of another batch size; both ``padding_mask`` and
                 ``token_mask``.
             RunError: a ``step()`` inside another; the block ran no backward through the tracked
-                layers; ``rec.losses`` not set, or not one loss per example.
+                layers; ``rec.losses`` not set, not one loss per example, or not finite (a
+                diverged step is not recorded).
         """
         if token_mask is not None:
             if padding_mask is not None:
@@ -233,8 +237,9 @@ class Tracker:
                 "Tracker.step() was called inside another Tracker.step() block: record each "
                 "micro-batch in its own block, one after the other"
             )
-        idx = _example_ids(example_index)
+        idx = example_ids(example_index)
         b = len(idx)
+        check_step_args(b, lr, padding_mask, loss_scale)
         slots = self.buffer.reserve(b)
         rec = StepRecord()
         t0 = time.perf_counter()
@@ -255,7 +260,7 @@ class Tracker:
                     "call losses.mean().backward() inside the block (not after it, nor under "
                     "torch.no_grad())"
                 )
-            losses = _check_losses(rec.losses, b)
+            losses = check_losses(rec.losses, b)
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()
@@ -361,46 +366,3 @@ class Tracker:
     @property
     def n_records(self) -> int:
         return self.buffer.n_records
-
-
-MAX_EXAMPLE_ID = 2**31 - 1
-
-
-def _example_ids(example_index) -> np.ndarray:
-    """The step's example ids as int64, checked: integers in ``[0, MAX_EXAMPLE_ID]``."""
-    if isinstance(example_index, torch.Tensor):
-        example_index = example_index.detach().cpu().numpy()
-    arr = np.asarray(example_index)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ConfigError(
-            f"example ids must be a non-empty 1-D sequence (one per example of the micro-batch), "
-            f"got shape {arr.shape}"
-        )
-    if arr.dtype.kind not in "iu":
-        raise ConfigError(
-            f"example ids must be integers, got {arr.dtype} ({arr[:3].tolist()}...): pass the "
-            "examples' integer indices (e.g. batch['example_index'])"
-        )
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > MAX_EXAMPLE_ID:
-        raise ConfigError(
-            f"example ids must lie in [0, {MAX_EXAMPLE_ID}], got {lo if lo < 0 else hi}: number "
-            "the training examples 0..N-1 (they index the example table)"
-        )
-    return arr.astype(np.int64)
-
-
-def _check_losses(losses, b: int):
-    """``rec.losses`` as set in a step: ``b`` per-example losses (kept on their device)."""
-    if losses is None:
-        raise RunError(
-            "rec.losses was not set in this Tracker.step() block: assign the (B,) per-example "
-            "losses inside the block (rec.losses = losses)"
-        )
-    n = losses.numel() if isinstance(losses, torch.Tensor) else np.asarray(losses).size
-    if n != b:
-        raise RunError(
-            f"rec.losses holds {n} values for a micro-batch of {b} examples: give one loss per "
-            "example (the (B,) losses before the mean)"
-        )
-    return losses
