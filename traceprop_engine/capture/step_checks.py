@@ -96,3 +96,23 @@ def check_losses(losses, b: int):
             "step; it was not recorded (lower the learning rate, or stop the run)"
         )
     return losses
+
+
+def check_tokens_in_vocab(model: torch.nn.Module, tokens) -> None:
+    """ConfigError when a stored token id is outside the model's input vocabulary (a query
+    would fail on it with an IndexError)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None or not len(tokens):
+        return
+    flat = np.concatenate([np.asarray(t).ravel() for t in tokens])
+    if flat.size == 0 or int(flat.max()) < vocab:
+        return
+    lengths = np.fromiter((np.size(t) for t in tokens), np.int64, len(tokens))
+    pos = int(np.flatnonzero(flat >= vocab)[0])
+    i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+    raise ConfigError(
+        f"example {i}: token id {int(flat[pos])} is outside the model's vocabulary of {vocab} "
+        "(input embedding rows): store the ids the model was trained on"
+    )

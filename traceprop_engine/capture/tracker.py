@@ -52,7 +52,7 @@ from .buffer import BackgroundSink, SketchBuffer
 from .finish import make_run
 from .hooks import Capture
 from .layers import build_layers
-from .step_checks import check_losses, check_step_args, example_ids
+from .step_checks import check_losses, check_step_args, check_tokens_in_vocab, example_ids
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class Tracker:
             0  # inferred epoch (when step() is not given one): a repeated id starts the next
         )
         self._seen: set[int] = set()
+        self._max_id = -1  # the largest example id recorded (checked against the table)
+        self._n_examples = self.writer.n_examples  # rows of the example table, once written
 
     # -- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -175,8 +177,21 @@ class Tracker:
     def write_examples(
         self, table: dict, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
     ) -> None:
-        """Store the example table (lineage + exact tokens); see :meth:`StoreWriter.write_examples`."""
+        """Store the example table (lineage + exact tokens); see :meth:`StoreWriter.write_examples`.
+
+        Raises:
+            ConfigError: the table's own problems (``StoreWriter.write_examples``), a token id
+                outside the model's vocabulary, or fewer rows than the example ids recorded.
+        """
+        check_tokens_in_vocab(self.model, tokens)
+        n = len(table.get(C.EX_SOURCE, ()))
+        if self._max_id >= n:
+            raise ConfigError(
+                f"the example table has {n} rows, but example id {self._max_id} was recorded: "
+                "give one row per training example (row i = example id i)"
+            )
         self.writer.write_examples(table, tokens, loss_masks)
+        self._n_examples = n
 
     # -- one micro-batch ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -240,6 +255,12 @@ class Tracker:
         idx = example_ids(example_index)
         b = len(idx)
         check_step_args(b, lr, padding_mask, loss_scale)
+        top = int(idx.max())
+        if self._n_examples is not None and top >= self._n_examples:
+            raise ConfigError(
+                f"example id {top} is not a row of the example table ({self._n_examples} rows): "
+                "number the training examples 0..N-1 as in write_examples()"
+            )
         slots = self.buffer.reserve(b)
         rec = StepRecord()
         t0 = time.perf_counter()
@@ -270,6 +291,7 @@ class Tracker:
         if epoch is None:
             epoch = self._infer_epoch(idx)
         self.buffer.commit(idx, step=step, epoch=epoch, lr=lr, loss=losses)
+        self._max_id = max(self._max_id, top)
         self.step_ms.append((time.perf_counter() - t0) * 1e3)
 
     def _infer_epoch(self, idx: np.ndarray) -> int:
