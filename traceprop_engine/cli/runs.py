@@ -24,7 +24,7 @@ def add_info(sub) -> None:
 def _cmd_info(a) -> int:
     from ..run import RunManifest
     from ..store.sharded import open_run_store
-    from ..store.sizes import run_store_bytes
+    from ..store.sizes import run_store_bytes, stored_bytes_per_record
 
     m = RunManifest.load(a.run)
     if a.json:
@@ -35,8 +35,10 @@ def _cmd_info(a) -> int:
     print(f"data {d.root}  ({d.n_train} train / {d.n_eval} eval, {len(d.files)} files)")
     mo = m.model
     print(f"model {mo.source}  task {mo.task}  params {mo.parameters} (trainable {mo.trainable})")
+    run_bytes = None
     if (Path(a.run) / C.STORE_FILE).exists() or m.shards:
         with open_run_store(a.run, m.shards) as st:
+            run_bytes = stored_bytes_per_record(st.layers)
             size = run_store_bytes(a.run)
             shards = f", {len(m.shards)} shards" if m.shards else ""
             print(
@@ -46,7 +48,7 @@ def _cmd_info(a) -> int:
                 print(f"note: {st.describe_partial()}")
     from ..evaluate.pareto import describe
 
-    print(describe(m.config.get("track")))
+    print(describe(m.config.get("track"), run_bytes=run_bytes))
     if m.error:
         print(f"error: {m.error}")
     return 0

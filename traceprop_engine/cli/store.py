@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -25,13 +26,12 @@ def add_compact(sub) -> None:
 def _cmd_compact(a) -> int:
     from ..attribution.query import open_run
     from ..store.compact import compact_store
-    from ..store.sizes import compact_bytes_per_record, sketch_bytes_per_record
+    from ..store.sizes import describe_compaction
 
     run = open_run(a.run)  # validates the run; a DDP run's shards are read as one store
     out = compact_store(run.store, a.rank, a.out or Path(a.run) / f"factors-c{a.rank}.h5")
-    full = sketch_bytes_per_record(run.store.layers)
-    fact = compact_bytes_per_record(run.store.layers, a.rank)
-    print(
-        f"factors written to {out}: {fact} bytes/record vs {full} for full sketches ({full / fact:.1f}x smaller)"
-    )
+    first, *notes = describe_compaction(run.store.layers, a.rank)
+    print(f"factors written to {out}: {first}")
+    for n in notes:
+        print(n, file=sys.stderr)
     return 0
