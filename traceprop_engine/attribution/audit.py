@@ -16,7 +16,6 @@ from pathlib import Path
 
 import polars as pl
 
-from .. import constants as C
 from ..run import RunManifest, library_versions
 from .export import rows_for_export
 
@@ -42,7 +41,7 @@ def audit_trail(run, result) -> dict:
         "run_status": m.status,
         "model_fingerprint": m.model.fingerprint,
         "data_manifest_sha256": data_manifest_hash(m),
-        "store_schema_version": C.SCHEMA_VERSION,
+        "store_schema_version": run.store.schema_version,  # the store's, not the library's
         "software": library_versions(),
         "query": result.query,
         "notes": result.notes,

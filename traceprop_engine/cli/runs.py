@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .. import constants as C
-from ..errors import TracepropError
+from ..errors import RunError, TracepropError
 
 
 def add_info(sub) -> None:
@@ -68,7 +68,13 @@ def add_runs(sub) -> None:
 def _cmd_runs(a) -> int:
     from ..run import RunManifest, list_runs
 
-    runs = list_runs(a.root)
+    root = Path(a.root)
+    if not root.is_dir():  # "no runs" would read as an empty folder
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise RunError(
+            f"{root} {what}: pass the folder that holds your run directories (traceprop runs ROOT)"
+        )
+    runs = list_runs(root)
     if not runs:
         print(f"no runs under {a.root}")
         return 0

@@ -119,6 +119,7 @@ class Store(PartialStatus):
                 f"{C.SCHEMA_VERSION}. Re-run the training with this version, or use the Traceprop "
                 "release that wrote it."
             )
+        self.schema_version = version  # what the file says, not this library's constant
         try:
             self.status = str(a["status"])
             self.n_records = int(a["n_records"])
