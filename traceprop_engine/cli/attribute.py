@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 
-from .. import constants as C
 from .flags import add_index_flags, index_settings
 
 
@@ -62,7 +61,7 @@ def _cmd_index(a) -> int:
     for n in run.indexes.notes(s):  # reused as an earlier release built it
         print(f"note: {n}", file=sys.stderr)
     print(
-        f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.dir / C.INDEX_DIR / s.name}"
+        f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.indexes.dir(s)}"
     )
     return 0
 
