@@ -333,6 +333,7 @@ def test_a_directory_as_store_path_raises_and_leaves_no_file(tmp_path):
         ({"loss_scale": 0.0}, r"loss_scale=\.\.\.\) must be a finite number > 0"),
         ({"padding_mask": torch.ones(3, 5)}, r"2 example ids but a padding_mask of shape \(3, 5\)"),
     ],
+    ids=["lr-nan", "lr-negative", "lr-inf", "lr-a-string", "loss-scale-0", "mask-of-3"],
 )
 def test_a_bad_lr_loss_scale_or_mask_raises_at_the_call(tracker, kw, match):
     with pytest.raises(ConfigError, match=match), tracker.step([0, 1], **kw):
@@ -342,7 +343,10 @@ def test_a_bad_lr_loss_scale_or_mask_raises_at_the_call(tracker, kw, match):
 
 def test_a_nan_loss_is_refused_and_the_tracker_goes_on(tracker):
     model = tracker.trained_model
-    with pytest.raises(RunError, match="non-finite loss"), tracker.step([0, 1], lr=1e-3) as rec:
+    with (
+        pytest.raises(RunError, match=r"loss became nan at step 4 \(learning rate 0.001\)"),
+        tracker.step([0, 1], step=4, lr=1e-3) as rec,
+    ):
         losses = _batch(model)
         losses.mean().backward()
         rec.losses = losses * float("nan")
@@ -377,6 +381,16 @@ def _table(n, vocab_top=5, length=4):
     return table, tokens, masks
 
 
+_TABLE_CASES = (
+    "short-column",
+    "fewer-tokens",
+    "mask-length",
+    "mask-2",
+    "negative-token",
+    "outside-vocab",
+)
+
+
 def _edit(n, what):
     table, tokens, masks = _table(n)
     if what == "short-column":
@@ -406,6 +420,7 @@ def _edit(n, what):
         ("negative-token", r"example 1: token id -3 is not in \[0, 2\^31\)"),
         ("outside-vocab", "example 2: token id 97 is outside the model's vocabulary of 97"),
     ],
+    ids=list(_TABLE_CASES),
 )
 def test_a_bad_example_table_raises_at_write_examples(tracker, what, match):
     """Each of these used to be stored and to fail at query time (polars OutOfBoundsError, a
@@ -426,7 +441,9 @@ def test_a_table_shorter_than_the_recorded_ids_raises_either_way(tracker):
     with pytest.raises(ConfigError, match="has 3 rows, but example id 5 was recorded"):
         tracker.write_examples(*_table(3))
     tracker.write_examples(*_table(6))
-    with pytest.raises(ConfigError, match=r"example id 6 is not a row of the example table \(6"):
-        with tracker.step([0, 6]):
-            pass
+    with (
+        pytest.raises(ConfigError, match=r"example id 6 is not a row of the example table \(6"),
+        tracker.step([0, 6]),
+    ):
+        pass
     assert tracker.n_records == 3

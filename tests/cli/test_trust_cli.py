@@ -93,6 +93,14 @@ def _undecodable(b: bytes) -> str:
         ("train-out", "--out"),
         ("eval-lds-data", "--data"),
     ],
+    ids=[
+        "audit-prompt",
+        "counterfactual-completion",
+        "query-label",
+        "info-run-path",
+        "train-out",
+        "eval-lds-data",
+    ],
 )
 def test_arguments_that_are_not_utf8_are_refused_by_every_command(
     case, flag, made, tmp_path, capsys
@@ -161,6 +169,14 @@ def test_a_seed_out_of_range_is_refused_before_the_run_folder(seed, data, tmp_pa
         ),
         ("lds", ["--out", "E", "--config", "bad"], "write NAME:KEY=VALUE"),
     ],
+    ids=[
+        "lds-out-a-file",
+        "detect-out-a-file",
+        "damping-nan",
+        "damping-negative",
+        "max-new-subsets-negative",
+        "config-without-colon",
+    ],
 )
 def test_eval_refuses_bad_settings_before_writing(command, extra, expect, data, tmp_path, capsys):
     (tmp_path / "FILE").write_text("not a folder")
@@ -207,8 +223,8 @@ def test_compact_compares_with_the_store_as_stored_and_bounds_the_rank(made, tmp
     assert "smaller" not in out.out and "holds them exactly, in more bytes" in out.err
     assert main(["compact", str(run), "--rank", "10000"]) == 1
     err = _err(capsys)
-    assert "rank 10000 is above min(k_out, k_in) of every layer" in err
-    assert f"(at most {widest}); rank {widest} already keeps every sketch exactly" in err
+    assert "--rank 10000 is above min(k_out, k_in) of every layer" in err
+    assert f"(at most {widest}); --rank {widest} already keeps every sketch exactly" in err
     assert not (run / "factors-c10000.h5").exists()
 
 
@@ -263,6 +279,7 @@ def _bad_data(tmp_path, case):
         ("dangling-link", "b.jsonl is a symbolic link to"),
         ("line-over-the-limit", "a.jsonl:2: the line is longer than 1048576 bytes (1 MiB)"),
     ],
+    ids=["lone-surrogate", "name-not-utf8", "dangling-link", "line-over-the-limit"],
 )
 def test_bad_data_files_get_a_message(case, expect, tmp_path, capsys):
     out = tmp_path / "run"

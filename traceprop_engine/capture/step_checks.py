@@ -71,7 +71,7 @@ def check_step_args(b: int, lr, padding_mask, loss_scale) -> None:
         )
 
 
-def check_losses(losses, b: int):
+def check_losses(losses, b: int, step: int = 0, lr: float = 0.0):
     """``rec.losses`` as set in a step: ``b`` per-example losses (kept on their device)."""
     if losses is None:
         raise RunError(
@@ -85,15 +85,17 @@ def check_losses(losses, b: int):
             "example (the (B,) losses before the mean)"
         )
     # one host check per step (a device sync, as the loss a training loop logs anyway)
-    finite = (
-        bool(torch.isfinite(losses.detach()).all())
+    values = (
+        losses.detach().float().cpu().numpy()
         if isinstance(losses, torch.Tensor)
-        else bool(np.isfinite(np.asarray(losses, np.float64)).all())
+        else np.asarray(losses, np.float64)
     )
-    if not finite:
+    bad = values[~np.isfinite(values)]
+    if bad.size:
         raise RunError(
-            "rec.losses holds a non-finite loss (nan or inf): the training diverged at this "
-            "step; it was not recorded (lower the learning rate, or stop the run)"
+            f"the training loss became {float(bad.flat[0])} at step {step} (learning rate "
+            f"{float(lr):g}) in rec.losses: the run diverged, and this step was not recorded; "
+            "lower the learning rate (or check the data) and train again"
         )
     return losses
 

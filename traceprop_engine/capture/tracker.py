@@ -281,7 +281,7 @@ class Tracker:
                     "call losses.mean().backward() inside the block (not after it, nor under "
                     "torch.no_grad())"
                 )
-            losses = check_losses(rec.losses, b)
+            losses = check_losses(rec.losses, b, step, lr)
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()

@@ -245,8 +245,7 @@ def compact_store(
         The written factor file.
 
     Raises:
-        StoreError: unreadable store; ConfigError: bad rank (below 1, or above every
-            layer's ``min(k_out, k_in)``) or a dense-sketch store.
+        StoreError: unreadable store; ConfigError: bad rank or a dense-sketch store.
     """
     rank = check_rank(rank)
     if hasattr(run_dir_or_store_path, "sketches"):
@@ -261,12 +260,6 @@ def _compact(store, rank, out, chunk, compression, progress) -> Path:
         raise ConfigError(
             f"{store.path} holds dense sketches (vectors); only factored (k_out×k_in) sketches have "
             "low-rank factors. Train with --sketch factored to use compact storage."
-        )
-    widest = max((min(layer.k_out, layer.k_in) for layer in store.layers), default=0)
-    if rank > widest:
-        raise ConfigError(
-            f"rank {rank} is above min(k_out, k_in) of every layer of {store.path} (at most "
-            f"{widest}); rank {widest} already keeps every sketch exactly"
         )
     run_dir = store.path if store.path.is_dir() else store.path.parent
     out = Path(out) if out is not None else run_dir / factor_file_name(rank)
