@@ -271,6 +271,7 @@ class TrainSettings:
             "max_steps": self.max_steps >= 0,
             "parallel": self.parallel in ("ddp", "fsdp"),
             "checkpoint_every": self.checkpoint_every >= 0,
+            "threads": self.threads >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -279,7 +280,7 @@ class TrainSettings:
                 f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
                 "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_layers >= 1, "
                 "tiny_width >= 8 and a multiple of 4, tiny_vocab >= 300, max_steps >= 0, "
-                "parallel ddp or fsdp, checkpoint_every >= 0)"
+                "parallel ddp or fsdp, checkpoint_every >= 0, threads >= 0 (0: torch default))"
             )
 
     def to_dict(self) -> dict:

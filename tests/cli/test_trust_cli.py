@@ -411,3 +411,40 @@ def test_verify_and_info_say_a_run_is_still_training(data, tmp_path):
     assert info.returncode == 0, info.stderr[-2000:]
     assert "this store is still being written (status 'running'" in info.stdout
     assert "before the run stopped" not in info.stdout
+
+
+# -- the same kinds, found in other commands -------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["rank", "RUN", "--top-k", "-5"], "argument --top-k: expected an integer >= 1, got -5"),
+        (["eval", "detect", "--out", "OUT", "--seeds", "a,b"], "expected comma-separated integers"),
+        (["eval", "lds", "--data", "RUN", "--out", "OUT", "--k-sweep", "a"], "comma-separated"),
+    ],
+    ids=["rank-top-k-negative", "detect-seeds-not-ints", "lds-k-sweep-not-ints"],
+)
+def test_other_flags_of_the_same_kind_are_usage_errors(argv, expect, made, tmp_path, capsys):
+    """`rank --top-k -5` listed all rows but the last 5; the lists raised ValueError."""
+    argv = [str(made) if x == "RUN" else str(tmp_path / "o") if x == "OUT" else x for x in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert expect in _err(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_output_file_that_cannot_be_written_is_a_message(made, capsys):
+    """Any OSError on a file the user named (here EIO writing into /proc) ends with its
+    reason, not a traceback."""
+    argv = ["query", str(made), "--prompt", "Where does Ada live?", "--completion", " Paris"]
+    assert main([*argv, "--top-k", "2", "--csv", "/proc/version"]) == 1
+    got = capsys.readouterr()
+    assert "proponent" in got.out  # the answer was printed before the file was written
+    assert got.err.startswith("error: ") and "Traceback" not in got.err
+    assert "Input/output error" in got.err or "Permission denied" in got.err  # root / not
+
+
+def test_negative_threads_are_refused(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*_train_flags(data / "train", out), "--threads", "-1"]) == 1
+    assert "threads=-1" in _err(capsys) and not out.exists()

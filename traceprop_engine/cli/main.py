@@ -119,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except OSError as e:  # a file the user named cannot be read or written (not found, EIO...)
+        log.debug("the error's traceback (-v):", exc_info=True)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
 
 
