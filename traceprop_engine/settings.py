@@ -196,6 +196,7 @@ class TrackSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        _check_seed(self.seed)
         v = self.covariance_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(
@@ -266,6 +267,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))
+        _check_seed(self.seed)
         checks = {
             "epochs": self.epochs >= 1,
             "batch_size": self.batch_size >= 1,
@@ -279,6 +281,7 @@ class TrainSettings:
             "max_steps": self.max_steps >= 0,
             "parallel": self.parallel in ("ddp", "fsdp"),
             "checkpoint_every": self.checkpoint_every >= 0,
+            "threads": self.threads >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -287,7 +290,7 @@ class TrainSettings:
                 f"invalid training settings: {vals} (epochs/batch_size >= 1, max_length >= 2, "
                 "lora_rank >= 0, lr a finite number >= 0, 0 <= eval_fraction < 1, tiny_layers >= 1, "
                 "tiny_width >= 8 and a multiple of 4, tiny_vocab >= 300, max_steps >= 0, "
-                "parallel ddp or fsdp, checkpoint_every >= 0)"
+                "parallel ddp or fsdp, checkpoint_every >= 0, threads >= 0 (0: torch default))"
             )
 
     def to_dict(self) -> dict:
@@ -329,6 +332,30 @@ INDEX_DIMS = 256
 dims held 99.7 % of the energy on that run and the same recall as all of them."""
 
 
+MAX_SEED = 2**32 - 1
+"""Seeds run from 0 to this (what every generator of the run, numpy's and torch's, accepts)."""
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
+
+
+def _check_damping(damping) -> None:
+    """ConfigError unless ``damping`` is None (the default) or a finite number >= 0."""
+    if damping is None:
+        return
+    try:
+        d = float(damping)
+    except (TypeError, ValueError):
+        d = math.nan
+    if isinstance(damping, bool) or not math.isfinite(d) or d < 0:
+        raise ConfigError(
+            f"damping must be a finite number >= 0 (a fraction of each factor's mean "
+            f"eigenvalue), got {damping!r}; leave it out for the default"
+        )
+
+
 @dataclass(frozen=True)
 class IndexSettings:
     """How the index of a run is built (part of its fingerprint).
@@ -355,6 +382,7 @@ class IndexSettings:
     def __post_init__(self) -> None:
         if self.lists is not None and not isinstance(self.lists, bool):
             raise ConfigError(f"lists must be True, False or None (auto), got {self.lists!r}")
+        _check_damping(self.damping)  # here, before anything is locked or written under index/
         for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -73,6 +73,13 @@ def _check_store(run_dir: Path, m: RunManifest, problems: list[str]) -> dict:
 
     if not (m.tracked or (run_dir / C.STORE_FILE).exists()):
         return {"status": "absent"}
+    if m.status == C.STATUS_RUNNING:  # alive: RunManifest reads a killed run as failed
+        return {
+            "status": "in progress",
+            "store_status": C.STATUS_RUNNING,
+            "detail": "a train is still writing this store; its content digest is recorded "
+            "when the run completes",
+        }
     try:
         with open_run_store(run_dir, m.shards) as st:
             parts = getattr(st, "shards", [st])
@@ -113,7 +120,12 @@ def verify_run(run_dir: str | os.PathLike) -> dict:
     run_dir = Path(run_dir)
     m = RunManifest.load(run_dir)
     problems: list[str] = []
-    if not m.completed:
+    if m.status == C.STATUS_RUNNING:
+        problems.append(
+            "the run is still training: verify cannot vouch for a run before it completes; "
+            "run it again once the train has finished"
+        )
+    elif not m.completed:
         problems.append(
             f"the run's status is {m.status!r}, not 'completed': verify cannot vouch for a run "
             "that did not finish" + (f" ({m.error})" if m.error else "")

@@ -355,3 +355,130 @@ def test_a_second_tracker_on_an_existing_store_is_refused_unless_told_to_overwri
         pass  # asked for: the old store is replaced by a new, empty one
     with Store(path) as st:
         assert st.n_records == 0
+
+
+# -- issue 27 (round 2): values that would make every record silently wrong ------------------------
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"lr": float("nan")}, r"lr=\.\.\.\) must be .* finite number >= 0, got nan"),
+        ({"lr": -1.0}, r"got -1\.0"),  # would swap proponents and opponents
+        ({"lr": float("inf")}, "got inf"),
+        ({"lr": "0.1"}, "got '0.1'"),
+        ({"loss_scale": 0.0}, r"loss_scale=\.\.\.\) must be a finite number > 0"),
+        ({"padding_mask": torch.ones(3, 5)}, r"2 example ids but a padding_mask of shape \(3, 5\)"),
+    ],
+    ids=["lr-nan", "lr-negative", "lr-inf", "lr-a-string", "loss-scale-0", "mask-of-3"],
+)
+def test_a_bad_lr_loss_scale_or_mask_raises_at_the_call(tracker, kw, match):
+    with pytest.raises(ConfigError, match=match), tracker.step([0, 1], **kw):
+        pytest.fail("the block must not run")  # refused before the block, nothing recorded
+    assert tracker.n_records == 0
+
+
+def test_a_nan_loss_is_refused_and_the_tracker_goes_on(tracker):
+    model = tracker.trained_model
+    with (
+        pytest.raises(RunError, match=r"loss became nan at step 4 \(learning rate 0.001\)"),
+        tracker.step([0, 1], step=4, lr=1e-3) as rec,
+    ):
+        losses = _batch(model)
+        losses.mean().backward()
+        rec.losses = losses * float("nan")
+    assert tracker.n_records == 0
+    with tracker.step([0, 1], lr=1e-3) as rec:  # the tracker still works after the error
+        rec.losses = _batch(model)
+        rec.losses.mean().backward()
+    assert tracker.n_records == 2
+
+
+def test_fewer_example_ids_than_the_batch_raise_in_the_forward(tracker):
+    """2 ids for a batch of 3 used to fail at the end of the step with an internal
+    RuntimeError about the factor scratch; the first tracked layer now names the mismatch."""
+    model = tracker.trained_model
+    ids, mask, labels, _ = causal_batch()
+    with (
+        pytest.raises(ConfigError, match="sees a batch of 3 examples, but the step was given 2"),
+        tracker.step([0, 1]) as rec,
+    ):
+        rec.losses = _losses(model, ids, mask, labels)
+    assert tracker.n_records == 0
+    with tracker.step([0, 1, 2], padding_mask=mask) as rec:
+        rec.losses = _losses(model, ids, mask, labels)
+        rec.losses.mean().backward()
+    assert tracker.n_records == 3
+
+
+def _table(n, vocab_top=5, length=4):
+    table = {C.EX_SOURCE: ["a.jsonl"] * n, C.EX_ROW: list(range(1, n + 1)), C.EX_TEXT: ["x"] * n}
+    tokens = [np.arange(length, dtype=np.int32) % vocab_top for _ in range(n)]
+    masks = [np.ones(length, np.uint8) for _ in range(n)]
+    return table, tokens, masks
+
+
+_TABLE_CASES = (
+    "short-column",
+    "fewer-tokens",
+    "mask-length",
+    "mask-2",
+    "negative-token",
+    "outside-vocab",
+)
+
+
+def _edit(n, what):
+    table, tokens, masks = _table(n)
+    if what == "short-column":
+        table[C.EX_ROW] = table[C.EX_ROW][:-1]
+    elif what == "fewer-tokens":
+        tokens = tokens[:-1]
+    elif what == "mask-length":
+        masks[1] = np.ones(3, np.uint8)
+    elif what == "mask-2":
+        masks[2][1] = 2
+    elif what == "negative-token":
+        tokens[1] = np.array([0, -3, 1, 1], np.int32)
+    elif what == "outside-vocab":
+        from helpers import VOCAB
+
+        tokens[2] = np.array([0, VOCAB, 1, 1], np.int32)
+    return table, tokens, masks
+
+
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("short-column", r"column 'row' has 2 rows, 'source' has 3"),
+        ("fewer-tokens", "3 rows but 2 token arrays and 3 loss masks"),
+        ("mask-length", r"example 1: tokens of shape \(4,\) and a loss mask of shape \(3,\)"),
+        ("mask-2", "example 2: a loss mask holds only 0 .* and 1 .*, got 2"),
+        ("negative-token", r"example 1: token id -3 is not in \[0, 2\^31\)"),
+        ("outside-vocab", "example 2: token id 97 is outside the model's vocabulary of 97"),
+    ],
+    ids=list(_TABLE_CASES),
+)
+def test_a_bad_example_table_raises_at_write_examples(tracker, what, match):
+    """Each of these used to be stored and to fail at query time (polars OutOfBoundsError, a
+    numpy broadcast error, an IndexError in the embedding)."""
+    with pytest.raises(ConfigError, match=match):
+        tracker.write_examples(*_edit(3, what))
+    assert tracker.writer.n_examples is None  # nothing written
+    tracker.write_examples(*_table(3))  # a good table is still accepted
+    assert tracker.writer.n_examples == 3
+
+
+def test_a_table_shorter_than_the_recorded_ids_raises_either_way(tracker):
+    model = tracker.trained_model
+    ids, mask, labels, _ = causal_batch()
+    with tracker.step([0, 1, 5], padding_mask=mask) as rec:
+        rec.losses = _losses(model, ids, mask, labels)
+        rec.losses.mean().backward()
+    with pytest.raises(ConfigError, match="has 3 rows, but example id 5 was recorded"):
+        tracker.write_examples(*_table(3))
+    tracker.write_examples(*_table(6))
+    with (
+        pytest.raises(ConfigError, match=r"example id 6 is not a row of the example table \(6"),
+        tracker.step([0, 6]),
+    ):
+        pass
+    assert tracker.n_records == 3

@@ -274,7 +274,9 @@ def test_parse_config_spec_types_and_errors():
     c = parse_config_spec("k64:k_in=64,k_out=64,covariance=false,scope=last-block")
     assert c == {"name": "k64", "k_in": 64, "k_out": 64, "covariance": False, "scope": "last-block"}
     assert isinstance(c["k_in"], int)
-    assert parse_config_spec("plain") == {"name": "plain"}
+    assert parse_config_spec("plain:") == {"name": "plain"}
+    with pytest.raises(ConfigError, match=r"write NAME:KEY=VALUE.*'bad:' for the default"):
+        parse_config_spec("bad")  # a typo, not silently the default settings under that name
     assert parse_config_spec("d:sketch=dense,dense_k=32")["dense_k"] == 32
     with pytest.raises(ConfigError, match=r"unknown key 'kin'; allowed keys: scope, k_in, k_out"):
         parse_config_spec("x:kin=64")

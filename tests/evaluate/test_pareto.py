@@ -75,7 +75,9 @@ def test_describe_names_the_measured_quality_of_a_run_configuration(tmp_path):
     from traceprop_engine.evaluate.pareto import describe
     from traceprop_engine.samples.run import default_root
 
-    assert "measured (benchmarks/EVAL.md): LDS" in describe(TrackSettings().to_dict())
+    assert "measured on the benchmark's model (benchmarks/EVAL.md): LDS" in describe(
+        TrackSettings().to_dict()
+    )
     assert "not measured" in describe({"k_in": 5, "k_out": 7, "rank": 1})
     assert "none recorded" in describe(None)
     p = _table(
@@ -83,3 +85,18 @@ def test_describe_names_the_measured_quality_of_a_run_configuration(tmp_path):
     )
     assert "dominated by good" in describe({"k_in": 8}, p)
     assert main(["info", str(default_root() / "facts")]) == 0
+
+
+def test_info_does_not_show_benchmark_figures_as_a_run_of_another_model(capsys):
+    """The sample run (9 layers, 2304-byte records) has the default configuration, measured on
+    the benchmark's model at 4381 bytes/example: info says those figures are not its own."""
+    from traceprop_engine.cli.main import main
+    from traceprop_engine.evaluate.pareto import describe
+    from traceprop_engine.samples.run import default_root
+
+    assert main(["info", str(default_root() / "facts")]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tracking:")][0]
+    assert "not on this run's: its records are 2304 bytes each" in line
+    assert "do not describe it" in line and "dominated by" not in line
+    near = describe(TrackSettings().to_dict(), run_bytes=4338)  # the benchmark's own records
+    assert "measured on the benchmark's model" in near and "not on this run's" not in near

@@ -53,7 +53,7 @@ def audit_trail(run, result) -> dict:
         "model_fingerprint": loaded,
         "recorded_model_fingerprint": m.model.fingerprint,
         "data_manifest_sha256": data_manifest_hash(m),
-        "store_schema_version": C.SCHEMA_VERSION,
+        "store_schema_version": run.store.schema_version,  # the store's, not the library's
         "software": library_versions(),
         "query": result.query,
         "notes": result.notes,

@@ -189,10 +189,20 @@ class QueryEncoder:
                 "this run has no tokenizer (it was finished without one): query it by token ids, "
                 "run.query(input_ids=..., labels=...)"
             )
+        ignored = (
+            [
+                f"the label {label!r} was not used: this run is {self.task}, where the "
+                "completion (or the text) is what a query explains; --label is for "
+                "classification runs"
+            ]
+            if label is not None and self.task != "classification"
+            else []
+        )
         if eval_example is not None:
             enc, desc = self._encode_example(loaded, eval_example)
-            return enc, desc, []
-        return self._encode_text(loaded, prompt, completion, label)
+            return enc, desc, ignored
+        enc, desc, notes = self._encode_text(loaded, prompt, completion, label)
+        return enc, desc, ignored + notes
 
     def _encode_example(self, loaded, eval_example: int) -> tuple[Encoded, dict]:
         """An example of the run, from the tokens the store kept for it."""

@@ -11,11 +11,12 @@ half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.att
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 
 from .. import constants as C
 from ..errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
+from ..permissions import make_temp_dir
 from ..settings import IndexSettings
 from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
@@ -62,6 +64,20 @@ Progress = Callable[[str, int, int], None]
 "lists", "index"."""
 
 
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def user_index_root(run_dir: Path) -> Path:
+    """Where the indexes of a run that cannot be written go: ``$TRACEPROP_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/traceprop`` (``~/.cache/traceprop``), then ``indexes/<hash of the run's
+    absolute path>``. An index there is checked against the store like one in ``RUN/index``."""
+    base = os.environ.get("TRACEPROP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "traceprop"
+    )
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(base) / "indexes" / key
+
+
 class RunIndexes:
     """The indexes of one run's store, one per :class:`IndexSettings`, kept once loaded.
 
@@ -76,13 +92,15 @@ class RunIndexes:
         self._scorers: dict[str, ExactScorer] = {}
         self._vector_maps: dict[str, np.ndarray] = {}  # the memory-mapped vectors.npy of each
         self._build_formats: dict[str, int] = {}  # build.json's build_format of each
+        self._where: dict[str, Path] = {}  # index root of each name not under RUN/index
 
     def dir(self, s: IndexSettings) -> Path:
-        """The folder of the index ``s`` (it may not exist yet)."""
-        return self.run_dir / C.INDEX_DIR / s.name
+        """The folder of the index ``s`` (it may not exist yet): ``RUN/index/<name>``, or the
+        user's cache (:func:`user_index_root`) for a run whose folder cannot be written."""
+        return self._where.get(s.name, self.run_dir / C.INDEX_DIR) / s.name
 
     def _lock_path(self, s: IndexSettings) -> Path:
-        return self.run_dir / C.INDEX_DIR / f".{s.name}.lock"
+        return self.dir(s).parent / f".{s.name}.lock"
 
     def _refuse_links(self, s: IndexSettings) -> None:
         """The index folders are the run's own: a symbolic link among them (``index/``, its
@@ -108,14 +126,42 @@ class RunIndexes:
             return self._indexes[s.name]
         self._refuse_links(s)
         if not rebuild:
-            with index_lock(self._lock_path(s), exclusive=False):
-                hit = self._load(s)
-            if hit is not None:
-                return hit
+            cache = user_index_root(self.run_dir)
+            roots = [self.run_dir / C.INDEX_DIR] + ([cache] if cache.is_dir() else [])
+            for root in roots:  # the run's own index first, then one built in the cache
+                self._where[s.name] = root
+                with index_lock(self._lock_path(s), exclusive=False):
+                    hit = self._load(s)
+                if hit is not None:
+                    return hit
+            self._where.pop(s.name, None)
         self.build(s, progress, reuse=not rebuild)
         return self._indexes[s.name]
 
     def build(
+        self, s: IndexSettings, progress: Progress | None = None, *, reuse: bool = False
+    ) -> VectorIndex:
+        """:meth:`build_here` in ``RUN/index``; where the run's folder cannot be written (a
+        read-only or shared run), in the user's cache instead (:func:`user_index_root`),
+        with a warning that says where."""
+        self._where.pop(s.name, None)
+        try:
+            return self.build_here(s, progress, reuse=reuse)
+        except IndexBuildError as e:
+            cause = e.__cause__
+            if not (isinstance(cause, OSError) and cause.errno in _NOT_WRITABLE):
+                raise
+            cache = user_index_root(self.run_dir)
+            log.warning(
+                "cannot write the index in %s (%s): building it in %s instead",
+                self.run_dir / C.INDEX_DIR,
+                cause.strerror or cause,
+                cache,
+            )
+            self._where[s.name] = cache
+            return self.build_here(s, progress, reuse=reuse)
+
+    def build_here(
         self, s: IndexSettings, progress: Progress | None = None, *, reuse: bool = False
     ) -> VectorIndex:
         """Fit the preconditioner, write the vectors, build and persist the FAISS index.
@@ -158,7 +204,7 @@ class RunIndexes:
         for leftover in (*root.glob(f".{s.name}.tmp-*"), *root.glob(f".{s.name}.old-*")):
             # a build killed before it could clean up (we hold the lock: nobody else is building)
             shutil.rmtree(leftover, ignore_errors=True)
-        out = Path(tempfile.mkdtemp(prefix=f".{s.name}.tmp-", dir=root))
+        out = make_temp_dir(root, f".{s.name}.tmp-")  # the umask's mode, not 0700
         try:
             t0 = time.perf_counter()
             pre = fit_preconditioner(

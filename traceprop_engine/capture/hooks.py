@@ -35,6 +35,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..settings import SketchKind
 from ..store.format import Covariance
 from .layers import TrackedLayer
@@ -236,6 +237,13 @@ class Capture:
             if not self._active or not output.requires_grad:
                 return None
             a = inputs[0]
+            slots = self._slots
+            if slots and a.shape[0] != slots[i].shape[0]:
+                raise ConfigError(
+                    f"the tracked layer {layer.name} sees a batch of {a.shape[0]} examples, but "
+                    f"the step was given {slots[i].shape[0]} example ids: pass one id per "
+                    "example of the micro-batch"
+                )
             if layer.full_factor:  # the raw input: autograd keeps it for the weight grad anyway
                 stack.append(a)  # detached in the backward hook, only where grad mode is on
                 output.register_hook(backward_hook)

@@ -59,6 +59,7 @@ from .optimizer_scale import (
     param_groups_of,
 )
 from .project import deferrable
+from .step_checks import check_losses, check_step_args, check_tokens_in_vocab, example_ids
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class Tracker:
             0  # inferred epoch (when step() is not given one): a repeated id starts the next
         )
         self._seen: set[int] = set()
+        self._max_id = -1  # the largest example id recorded (checked against the table)
+        self._n_examples = self.writer.n_examples  # rows of the example table, once written
         self.optimizer = None
         if self.settings.optimizer_aware:
             check_optimizer_aware(self.layers, deferrable)
@@ -210,8 +213,21 @@ class Tracker:
     def write_examples(
         self, table: dict, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
     ) -> None:
-        """Store the example table (lineage + exact tokens); see :meth:`StoreWriter.write_examples`."""
+        """Store the example table (lineage + exact tokens); see :meth:`StoreWriter.write_examples`.
+
+        Raises:
+            ConfigError: the table's own problems (``StoreWriter.write_examples``), a token id
+                outside the model's vocabulary, or fewer rows than the example ids recorded.
+        """
+        check_tokens_in_vocab(self.model, tokens)
+        n = len(table.get(C.EX_SOURCE, ()))
+        if self._max_id >= n:
+            raise ConfigError(
+                f"the example table has {n} rows, but example id {self._max_id} was recorded: "
+                "give one row per training example (row i = example id i)"
+            )
         self.writer.write_examples(table, tokens, loss_masks)
+        self._n_examples = n
 
     # -- one micro-batch ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -247,10 +263,13 @@ class Tracker:
             token_mask: deprecated alias of ``padding_mask``.
 
         Raises:
-            ConfigError: example ids that are not integers in range; both ``padding_mask`` and
+            ConfigError: example ids that are not integers in range, or not one per example of
+                the batch the model sees; ``lr`` or ``loss_scale`` not a finite number >= 0
+                (> 0); a ``padding_mask`` of another batch size; both ``padding_mask`` and
                 ``token_mask``.
             RunError: a ``step()`` inside another; the block ran no backward through the tracked
-                layers; ``rec.losses`` not set, or not one loss per example.
+                layers; ``rec.losses`` not set, not one loss per example, or not finite (a
+                diverged step is not recorded).
         """
         if token_mask is not None:
             if padding_mask is not None:
@@ -269,8 +288,15 @@ class Tracker:
                 "Tracker.step() was called inside another Tracker.step() block: record each "
                 "micro-batch in its own block, one after the other"
             )
-        idx = _example_ids(example_index)
+        idx = example_ids(example_index)
         b = len(idx)
+        check_step_args(b, lr, padding_mask, loss_scale)
+        top = int(idx.max())
+        if self._n_examples is not None and top >= self._n_examples:
+            raise ConfigError(
+                f"example id {top} is not a row of the example table ({self._n_examples} rows): "
+                "number the training examples 0..N-1 as in write_examples()"
+            )
         slots = self.buffer.reserve(b)
         rec = StepRecord()
         t0 = time.perf_counter()
@@ -291,7 +317,7 @@ class Tracker:
                     "call losses.mean().backward() inside the block (not after it, nor under "
                     "torch.no_grad())"
                 )
-            losses = _check_losses(rec.losses, b)
+            losses = check_losses(rec.losses, b, step, lr)
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()
@@ -301,6 +327,7 @@ class Tracker:
         if epoch is None:
             epoch = self._infer_epoch(idx)
         self.buffer.commit(idx, step=step, epoch=epoch, lr=lr, loss=losses)
+        self._max_id = max(self._max_id, top)
         self.step_ms.append((time.perf_counter() - t0) * 1e3)
 
     def _infer_epoch(self, idx: np.ndarray) -> int:
@@ -397,46 +424,3 @@ class Tracker:
     @property
     def n_records(self) -> int:
         return self.buffer.n_records
-
-
-MAX_EXAMPLE_ID = 2**31 - 1
-
-
-def _example_ids(example_index) -> np.ndarray:
-    """The step's example ids as int64, checked: integers in ``[0, MAX_EXAMPLE_ID]``."""
-    if isinstance(example_index, torch.Tensor):
-        example_index = example_index.detach().cpu().numpy()
-    arr = np.asarray(example_index)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ConfigError(
-            f"example ids must be a non-empty 1-D sequence (one per example of the micro-batch), "
-            f"got shape {arr.shape}"
-        )
-    if arr.dtype.kind not in "iu":
-        raise ConfigError(
-            f"example ids must be integers, got {arr.dtype} ({arr[:3].tolist()}...): pass the "
-            "examples' integer indices (e.g. batch['example_index'])"
-        )
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > MAX_EXAMPLE_ID:
-        raise ConfigError(
-            f"example ids must lie in [0, {MAX_EXAMPLE_ID}], got {lo if lo < 0 else hi}: number "
-            "the training examples 0..N-1 (they index the example table)"
-        )
-    return arr.astype(np.int64)
-
-
-def _check_losses(losses, b: int):
-    """``rec.losses`` as set in a step: ``b`` per-example losses (kept on their device)."""
-    if losses is None:
-        raise RunError(
-            "rec.losses was not set in this Tracker.step() block: assign the (B,) per-example "
-            "losses inside the block (rec.losses = losses)"
-        )
-    n = losses.numel() if isinstance(losses, torch.Tensor) else np.asarray(losses).size
-    if n != b:
-        raise RunError(
-            f"rec.losses holds {n} values for a micro-batch of {b} examples: give one loss per "
-            "example (the (B,) losses before the mean)"
-        )
-    return losses

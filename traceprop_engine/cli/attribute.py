@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 
-from .. import constants as C
 from .flags import add_index_flags, index_settings
 
 
@@ -62,7 +61,7 @@ def _cmd_index(a) -> int:
     for n in run.indexes.notes(s):  # reused as an earlier release built it
         print(f"note: {n}", file=sys.stderr)
     print(
-        f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.dir / C.INDEX_DIR / s.name}"
+        f"index {s.name}: {index.n} vectors x {pre.dim} dims ({index.kind.value}) in {run.indexes.dir(s)}"
     )
     return 0
 
@@ -98,24 +97,10 @@ def add_query(sub) -> None:
     p.set_defaults(func=_cmd_query)
 
 
-def _check_utf8(a) -> None:
-    from ..errors import QueryError
-
-    for flag in ("prompt", "completion", "label"):
-        v = getattr(a, flag)
-        try:
-            v is None or v.encode("utf-8")
-        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
-            raise QueryError(
-                f"--{flag} holds bytes that are not valid UTF-8; pass the text in UTF-8"
-            ) from None
-
-
 def _cmd_query(a) -> int:
     from ..attribution.export import rows_for_export, write_rows
     from ..attribution.query import open_run
 
-    _check_utf8(a)
     run = open_run(a.run)
     s = index_settings(a)
     res = run.query(

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .flags import add_preconditioner_flag, choices
+from .flags import add_preconditioner_flag, choices, positive_int
 
 
 def add_audit(sub) -> None:
@@ -26,7 +26,7 @@ def add_audit(sub) -> None:
     g.add_argument("--eval-example", type=int)
     p.add_argument("--completion")
     p.add_argument("--label")
-    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--top-k", type=positive_int, default=20)
     add_preconditioner_flag(p)
     p.add_argument("--out", required=True, help="trail JSON path")
     p.add_argument("--csv", help="also write the influencers as CSV")
@@ -121,7 +121,7 @@ def add_rank(sub) -> None:
     r.add_argument("run", help="run directory")
     r.add_argument("--by", default=RankBy.SELF_INFLUENCE.value, choices=choices(RankBy))
     add_preconditioner_flag(r)
-    r.add_argument("--top-k", type=int, default=20)
+    r.add_argument("--top-k", type=positive_int, default=20)
     r.add_argument("--csv", help="write the full ranking as CSV")
     r.set_defaults(func=_cmd_rank)
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import math
 
-from .flags import choices, field_defaults, plain
+from .flags import choices, field_defaults, int_list, plain
 
 
 def _add_train_flags(p) -> None:
@@ -79,7 +79,10 @@ def register(sub) -> None:
         "--alpha", type=float, default=0.5, help="fraction of the training set per subset"
     )
     p.add_argument(
-        "--k-sweep", default="4,8,16,32", help="k_in = k_out values, one tracked run each"
+        "--k-sweep",
+        type=int_list,
+        default="4,8,16,32",
+        help="k_in = k_out values, one tracked run each (comma-separated)",
     )
     p.add_argument("--main-k", type=int, default=8, help="k of the main table")
     p.add_argument("--no-dense", action="store_true", help="skip the dense-sketch run")
@@ -146,7 +149,10 @@ def register(sub) -> None:
         "--tasks", default="mislabel,backdoor", help="comma-separated: mislabel, backdoor"
     )
     d.add_argument(
-        "--seeds", default="0,1,2", help="comma-separated seeds (one data set + run each)"
+        "--seeds",
+        type=int_list,
+        default="0,1,2",
+        help="comma-separated seeds (one data set + run each)",
     )
     _add_train_flags(d)
     d.add_argument(
@@ -214,7 +220,7 @@ def _cmd_lds(a) -> int:
         n_subsets=a.subsets,
         alpha=a.alpha,
         seed=a.seed,
-        k_values=tuple(int(k) for k in a.k_sweep.split(",") if k.strip()),
+        k_values=a.k_sweep,
         main_k=a.main_k,
         dense=not a.no_dense,
         dense_k=a.dense_k,
@@ -262,7 +268,7 @@ def _cmd_detect(a) -> int:
     s = DetectSettings(
         out=a.out,
         tasks=tuple(t.strip() for t in a.tasks.split(",") if t.strip()),
-        seeds=tuple(int(x) for x in a.seeds.split(",") if x.strip()),
+        seeds=a.seeds,
         model=a.model,
         epochs=a.epochs,
         lr=a.lr,

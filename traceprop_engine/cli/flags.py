@@ -28,6 +28,27 @@ def choices(enum: type[Enum]) -> list[str]:
     return [e.value for e in enum]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--top-k -5`` would otherwise list all but 5 rows)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated integers (``4,8,16``)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 4,8,16, got {text!r}"
+        ) from None
+
+
 def add_track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
     from ..settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings

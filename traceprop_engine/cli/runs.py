@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .. import constants as C
-from ..errors import TracepropError
+from ..errors import RunError, TracepropError
 
 
 def add_info(sub) -> None:
@@ -24,7 +24,7 @@ def add_info(sub) -> None:
 def _cmd_info(a) -> int:
     from ..run import RunManifest
     from ..store.sharded import open_run_store
-    from ..store.sizes import run_store_bytes
+    from ..store.sizes import run_store_bytes, stored_bytes_per_record
 
     m = RunManifest.load(a.run)
     if a.json:
@@ -35,8 +35,10 @@ def _cmd_info(a) -> int:
     print(f"data {d.root}  ({d.n_train} train / {d.n_eval} eval, {len(d.files)} files)")
     mo = m.model
     print(f"model {mo.source}  task {mo.task}  params {mo.parameters} (trainable {mo.trainable})")
+    run_bytes = None
     if (Path(a.run) / C.STORE_FILE).exists() or m.shards:
         with open_run_store(a.run, m.shards) as st:
+            run_bytes = stored_bytes_per_record(st.layers)
             size = run_store_bytes(a.run)
             shards = f", {len(m.shards)} shards" if m.shards else ""
             print(
@@ -46,7 +48,7 @@ def _cmd_info(a) -> int:
                 print(f"note: {st.describe_partial()}")
     from ..evaluate.pareto import describe
 
-    print(describe(m.config.get("track")))
+    print(describe(m.config.get("track"), run_bytes=run_bytes))
     if m.error:
         print(f"error: {m.error}")
     return 0
@@ -66,7 +68,13 @@ def add_runs(sub) -> None:
 def _cmd_runs(a) -> int:
     from ..run import RunManifest, list_runs
 
-    runs = list_runs(a.root)
+    root = Path(a.root)
+    if not root.is_dir():  # "no runs" would read as an empty folder
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise RunError(
+            f"{root} {what}: pass the folder that holds your run directories (traceprop runs ROOT)"
+        )
+    runs = list_runs(root)
     if not runs:
         print(f"no runs under {a.root}")
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -24,14 +25,20 @@ def add_compact(sub) -> None:
 
 def _cmd_compact(a) -> int:
     from ..attribution.query import open_run
+    from ..errors import ConfigError
     from ..store.compact import compact_store
-    from ..store.sizes import compact_bytes_per_record, sketch_bytes_per_record
+    from ..store.sizes import describe_compaction
 
     run = open_run(a.run)  # validates the run; a DDP run's shards are read as one store
+    widest = max((min(layer.k_out, layer.k_in) for layer in run.store.layers), default=0)
+    if a.rank > widest:  # the API clamps c per layer; asked here, a larger c is a mistake
+        raise ConfigError(
+            f"--rank {a.rank} is above min(k_out, k_in) of every layer of {a.run} (at most "
+            f"{widest}); --rank {widest} already keeps every sketch exactly"
+        )
     out = compact_store(run.store, a.rank, a.out or Path(a.run) / f"factors-c{a.rank}.h5")
-    full = sketch_bytes_per_record(run.store.layers)
-    fact = compact_bytes_per_record(run.store.layers, a.rank)
-    print(
-        f"factors written to {out}: {fact} bytes/record vs {full} for full sketches ({full / fact:.1f}x smaller)"
-    )
+    first, *notes = describe_compaction(run.store.layers, a.rank)
+    print(f"factors written to {out}: {first}")
+    for n in notes:
+        print(n, file=sys.stderr)
     return 0

@@ -44,6 +44,7 @@ from .detection_data import (
     generate_mislabel_data,
     read_jsonl,
 )
+from .lds_settings import check_out_dir
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ def run_detection(s: DetectSettings, *, overwrite: bool = False) -> list[dict]:
 
     torch.set_num_threads(1)
     out = Path(s.out)
+    check_out_dir(out)
     if overwrite:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,7 @@ from .lds_settings import (
     LdsSettings,
     atomic_save_npy,
     atomic_write_text,
+    check_out_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -232,13 +233,23 @@ def run_lds(
         An :class:`LdsResult`; ``rows`` holds the table once every subset is done.
 
     Raises:
-        ConfigError: settings differ from the evaluation already in ``s.out``.
+        ConfigError: settings differ from the evaluation already in ``s.out``, ``s.out`` is a
+            file, or ``max_new_subsets`` is negative.
         RunError: a training run failed or was cancelled.
     """
     import torch
 
+    if max_new_subsets is not None and (
+        isinstance(max_new_subsets, bool)
+        or not isinstance(max_new_subsets, int)
+        or max_new_subsets < 0
+    ):
+        raise ConfigError(
+            f"max_new_subsets must be an integer >= 0 (or None: all), got {max_new_subsets!r}"
+        )
     torch.set_num_threads(1)
     eval_dir = Path(s.out)
+    check_out_dir(eval_dir)
     _check_or_write_config(eval_dir, s, overwrite)
     base = _base_model(s, eval_dir)
     runs = _run_names(s)

@@ -7,6 +7,7 @@ the atomic writes every step uses to keep that directory resumable live here too
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -159,6 +160,13 @@ class LdsSettings:
             problems.append(f"workers={self.workers} (1 or 2: the machine has two cores)")
         if self.bootstrap < 100:
             problems.append(f"bootstrap={self.bootstrap} (at least 100 resamples)")
+        if self.damping is not None and not (
+            isinstance(self.damping, (int, float))
+            and not isinstance(self.damping, bool)
+            and math.isfinite(self.damping)
+            and self.damping >= 0
+        ):
+            problems.append(f"damping={self.damping!r} (a finite number >= 0, or None)")
         if not isinstance(self.retrain_seeds, int) or self.retrain_seeds < 1:
             problems.append(f"retrain_seeds={self.retrain_seeds!r} (a positive integer)")
         object.__setattr__(self, "configs", tuple(dict(c) for c in self.configs))
@@ -242,15 +250,20 @@ def parse_config_spec(spec: str) -> dict:
     """``"name:k_in=64,k_out=64"`` → ``{"name": "name", "k_in": 64, "k_out": 64}``.
 
     Values are parsed by the type of the :class:`TrackSettings` field of that name (int, float,
-    bool, str, enums by value; ``none`` for an optional field). ``"name"`` alone (no overrides)
-    is the default TrackSettings under that name.
+    bool, str, enums by value; ``none`` for an optional field). ``"name:"`` (no overrides) is
+    the default TrackSettings under that name; a spec without ``:`` is refused (a typo).
 
     Raises:
-        ConfigError: no name, an item without ``=``, an unknown key (the message lists the
+        ConfigError: no name, no ``:``, an item without ``=``, an unknown key (the message lists the
             allowed keys) or a value of the wrong type.
     """
-    name, _, body = spec.partition(":")
+    name, colon, body = spec.partition(":")
     name = name.strip()
+    if not colon:
+        raise ConfigError(
+            f"--config {spec!r}: write NAME:KEY=VALUE,... (e.g. 'k64:k_in=64,k_out=64'), or "
+            f"'{name}:' for the default tracking settings under that name"
+        )
     if not name:
         raise ConfigError(f"--config {spec!r}: give a name first, e.g. 'k64:k_in=64,k_out=64'")
     fields = track_fields()
@@ -272,6 +285,16 @@ def parse_config_spec(spec: str) -> dict:
 
 
 # -- writing the evaluation directory -----------------------------------------------------------
+def check_out_dir(out: Path) -> None:
+    """ConfigError when an evaluation's output folder is a file (or a link to nothing)."""
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(f"--out {out} is a symbolic link to nothing; remove it or pick another")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"--out {out} is a file, not a directory; pass a new or existing folder instead"
+        )
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` through a temporary file and a rename: a killed evaluation leaves no half file."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

@@ -28,6 +28,9 @@ MATCH_KEYS = (
     "power_iters",
 )
 BYTES_TOLERANCE = 0.01
+RUN_BYTES_TOLERANCE = 0.05
+"""A run's records within 5 % of a measured configuration's bytes per example (which also
+count the per-record metadata) are taken to be that configuration on the benchmark's model."""
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,17 @@ def front(rows: list[Measured]) -> list[Measured]:
     return [r for r in rows if not any(r.dominated_by(o) for o in rows if o is not r)]
 
 
-def describe(track: dict | None, path: str | Path = PARETO_FILE) -> str:
+def describe(
+    track: dict | None, path: str | Path = PARETO_FILE, *, run_bytes: int | None = None
+) -> str:
     """One line for ``traceprop info`` and the app: the tracking configuration and, when it
-    was measured, its LDS per data set, overhead and bytes (and what dominates it)."""
+    was measured, its LDS per data set, overhead and bytes (and what dominates it).
+
+    The figures were measured on the benchmark's model (``PARETO_FILE``'s ``about``). Given
+    ``run_bytes`` (a run's own bytes per record, ``stored_bytes_per_record``), a run whose
+    records differ from the measured ones in size (another model: other layers) is told that
+    the figures are not its own, instead of being shown them as if they were.
+    """
     if not track:
         return "tracking: none recorded in run.json"
     cfg = ", ".join(f"{k}={track[k]}" for k in MATCH_KEYS if k in track and k != "power_iters")
@@ -106,10 +117,18 @@ def describe(track: dict | None, path: str | Path = PARETO_FILE) -> str:
         )
     m = hit["measured"]
     lds = ", ".join(f"{d} {v:.2f}" for d, v in m.lds.items())
-    text = (
-        f"tracking: {cfg}; measured (benchmarks/EVAL.md): LDS {lds}; overhead "
-        f"{m.overhead_pct:+.1f} %; {m.bytes_per_example:.0f} bytes/example"
+    figures = (
+        f"LDS {lds}; overhead {m.overhead_pct:+.1f} %; {m.bytes_per_example:.0f} bytes/example"
     )
+    if run_bytes is not None and abs(run_bytes - m.bytes_per_example) > (
+        RUN_BYTES_TOLERANCE * m.bytes_per_example
+    ):
+        return (
+            f"tracking: {cfg}; this configuration was measured on the benchmark's model "
+            f"(benchmarks/EVAL.md: {figures}), not on this run's: its records are {run_bytes} "
+            "bytes each, so those figures do not describe it"
+        )
+    text = f"tracking: {cfg}; measured on the benchmark's model (benchmarks/EVAL.md): {figures}"
     if hit["dominated_by"]:
         text += f"; dominated by {', '.join(hit['dominated_by'])}"
     return text

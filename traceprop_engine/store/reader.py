@@ -75,6 +75,12 @@ class PartialStatus:
         """A sentence for users about a partial store (empty string when complete)."""
         if not self.is_partial:
             return ""
+        if self.status == C.STATUS_RUNNING:  # a train still writing it, or one killed outright
+            return (
+                f"this store is still being written (status 'running'{self._partial_where()}: "
+                f"its train is running, or was killed before it could close it): it holds the "
+                f"{self.n_records} records flushed so far; scores cover only those examples"
+            )
         return (
             f"this store is partial (status '{self.status}'{self._partial_where()}): it holds the "
             f"{self.n_records} records written before the run stopped; scores cover only the "
@@ -131,6 +137,7 @@ class Store(PartialStatus):
                 f"{C.SCHEMA_VERSION}. Re-run the training with this version, or use the Traceprop "
                 "release that wrote it."
             )
+        self.schema_version = version  # what the file says, not this library's constant
         try:
             self.status = str(a["status"])
             self.n_records = int(a["n_records"])

@@ -71,6 +71,7 @@ class ShardedStore(PartialStatus):
         self.paths = [sh.path for sh in self.shards]
         self.layers = first.layers
         self.sketch = first.sketch
+        self.schema_version = first.schema_version
         self.manifest = first.manifest
         self._offsets = np.concatenate(
             [[0], np.cumsum([sh.n_records for sh in self.shards])]

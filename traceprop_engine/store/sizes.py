@@ -7,7 +7,7 @@ overhead benchmark print.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +78,36 @@ def steady_state_bytes(path: str | os.PathLike) -> dict:
         "short_run_sketch_bytes_per_example": alloc_sketch / max(n_rec, 1),
         "short_run_file_bytes_per_example": os.path.getsize(path) / max(n_rec, 1),
     }
+
+
+def stored_bytes_per_record(layers: Iterable) -> int:
+    """Bytes of one record as the store holds it (full float32 sketches, or rank-r factors in
+    their storage type: ``LayerInfo.bytes_per_record``)."""
+    return sum(layer.bytes_per_record for layer in layers)
+
+
+def describe_compaction(layers: Sequence, rank: int) -> list[str]:
+    """What ``traceprop compact`` says about the size of a rank-``rank`` factor file: compared
+    with the store as it is stored (not with full sketches it may not hold)."""
+    fact = compact_bytes_per_record(layers, rank)
+    stored = stored_bytes_per_record(layers)
+    full = sketch_bytes_per_record(layers)
+    ranks = sorted({layer.rank for layer in layers})
+    if ranks == [0]:
+        held = "full float32 sketches"
+    else:
+        dtypes = "/".join(
+            sorted({layer.factor_dtype or "float32" for layer in layers if layer.rank})
+        )
+        held = f"rank-{'/'.join(map(str, ranks))} {dtypes} factors"
+    ratio = f"{stored / fact:.1f}x smaller" if fact <= stored else f"{fact / stored:.1f}x larger"
+    lines = [
+        f"{fact} bytes/record (rank {rank}, float32) vs {stored} as the store holds them "
+        f"({held}): {ratio}; full float32 sketches would take {full}"
+    ]
+    if ranks != [0] and rank >= max(ranks):
+        lines.append(
+            f"note: the store's records are {held} already: rank {rank} holds them exactly, "
+            "in more bytes; compaction saves space on stores of full sketches (--rank 0 at train)"
+        )
+    return lines

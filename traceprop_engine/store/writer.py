@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 
 from .. import constants as C
+from ..errors import ConfigError
 from .format import (
     DIGEST_ATTR,
     FACTOR_STORAGE,
@@ -251,7 +252,14 @@ class StoreWriter:
         None). Row ``i`` of the table is example index ``i``. The numeric columns carry
         Fletcher-32 checksums; the string columns (which HDF5 cannot checksum) the
         ``strings_sha256`` attribute the reader checks them against.
+
+        Raises:
+            ConfigError: columns of different lengths, not one token array and one loss mask
+                per row, a token array and its mask of different lengths, a mask value other
+                than 0 and 1, a negative or non-integer token id (checked here, not at query
+                time).
         """
+        check_example_table(table, tokens, loss_masks)
         with self._lock:
             n = len(table[C.EX_SOURCE])
             raw = {
@@ -282,6 +290,13 @@ class StoreWriter:
             numeric(C.EX_LOSS_MASK, flat_m, compression="gzip" if n else None)
             g.attrs["n_examples"] = n
             self._f.flush()
+
+    @property
+    def n_examples(self) -> int | None:
+        """Rows of the example table written so far (None: none written)."""
+        with self._lock:
+            g = self._f.get(C.G_EXAMPLES)
+            return None if g is None else int(g.attrs.get("n_examples", 0))
 
     def append(self, arrays: list[np.ndarray], meta: dict[str, np.ndarray]) -> None:
         """Append one flushed chunk of records (all layers + metadata), then mark it readable."""
@@ -365,3 +380,57 @@ class StoreWriter:
             self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             self._f.flush()
             self._f.close()
+
+
+def check_example_table(
+    table: dict[str, Sequence], tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
+) -> None:
+    """ConfigError naming what is wrong with an example table (see ``write_examples``)."""
+    if C.EX_SOURCE not in table or C.EX_ROW not in table:
+        raise ConfigError(
+            f"the example table needs the columns {C.EX_SOURCE!r} and {C.EX_ROW!r}; got "
+            f"{sorted(table)}"
+        )
+    n = len(table[C.EX_SOURCE])
+    for col in (C.EX_ROW, *C.EX_STRING_COLUMNS):
+        if col in table and len(table[col]) != n:
+            raise ConfigError(
+                f"the example table's column {col!r} has {len(table[col])} rows, "
+                f"{C.EX_SOURCE!r} has {n}: give every column one value per example"
+            )
+    if len(tokens) != n or len(loss_masks) != n:
+        raise ConfigError(
+            f"the example table has {n} rows but {len(tokens)} token arrays and "
+            f"{len(loss_masks)} loss masks: give one of each per example (row i = example i)"
+        )
+    for i, (t, m) in enumerate(zip(tokens, loss_masks, strict=True)):
+        if np.ndim(t) != 1 or np.shape(m) != np.shape(t):
+            raise ConfigError(
+                f"example {i}: tokens of shape {np.shape(t)} and a loss mask of shape "
+                f"{np.shape(m)}: give both as 1-D arrays of the same length (one mask value "
+                "per token)"
+            )
+    if not n:
+        return
+    # the values, over all examples at once (one pass, not one per example)
+    lengths = np.fromiter((len(t) for t in tokens), np.int64, n)
+    flat_t, flat_m = np.concatenate(tokens), np.concatenate(loss_masks)
+    if flat_t.size == 0:
+        return
+
+    def example_of(pos: int) -> int:
+        return int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+
+    if flat_t.dtype.kind not in "iu":
+        raise ConfigError(f"token ids must be integers, got {flat_t.dtype}")
+    bad = np.flatnonzero((flat_t < 0) | (flat_t > 2**31 - 1))
+    if bad.size:
+        raise ConfigError(
+            f"example {example_of(bad[0])}: token id {int(flat_t[bad[0]])} is not in [0, 2^31)"
+        )
+    bad = np.flatnonzero((flat_m != 0) & (flat_m != 1))
+    if bad.size:
+        raise ConfigError(
+            f"example {example_of(bad[0])}: a loss mask holds only 0 (no loss) and 1 (loss), "
+            f"got {flat_m[bad[0]].item()!r}"
+        )

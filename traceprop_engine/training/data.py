@@ -182,15 +182,25 @@ def _discover(path: Path) -> tuple[Path, list[str]]:
                 f"{path}: unsupported file type {path.suffix or '(no extension)'!r}; "
                 f"use one of {', '.join(SUPPORTED_SUFFIXES)}."
             )
+        _check_name(path.name, path.parent)
         return path.parent, [path.name]
 
     sources = []
     skipped = []
     for file in path.rglob("*"):
         rel = file.relative_to(path)
-        if any(part.startswith(".") for part in rel.parts) or not file.is_file():
+        if any(part.startswith(".") for part in rel.parts):
             continue
-        if file.suffix.lower() in SUPPORTED_SUFFIXES:
+        supported = file.suffix.lower() in SUPPORTED_SUFFIXES
+        if supported and file.is_symlink() and not file.exists():
+            raise DataError(
+                f"{path}: {rel.as_posix()} is a symbolic link to {os.readlink(file)}, which "
+                "does not exist; restore its target or remove the link."
+            )
+        if not file.is_file():
+            continue
+        if supported:
+            _check_name(rel.as_posix(), path)
             sources.append(rel.as_posix())
         else:
             skipped.append(rel.as_posix())
@@ -203,3 +213,15 @@ def _discover(path: Path) -> tuple[Path, list[str]]:
     if skipped:
         logger.info("ignoring %d unsupported file(s) under %s", len(skipped), path)
     return path, sorted(sources)
+
+
+def _check_name(source: str, root: Path) -> None:
+    # the store and run.json keep each source as UTF-8 text (its lineage): a name in another
+    # encoding arrives from the file system as lone surrogates and could not be written
+    try:
+        source.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(
+            f"{root}: the data file name {os.fsencode(source)!r} is not valid UTF-8; rename "
+            "it to a UTF-8 name, so that its lineage can be recorded."
+        ) from None

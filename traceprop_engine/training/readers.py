@@ -14,6 +14,15 @@ Supported files:
 - ``.parquet``: read with polars; ``row`` is the 1-based data row and errors name it as
   ``file:row``.
 
+Size: a record holds at most :data:`MAX_RECORD_BYTES` (1 MiB) of UTF-8: a longer ``.jsonl`` or
+``.txt`` line, or a longer text field of any format, is refused with its file and line. Lines
+are read one at a time and never past that bound, so memory does not grow with a file's
+longest line (a 30 MB single-line file used to take 6 GB in the tokenizer). A ``.csv`` field
+is also bounded by Python's ``csv.field_size_limit()`` (131 072 characters by default).
+
+Text is Unicode: a JSON string with a lone surrogate escape (``"\\ud800"``), which is not a
+character and cannot be written as UTF-8, is refused with its row like a NUL character.
+
 For ``.csv`` and ``.parquet`` the ``sha256`` is taken over the canonical JSON of the row dict
 (``sort_keys=True, ensure_ascii=False, separators=(",", ":")``, values that JSON cannot hold
 written with ``str``), encoded as UTF-8.
@@ -43,6 +52,8 @@ from ..errors import DataError
 from .examples import ACCEPTED_LAYOUTS, TASK_CAUSAL_LM, TASK_CLASSIFICATION, Example
 
 SUPPORTED_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt")
+MAX_RECORD_BYTES = 1 << 20
+"""The most UTF-8 bytes one record (a line of ``.jsonl``/``.txt``, a text field) may hold."""
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -54,13 +65,12 @@ def read_file(file: Path, source: str, task: str) -> Iterator[Example]:
     if suffix == ".parquet":
         yield from _read_parquet(file, source, task)
         return
-    data = _read_bytes(file, source)
     if suffix == ".csv":
-        yield from _read_csv(data, source, task)
+        yield from _read_csv(_read_bytes(file, source), source, task)
     elif suffix == ".jsonl":
-        yield from _read_jsonl(data, source, task)
+        yield from _read_jsonl(_lines(file, source), source, task)
     else:
-        yield from _read_txt(data, source, task)
+        yield from _read_txt(_lines(file, source), source, task)
 
 
 def _read_bytes(file: Path, source: str) -> bytes:
@@ -79,18 +89,45 @@ def _read_bytes(file: Path, source: str) -> bytes:
     return data[len(_BOM) :] if data.startswith(_BOM) else data
 
 
-def _raw_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line bytes without ``\\n`` / ``\\r\\n``)."""
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the file's final newline ends the last line; it does not start a new one
-    for number, line in enumerate(lines, start=1):
-        yield number, line[:-1] if line.endswith(b"\r") else line
+def _lines(file: Path, source: str) -> Iterator[tuple[int, bytes, str]]:
+    """(1-based line number, line bytes without ``\\n`` / ``\\r\\n``, the line as text),
+    read one line at a time and at most :data:`MAX_RECORD_BYTES` (+ terminator) at once."""
+    try:
+        f = file.open("rb")
+    except OSError as e:
+        raise DataError(f"{source}: cannot read file: {e.strerror or e}.") from e
+    with f:
+        number, offset = 0, 0  # offset: of the line's first byte in the file
+        while True:
+            try:
+                line = f.readline(MAX_RECORD_BYTES + 3)
+            except OSError as e:
+                raise DataError(f"{source}: cannot read file: {e.strerror or e}.") from e
+            if not line:
+                return
+            number += 1
+            start, offset = offset, offset + len(line)
+            if number == 1 and line.startswith(_BOM):
+                line, start = line[len(_BOM) :], start + len(_BOM)
+            raw = line[:-1] if line.endswith(b"\n") else line
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            if len(raw) > MAX_RECORD_BYTES:
+                raise DataError(
+                    f"{source}:{number}: the line is longer than {MAX_RECORD_BYTES} bytes "
+                    "(1 MiB), the most one record may hold; split it into several records."
+                )
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{source}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                    f"offset {start + e.start}); re-save the file with UTF-8 encoding."
+                ) from e
+            yield number, raw, text
 
 
-def _read_jsonl(data: bytes, source: str, task: str) -> Iterator[Example]:
-    for number, raw in _raw_lines(data):
-        line = raw.decode("utf-8")
+def _read_jsonl(lines, source: str, task: str) -> Iterator[Example]:
+    for number, raw, line in lines:
         if not line.strip():
             continue
         where = f"{source}:{number}"
@@ -106,16 +143,15 @@ def _read_jsonl(data: bytes, source: str, task: str) -> Iterator[Example]:
         yield _make_example(record, source, number, hashlib.sha256(raw).hexdigest(), where, task)
 
 
-def _read_txt(data: bytes, source: str, task: str) -> Iterator[Example]:
+def _read_txt(lines, source: str, task: str) -> Iterator[Example]:
     if task != TASK_CAUSAL_LM:
         raise DataError(
             f"{source}: a .txt file holds text only, but task {task!r} needs "
             f"{ACCEPTED_LAYOUTS[task]}; use a .jsonl, .csv or .parquet file."
         )
-    for number, raw in _raw_lines(data):
-        line = raw.decode("utf-8")
+    for number, raw, line in lines:
         if line.strip():
-            _no_nul(line, f"{source}:{number}")
+            _check_text(line, f"{source}:{number}")
             yield Example(source, number, hashlib.sha256(raw).hexdigest(), text=line)
 
 
@@ -212,16 +248,29 @@ def _string_field(record: dict[str, Any], name: str, where: str, *, allow_empty:
         )
     if not allow_empty and not value.strip():
         raise DataError(f"{where}: field {name!r} is empty.")
-    _no_nul(value, f"{where}: field {name!r}")
+    _check_text(value, f"{where}: field {name!r}")
     return value
 
 
-def _no_nul(value: str, what: str) -> None:
+def _check_text(value: str, what: str) -> None:
     # the store keeps text as HDF5 strings, which end at a NUL: refuse it here, with the row
     if "\x00" in value:
         raise DataError(
             f"{what} contains a NUL character (\\x00) at offset {value.index(chr(0))}; "
             "remove it from the data file."
+        )
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800" in JSON): not a character
+        raise DataError(
+            f"{what} contains a lone surrogate (\\u{ord(value[e.start]):04x}) at offset "
+            f"{e.start}, which is not a character and cannot be stored as UTF-8; fix the "
+            "escape in the data file."
+        ) from None
+    if size > MAX_RECORD_BYTES:
+        raise DataError(
+            f"{what} holds {size} bytes, more than the {MAX_RECORD_BYTES} (1 MiB) one record "
+            "may hold; split it into several records."
         )
 
 
@@ -238,5 +287,5 @@ def _label_field(record: dict[str, Any], where: str) -> str:
     label = str(value)
     if not label.strip():
         raise DataError(f"{where}: field 'label' is empty.")
-    _no_nul(label, f"{where}: field 'label'")
+    _check_text(label, f"{where}: field 'label'")
     return label

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import RunError
+from ..permissions import follow_umask
 from ..run import RunManifest
 from . import distributed
 from .checkpoint import CHECKPOINT_DIR, CHECKPOINT_OLD, CHECKPOINT_TMP
@@ -111,6 +112,7 @@ def save_model_atomically(loaded, run_dir: Path, state_dict: dict | None = None)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         info = save_model(loaded, tmp, state_dict=state_dict)
+        follow_umask(tmp)  # safetensors writes 0600: a shared run must be readable as umask says
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -1,0 +1,120 @@
+"""What a caller hands :meth:`~traceprop_engine.capture.tracker.Tracker.step`, checked at the
+call: example ids, learning rate, loss scale, padding mask, and the per-example losses set in
+the block. Anything that would make a record silently wrong (a NaN or negative learning rate,
+a NaN loss) is refused here instead of being recorded."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, RunError
+
+MAX_EXAMPLE_ID = 2**31 - 1
+
+
+def example_ids(example_index) -> np.ndarray:
+    """The step's example ids as int64, checked: integers in ``[0, MAX_EXAMPLE_ID]``."""
+    if isinstance(example_index, torch.Tensor):
+        example_index = example_index.detach().cpu().numpy()
+    arr = np.asarray(example_index)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ConfigError(
+            f"example ids must be a non-empty 1-D sequence (one per example of the micro-batch), "
+            f"got shape {arr.shape}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise ConfigError(
+            f"example ids must be integers, got {arr.dtype} ({arr[:3].tolist()}...): pass the "
+            "examples' integer indices (e.g. batch['example_index'])"
+        )
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > MAX_EXAMPLE_ID:
+        raise ConfigError(
+            f"example ids must lie in [0, {MAX_EXAMPLE_ID}], got {lo if lo < 0 else hi}: number "
+            "the training examples 0..N-1 (they index the example table)"
+        )
+    return arr.astype(np.int64)
+
+
+def _as_float(x) -> float:
+    if isinstance(x, (str, bytes)):  # float("0.1") would pass: a number is asked for
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def check_step_args(b: int, lr, padding_mask, loss_scale) -> None:
+    # a negative lr flips every score's sign (proponents become opponents), a NaN one makes
+    # every score NaN: both are refused here rather than recorded
+    if isinstance(lr, bool) or not math.isfinite(_as_float(lr)) or _as_float(lr) < 0:
+        raise ConfigError(
+            f"Tracker.step(lr=...) must be the step's learning rate, a finite number >= 0, got "
+            f"{lr!r} (a query weights each record by it)"
+        )
+    if loss_scale is not None and (
+        isinstance(loss_scale, bool)
+        or not math.isfinite(_as_float(loss_scale))
+        or _as_float(loss_scale) <= 0
+    ):
+        raise ConfigError(
+            f"Tracker.step(loss_scale=...) must be a finite number > 0, got {loss_scale!r}"
+        )
+    if padding_mask is not None and (padding_mask.dim() != 2 or padding_mask.shape[0] != b):
+        raise ConfigError(
+            f"Tracker.step got {b} example ids but a padding_mask of shape "
+            f"{tuple(padding_mask.shape)}: give the (B, T) attention mask of the same {b} examples"
+        )
+
+
+def check_losses(losses, b: int, step: int = 0, lr: float = 0.0):
+    """``rec.losses`` as set in a step: ``b`` per-example losses (kept on their device)."""
+    if losses is None:
+        raise RunError(
+            "rec.losses was not set in this Tracker.step() block: assign the (B,) per-example "
+            "losses inside the block (rec.losses = losses)"
+        )
+    n = losses.numel() if isinstance(losses, torch.Tensor) else np.asarray(losses).size
+    if n != b:
+        raise RunError(
+            f"rec.losses holds {n} values for a micro-batch of {b} examples: give one loss per "
+            "example (the (B,) losses before the mean)"
+        )
+    # one host check per step (a device sync, as the loss a training loop logs anyway)
+    values = (
+        losses.detach().float().cpu().numpy()
+        if isinstance(losses, torch.Tensor)
+        else np.asarray(losses, np.float64)
+    )
+    bad = values[~np.isfinite(values)]
+    if bad.size:
+        raise RunError(
+            f"the training loss became {float(bad.flat[0])} at step {step} (learning rate "
+            f"{float(lr):g}) in rec.losses: the run diverged, and this step was not recorded; "
+            "lower the learning rate (or check the data) and train again"
+        )
+    return losses
+
+
+def check_tokens_in_vocab(model: torch.nn.Module, tokens) -> None:
+    """ConfigError when a stored token id is outside the model's input vocabulary (a query
+    would fail on it with an IndexError)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is None or not len(tokens):
+        return
+    flat = np.concatenate([np.asarray(t).ravel() for t in tokens])
+    if flat.size == 0 or int(flat.max()) < vocab:
+        return
+    lengths = np.fromiter((np.size(t) for t in tokens), np.int64, len(tokens))
+    pos = int(np.flatnonzero(flat >= vocab)[0])
+    i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+    raise ConfigError(
+        f"example {i}: token id {int(flat[pos])} is outside the model's vocabulary of {vocab} "
+        "(input embedding rows): store the ids the model was trained on"
+    )
