@@ -28,7 +28,8 @@ PROMPT = "Q: Which colour does the planet Ethmor have?\nA:"
 
 def _stop_checks(run_dir: Path) -> None:
     """SIGTERM a counterfactual check a failed test left running (its own process group)."""
-    for p in (run_dir / "counterfactual").glob("*.progress.json"):
+    results = run_dir.parents[1] / "runs" / "bundled-run-results"  # where a bundled run's go
+    for p in results.glob("*/counterfactual/*.progress.json"):
         st = json.loads(p.read_text())
         if st.get("status") == "running" and st.get("pid"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -121,17 +122,19 @@ def test_per_token_view_and_counterfactual_check(server, doc_shots):
         toks = page.locator("span.tp-tok")
         expect(toks.first).to_be_visible()
         assert toks.count() > 5
-        expect(page.get_by_text(re.compile(r"Sum over tokens [+-][\d.]"))).to_be_visible()
+        expect(
+            page.get_by_text(re.compile(r"Sum over tokens: .* = [+-][\d.]+, its"))
+        ).to_be_visible()
         section.scroll_into_view_if_needed()
         page.screenshot(path=str(doc_shots / "per-token.png"))
 
         # the counterfactual check: one seed keeps it short; progress, then the result
         cf = page.get_by_role("heading", name="Counterfactual check")
         cf.scroll_into_view_if_needed()
-        page.get_by_label("Remove top k").fill("5")
-        page.get_by_label("Remove top k").press("Enter")
-        page.get_by_label("Seeds").fill("1")
-        page.get_by_label("Seeds").press("Enter")
+        page.get_by_label("Proponents to remove (k)", exact=True).fill("5")
+        page.get_by_label("Proponents to remove (k)", exact=True).press("Enter")
+        page.get_by_label("Seeds", exact=True).fill("1")
+        page.get_by_label("Seeds", exact=True).press("Enter")
         go = page.get_by_role(
             "button", name=re.compile(r"Run the counterfactual check \(3 retrains")
         )
@@ -146,7 +149,10 @@ def test_per_token_view_and_counterfactual_check(server, doc_shots):
         expect(page.get_by_role("button", name=re.compile("Run the check again"))).to_be_visible()
         page.get_by_role("heading", name="Counterfactual check").scroll_into_view_if_needed()
         page.screenshot(path=str(doc_shots / "counterfactual-result.png"))
-        assert list((server["run"] / "counterfactual").glob("*.json"))
+        # a bundled run stays read-only: the result lies beside the user's runs (issue 27 item 6)
+        assert not (server["run"] / "counterfactual").exists()
+        runs_root = server["run"].parents[1] / "runs"
+        assert list(runs_root.glob("bundled-run-results/*/counterfactual/*.json"))
 
         # a revisit (a new page load) shows the saved result
         page.reload()
@@ -157,10 +163,10 @@ def test_per_token_view_and_counterfactual_check(server, doc_shots):
         completion.fill(" violet")
         completion.press("Enter")
         page.get_by_role("button", name="Find influencers").click()
-        page.get_by_label("Remove top k").fill("5")
-        page.get_by_label("Remove top k").press("Enter")
-        page.get_by_label("Seeds").fill("1")
-        page.get_by_label("Seeds").press("Enter")
+        page.get_by_label("Proponents to remove (k)", exact=True).fill("5")
+        page.get_by_label("Proponents to remove (k)", exact=True).press("Enter")
+        page.get_by_label("Seeds", exact=True).fill("1")
+        page.get_by_label("Seeds", exact=True).press("Enter")
         expect(page.get_by_role("button", name=re.compile("Run the check again"))).to_be_visible()
         ctx.close()
         browser.close()

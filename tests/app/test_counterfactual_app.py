@@ -80,7 +80,9 @@ def test_counterfactual_runs_in_background_and_shows_on_revisit(sample_copy):
     spec = cf.spec_for({"prompt": PROMPT, "completion": " a planet"}, 5, 1, "identity")
     s = cf.wait(sample_copy, spec, timeout_s=600)
     assert s["status"] == "completed", s
-    doc = json.loads((sample_copy / "counterfactual" / f"{spec.key()}.json").read_text())
+    # a bundled run stays read-only: the result goes beside the user's runs (issue 27 item 6)
+    assert not (sample_copy / "counterfactual").exists()
+    doc = json.loads((cf.results_dir(sample_copy) / f"{spec.key()}.json").read_text())
     assert set(doc["change"]) >= {"top_k", "random"}
     # a fresh session (a revisit) shows the saved result without retraining
     at2 = AppTest.from_file(MAIN, default_timeout=TIMEOUT)

@@ -353,7 +353,9 @@ def run_counterfactual(
                     raise Cancelled("the counterfactual check was cancelled")
                 kept = [row for i, row in enumerate(rows) if i not in drop[arm]]
                 retrained = _retrain(settings, kept, work / f"{arm}_{r}", seed, stop)
-                losses[arm].append(_query_loss(retrained / C.MODEL_DIR, spec, task, settings.max_length))
+                losses[arm].append(
+                    _query_loss(retrained / C.MODEL_DIR, spec, task, settings.max_length)
+                )
                 shutil.rmtree(retrained.parent, ignore_errors=True)
                 done += 1
                 say(
