@@ -352,11 +352,9 @@ def run_counterfactual(
                 if stop.requested:
                     raise Cancelled("the counterfactual check was cancelled")
                 kept = [row for i, row in enumerate(rows) if i not in drop[arm]]
-                retrained = _retrain(settings, kept, work / f"{arm}_{r}", seed, stop)
-                losses[arm].append(
-                    _query_loss(retrained / C.MODEL_DIR, spec, task, settings.max_length)
-                )
-                shutil.rmtree(retrained.parent, ignore_errors=True)
+                run = _retrain(settings, kept, work / f"{arm}_{r}", seed, stop)  # not `out`
+                losses[arm].append(_query_loss(run / C.MODEL_DIR, spec, task, settings.max_length))
+                shutil.rmtree(run.parent, ignore_errors=True)
                 done += 1
                 say(
                     done,
