@@ -14,11 +14,13 @@ GROUND_TRUTH = "facts-data/ground_truth.json"
 # one owner for the words the landing page and the Influencers help use
 PRECONDITIONERS = {
     "identity": "the training gradients as recorded, compared by cosine (TracIn along the "
-    "trajectory). The default, and the best on both of our LDS benchmarks.",
+    "trajectory). The default: the best on the mean over our LDS benchmarks.",
     "kfac": "divides out each layer's input and output-gradient covariance (K-FAC), so "
-    "directions that every example moves along count less and rare, specific ones count more.",
-    "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC): closer to "
-    "the true Gauss-Newton curvature when the K-FAC factorisation is loose.",
+    "directions that every example moves along count less. A second opinion, not a better "
+    "one: it beats identity on the simple fact set and loses to it on the hard ones "
+    "(benchmarks/EVAL.md).",
+    "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC). Like "
+    "K-FAC, it scores below identity on our hard benchmarks.",
 }
 SIGN_NOTE = (
     "A score > 0 marks a **proponent**: training on that example lowered the loss of the queried "
