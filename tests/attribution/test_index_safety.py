@@ -389,3 +389,27 @@ def test_every_csv_export_neutralises_formulas(run_dir, tmp_path):
     assert "'" + src in {r["source"] for r in rk}
     for r in rk:
         assert_no_formula(r.values())
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    }
+
+
+@pytest.mark.parametrize("settings", [IndexSettings(), IndexSettings(preconditioner="kfac")])
+def test_querying_a_run_with_shipped_indexes_writes_nothing_into_it(tmp_path, settings):
+    """Issue 27 item 6: a bundled run ships its indexes without lock files; a query used to
+    create ``index/.<name>.lock`` in it. Readers take a lock only where a builder made one."""
+    import shutil
+
+    run_dir = tmp_path / "facts"
+    shutil.copytree(
+        REPO / "sample_runs" / "facts", run_dir, ignore=shutil.ignore_patterns(".*.lock")
+    )
+    before = _snapshot(run_dir)
+    res = open_run(run_dir).query(
+        "Q: What colour is the planet Ethmor?\nA:", " violet", top_k=3, settings=settings
+    )
+    assert len(res.proponents) == 3
+    assert _snapshot(run_dir) == before

@@ -81,21 +81,21 @@ def check_files(d: Path, meta: dict, required: str) -> None:
 def index_lock(lock_path: str | Path, *, exclusive: bool) -> Iterator[bool]:
     """Hold an advisory ``flock`` on ``lock_path``: exclusive to build, shared to load.
 
-    Yields whether a lock is held: a reader in a read-only folder proceeds without one (an
-    index it loads is still checked against its digests). A builder that cannot create the
-    lock file gets the OSError.
+    Yields whether a lock is held. Only a builder creates the lock file: a reader takes the
+    shared lock on one that exists and proceeds without one where none does (no build ever ran
+    there, e.g. a bundled run whose indexes were shipped) or where it cannot be opened (a
+    read-only folder), so reading a run writes nothing into it; an index it loads is still
+    checked against its digests, and a build that starts meanwhile publishes by atomic renames.
+    A builder that cannot create the lock file gets the OSError.
     """
     p = Path(lock_path)
     try:
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644) if exclusive else os.open(p, os.O_RDONLY)
     except OSError:
         if exclusive:
             raise
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            yield False
-            return
+        yield False
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield True
