@@ -59,6 +59,22 @@ def quality(run_dir: str | os.PathLike) -> tuple[str, dict | None]:
     return describe(track or None), (assess(track) if track else None)
 
 
+def bytes_note(sizes: dict, measured: dict | None, n_layers: int) -> str | None:
+    """One line on why the page shows two bytes-per-example figures (this run's, and the
+    benchmark model's for the same configuration), or None when there is only one."""
+    ours = sizes.get("bytes_per_example")
+    if not ours or measured is None:
+        return None
+    bench = float(measured["measured"].bytes_per_example)
+    if abs(bench - ours) <= 0.02 * bench:
+        return None
+    return (
+        f"Two byte counts: {ours:,.0f} bytes per example is this run's store ({n_layers} "
+        f"tracked layers of its model); {bench:,.0f} is the same tracking configuration measured "
+        "on the benchmark model. Bytes per example grow with the number of tracked layers."
+    )
+
+
 def relaunch_state(cfg: AppConfig, run_dir: str | os.PathLike) -> tuple[dict, list[str]]:
     """``(session-state values of the Launch form's widgets, notes)`` reproducing the run's
     settings; notes say what the form cannot take over (data outside the data root...)."""

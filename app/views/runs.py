@@ -108,6 +108,9 @@ if active is not None and str(active) in paths:
             st.caption("No training steps logged (progress.jsonl is empty or missing).")
         st.markdown("**Measured quality of this tracking configuration**")
         st.caption(text.md_escape(quality_line))
+        note = run_story.bytes_note(sizes, measured, len(layers))
+        if note:
+            st.caption(text.md_escape(note))
         if measured is not None and measured["dominated_by"]:
             st.warning(text.md_escape("Dominated by: " + ", ".join(measured["dominated_by"])))
         with st.expander("Configuration"):

@@ -240,3 +240,12 @@ def test_quality_page_shows_the_measured_lds(app_env, monkeypatch):
     assert ((table["lds"] > -1) & (table["lds"] < 1)).all()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["data"]
+
+
+def test_runs_page_explains_its_two_byte_counts(at):
+    """Defect 5 of issue 29: the Runs page showed this run's bytes per example next to the
+    benchmark model's figure for the same configuration, with no word on the difference."""
+    _goto(at, "runs")
+    notes = [c.value for c in at.caption if c.value.startswith("Two byte counts")]
+    assert len(notes) == 1, [c.value for c in at.caption]
+    assert "tracked layers" in notes[0] and "benchmark model" in notes[0]
