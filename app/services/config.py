@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,14 @@ def save_uploads(cfg: AppConfig, files: list[tuple[str, bytes]]) -> Path:
         assert is_under(target, out.resolve())  # sanitize_name leaves no separators
         target.write_bytes(data)
     return out
+
+
+def discard_uploads(cfg: AppConfig, folder: Path) -> None:
+    """Remove a folder :func:`save_uploads` made (its files were refused); nothing else."""
+    root = (cfg.runs_root / UPLOADS_DIR).resolve()
+    folder = Path(folder).resolve()
+    if folder.parent == root and folder.is_dir():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def sample_dataset(cfg: AppConfig, kind: str) -> tuple[Path, Path]:

@@ -182,6 +182,15 @@ with st.form("launch_form", enter_to_submit=False):
                 tiny_width=int(tiny_width),
             )
             errors += spec.errors()
+            if not errors:  # read the files now: a malformed row is refused before any job
+                try:
+                    launch.check_data(data, task)
+                    if eval_data is not None:
+                        launch.check_data(eval_data, task, what="eval data")
+                except TracepropError as e:
+                    errors.append(str(e))
+                    if data_kind == "upload":  # nothing kept of refused files
+                        config.discard_uploads(cfg, data)
             if not errors:
                 try:
                     job = jobs.start_job(cfg, spec, name)

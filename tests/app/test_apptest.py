@@ -108,6 +108,22 @@ def test_launch_form_validation(at, app_env):
     assert not [p for p in app_env["runs"].iterdir() if p.name.startswith("run-")]
 
 
+def test_launch_refuses_malformed_data_before_starting_a_job(at, app_env):
+    """Issue 29 defect 8: the data is read on the form; the error names the file and line."""
+    (app_env["data"] / "set").mkdir()
+    (app_env["data"] / "set" / "a.jsonl").write_text('{"text": "ok"}\n{"prompt": 3}\n')
+    _goto(at, "launch")
+    at.radio(key="launch_data_kind").set_value("path")
+    at.text_input(key="launch_data_path").input("set")
+    at.button[0].click().run()
+    assert not at.exception
+    msgs = " ".join(e.value for e in at.error)
+    assert "training data: a.jsonl:2: field 'prompt'" in msgs, msgs
+    assert not at.success  # no "Started …"
+    runs = app_env["runs"]
+    assert not runs.exists() or not [p for p in runs.iterdir() if (p / "launch.json").exists()]
+
+
 def _decode(arr):
     if isinstance(arr, dict) and "bdata" in arr:
         return np.frombuffer(base64.b64decode(arr["bdata"]), dtype=np.dtype(arr["dtype"]))

@@ -68,6 +68,25 @@ def test_uploaded_files_are_trained_on_and_said_so(page, server):  # noqa: F811
     assert manifest["data"]["n_train"] + manifest["data"].get("n_eval", 0) <= 24
 
 
+def test_a_malformed_upload_is_refused_on_the_form_and_starts_no_job(page, server):  # noqa: F811
+    """Issue 29 defect 8: the files are read before a job starts (it used to fail ~12 s in)."""
+    from playwright.sync_api import expect
+
+    rows = json.dumps({"text": "fine"}) + "\n" + '{"text": "broken' + "\n"
+    _open(page, server, "Launch")
+    page.locator("input[type=file]").set_input_files(
+        files=[{"name": "bad.jsonl", "mimeType": "application/json", "buffer": rows.encode()}]
+    )
+    _fill(page, (*SMALL, ("Epochs", "1"), ("Run name (optional)", "bad-upload")))
+    started = time.monotonic()
+    page.get_by_role("button", name="Start training").click()
+    expect(page.get_by_text(re.compile(r"bad\.jsonl:2:"))).to_be_visible(timeout=15_000)
+    assert time.monotonic() - started < 15
+    assert not (server["runs"] / "bad-upload").exists()
+    assert not page.get_by_text("Job bad-upload").is_visible()
+    assert not list((server["runs"] / "uploads").glob("*/bad.jsonl"))  # refused: not kept
+
+
 def _first_step_pgid(run_dir: Path, timeout_s: float = 300) -> int:
     """The process group of the job training into ``run_dir``, once its first step is logged."""
     deadline = time.monotonic() + timeout_s
