@@ -84,3 +84,33 @@ def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) ->
     return Comparison(
         a, b, compare.overlap(a.rows, b.rows, top_k), compare.rank_changes(a.rows, b.rows)
     )
+
+
+def second_choice(preconditioners, first: str) -> str | None:
+    """The estimator to triangulate ``first`` with: EK-FAC, else K-FAC, else identity (the first
+    of those the run supports that is not ``first``); None when the run has no other."""
+    for name in ("ekfac", "kfac", "identity", *preconditioners):
+        if name != first and name in preconditioners:
+            return name
+    return None
+
+
+def second_opinion(run_dir, result, preconditioner: str, query: dict):
+    """Triangulate an answer: ask the same query of ``preconditioner`` for as many examples per
+    kind as ``result`` has, and mark the examples both estimators rank high.
+
+    Returns:
+        ``(marks, overlap)``: ``marks`` has ``kind, example_id, second_rank`` for each example
+        in the second estimator's top k (join it on ``kind, example_id``: null means the second
+        estimator does not rank it in its top k); ``overlap`` is :func:`compare.overlap` of the
+        two answers.
+
+    Raises:
+        TracepropError: the run cannot be queried with ``preconditioner``.
+    """
+    k = max(1, int(result.query.get("top_k") or result.rows.height))
+    other = side_query(run_dir, preconditioner, k, query)
+    marks = other.rows.select(
+        "kind", pl.col("example_id").cast(pl.Int64), pl.col("rank").alias("second_rank")
+    )
+    return marks, compare.overlap(result.rows, other.rows, k)

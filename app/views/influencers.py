@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 from services import answers, config, exports, find, jobs, queries, runs, text, warmup
 from views import counterfactual as cf_sections
-from views import example_details, find_panel, result_charts
+from views import example_details, find_panel, result_charts, second_opinion
 
 from traceprop_engine.errors import TracepropError
 
@@ -127,6 +127,12 @@ if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's
             "by_source": by_source,
             "scores": scores,
             "answer": ans,
+            "query": {
+                "prompt": prompt,
+                "completion": completion,
+                "eval_example": eval_id,
+                "label": label,
+            },
         }
 
 saved = st.session_state.get("infl_result")
@@ -152,11 +158,14 @@ if ans is not None:
     if (warn := answers.answer_warning(ans)) is not None:
         st.warning(text.md_escape(warn))
 
+rows, second = second_opinion.render(active, run.preconditioners, saved, rows)
 cols = (
     ["rank", "score", "text", "location", "label"]
     if classification
     else ["rank", "score", "text", "location"]
 )
+if second != second_opinion.OFF:
+    cols += ["both", "second_rank"]
 for kind, title in (
     ("proponent", "Proponents (pushed toward this output)"),
     ("opponent", "Opponents (pushed away)"),
@@ -173,6 +182,8 @@ for kind, title in (
         column_config={
             "score": st.column_config.NumberColumn(format="%.4g"),
             "location": st.column_config.TextColumn("source file:row"),
+            "both": st.column_config.CheckboxColumn("both", help="in both estimators' top k"),
+            "second_rank": st.column_config.NumberColumn(f"rank under {second}"),
         },
     )
 

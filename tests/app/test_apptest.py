@@ -265,3 +265,33 @@ def test_runs_page_explains_its_two_byte_counts(at):
     notes = [c.value for c in at.caption if c.value.startswith("Two byte counts")]
     assert len(notes) == 1, [c.value for c in at.caption]
     assert "tracked layers" in notes[0] and "benchmark model" in notes[0]
+
+
+def test_influencers_second_opinion_marks_where_two_estimators_agree(at, app_env):
+    """Issue 29 goal 4 (triangulation): the same query asked of EK-FAC marks, in the identity
+    answer's tables, exactly the examples EK-FAC also ranks in its top k (checked against the
+    engine asked directly)."""
+    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.settings import IndexSettings
+
+    _goto(at, "influencers")
+    at.button(key="infl_go").click().run()
+    assert at.selectbox(key="infl_second").value == "off"
+    assert "both" not in at.dataframe[0].value.columns
+    at.selectbox(key="infl_second").set_value("ekfac").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    props, opps = at.dataframe[0].value, at.dataframe[1].value
+    run = open_run(REPO / "sample_runs" / "facts")
+    ev = at.selectbox(key="infl_eval").value
+    other = run.query(eval_example=ev, top_k=10, settings=IndexSettings(preconditioner="ekfac"))
+    for kind, shown in (("proponent", props), ("opponent", opps)):
+        theirs = other.rows.filter(other.rows["kind"] == kind)
+        locs = theirs["source"] + ":" + theirs["row"].cast(str)
+        top = dict(zip(locs, theirs["rank"], strict=True))
+        assert shown["both"].tolist() == [loc in top for loc in shown["location"]]
+        for loc, rank, both in zip(
+            shown["location"], shown["second_rank"], shown["both"], strict=True
+        ):
+            assert (rank == top[loc]) if both else rank != rank  # NaN when not in its top k
+    assert 0 < props["both"].sum() < len(props)  # a real check: some agree, some do not
+    assert any("agree on" in c.value for c in at.caption)
