@@ -27,6 +27,24 @@ from pathlib import Path
 from . import constants as C
 from .errors import RunError
 
+
+def bundled_roots() -> list[Path]:
+    """The folders of bundled sample runs: the repository's ``sample_runs/`` and, when set,
+    ``$TRACEPROP_SAMPLE_RUNS`` (where the app lists them). Bundled runs are read-only for
+    every command and page but the maintainer's refits (``traceprop sample``, ``index
+    --rebuild``)."""
+    roots = [C.REPO_ROOT / "sample_runs"]
+    if os.environ.get("TRACEPROP_SAMPLE_RUNS"):
+        roots.append(Path(os.environ["TRACEPROP_SAMPLE_RUNS"]))
+    return [r.resolve() for r in roots]
+
+
+def is_bundled(run_dir: str | os.PathLike) -> bool:
+    """Whether ``run_dir`` lies in one of the :func:`bundled_roots`."""
+    p = Path(run_dir).resolve()
+    return any(p == r or r in p.parents for r in bundled_roots())
+
+
 # module -> its distribution on the package index (for versions read without importing)
 _DISTRIBUTIONS = {
     "torch": "torch",

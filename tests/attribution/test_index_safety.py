@@ -413,3 +413,35 @@ def test_querying_a_run_with_shipped_indexes_writes_nothing_into_it(tmp_path, se
     )
     assert len(res.proponents) == 3
     assert _snapshot(run_dir) == before
+
+
+def test_an_index_a_bundled_run_lacks_is_built_in_the_user_cache(tmp_path, monkeypatch):
+    """Issue 27 item 6: bundled runs are read-only for every command and page. A query whose
+    index the sample does not ship (EK-FAC by dot product) builds it in the user's cache, not
+    in ``sample_runs/``; the next query reuses it; only an explicit refit (``rebuild``, what
+    ``traceprop index --rebuild`` and ``traceprop sample`` do) writes into the bundled run."""
+    import shutil
+
+    bundled = tmp_path / "bundled"
+    shutil.copytree(
+        REPO / "sample_runs" / "facts",
+        bundled / "facts",
+        ignore=shutil.ignore_patterns(".*.lock"),
+    )
+    run_dir = bundled / "facts"
+    monkeypatch.setenv("TRACEPROP_SAMPLE_RUNS", str(bundled))
+    monkeypatch.setenv("TRACEPROP_CACHE_DIR", str(tmp_path / "cache"))
+    s = IndexSettings(preconditioner="ekfac", cosine=False)
+    assert not (run_dir / "index" / s.name).exists()  # not shipped
+    before = _snapshot(run_dir)
+    q = ("Q: What colour is the planet Ethmor?\nA:", " violet")
+    first = open_run(run_dir).query(*q, top_k=3, settings=s)
+    assert _snapshot(run_dir) == before
+    built = list((tmp_path / "cache").glob(f"indexes/*/{s.name}/index.json"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    again = open_run(run_dir).query(*q, top_k=3, settings=s)  # a new process would do the same
+    assert built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert again.rows["example_id"].to_list() == first.rows["example_id"].to_list()
+    open_run(run_dir).index(s, rebuild=True)  # the maintainer's refit writes in place
+    assert (run_dir / "index" / s.name / "index.json").exists()

@@ -26,6 +26,7 @@ import numpy as np
 from .. import constants as C
 from ..errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
 from ..permissions import make_temp_dir
+from ..run import is_bundled
 from ..settings import IndexSettings
 from . import record_cache
 from .index import INDEX_META_FILE, VectorIndex
@@ -135,8 +136,26 @@ class RunIndexes:
                 if hit is not None:
                     return hit
             self._where.pop(s.name, None)
-        self.build(s, progress, reuse=not rebuild)
+        if not rebuild and is_bundled(self.run_dir):  # a query never writes into a bundled run
+            self._build_in_cache(s, progress, "it is a bundled sample run", reuse=True)
+        else:
+            self.build(s, progress, reuse=not rebuild)
         return self._indexes[s.name]
+
+    def _build_in_cache(
+        self, s: IndexSettings, progress: Progress | None, why: str, *, reuse: bool
+    ) -> VectorIndex:
+        """:meth:`build_here` in :func:`user_index_root`, with a warning saying why and where."""
+        cache = user_index_root(self.run_dir)
+        log.warning(
+            "not writing the index %s into %s (%s): building it in %s instead",
+            s.name,
+            self.run_dir / C.INDEX_DIR,
+            why,
+            cache,
+        )
+        self._where[s.name] = cache
+        return self.build_here(s, progress, reuse=reuse)
 
     def build(
         self, s: IndexSettings, progress: Progress | None = None, *, reuse: bool = False
@@ -151,15 +170,8 @@ class RunIndexes:
             cause = e.__cause__
             if not (isinstance(cause, OSError) and cause.errno in _NOT_WRITABLE):
                 raise
-            cache = user_index_root(self.run_dir)
-            log.warning(
-                "cannot write the index in %s (%s): building it in %s instead",
-                self.run_dir / C.INDEX_DIR,
-                cause.strerror or cause,
-                cache,
-            )
-            self._where[s.name] = cache
-            return self.build_here(s, progress, reuse=reuse)
+            why = f"cannot write there: {cause.strerror or cause}"
+            return self._build_in_cache(s, progress, why, reuse=reuse)
 
     def build_here(
         self, s: IndexSettings, progress: Progress | None = None, *, reuse: bool = False

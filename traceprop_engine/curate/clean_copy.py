@@ -45,7 +45,9 @@ def data_root(run_dir: Path, m: RunManifest, which: str = "root") -> Path:
 
 
 def _bundled_roots() -> list[Path]:
-    return [(C.REPO_ROOT / "sample_runs").resolve()]
+    from ..run import bundled_roots
+
+    return bundled_roots()
 
 
 def check_out(out: Path, run_dir: Path, source_root: Path, overwrite: bool) -> None:
