@@ -60,8 +60,29 @@ if running is not None:
     st.session_state["launch_run"] = str(running.run_dir)
     st.info("A training job is running; a second launch waits until it ends (one job at a time).")
 
+if started := st.session_state.pop("launch_started", None):  # said once, after the rerun
+    st.success(text.md_escape(started[0]))
+    (st.warning if "Dominated by" in started[1] else st.info)(text.md_escape(started[1]))
 for note in st.session_state.pop("launch_prefill_notes", []):  # "Re-launch" on the Runs page
     st.info(text.md_escape("Prefilled from the run: " + note))
+# the form's defaults live in the session state, so "Re-launch with these settings" (which sets
+# them) and a widget's own default never disagree (Streamlit warns when both are given)
+for key, value in {
+    "launch_lora": 0,
+    "launch_epochs": 2,
+    "launch_lr": 3e-3,
+    "launch_batch": 8,
+    "launch_maxlen": 64,
+    "launch_tiny_layers": 2,
+    "launch_tiny_width": 64,
+    "launch_seed": 0,
+    "launch_scope": "all",
+    "launch_k_in": launch.LaunchSpec.k_in,
+    "launch_k_out": launch.LaunchSpec.k_out,
+    "launch_rank": launch.LaunchSpec.rank,
+    "launch_cov": True,
+}.items():
+    st.session_state.setdefault(key, value)
 # enter_to_submit=False: Enter in a field does not start training; only the Start button does
 with st.form("launch_form", enter_to_submit=False):
     st.markdown("**Data**")
@@ -93,30 +114,29 @@ with st.form("launch_form", enter_to_submit=False):
     model_dir = c2.text_input("Model directory (under the data root)", key="launch_model_dir")
     task = c3.selectbox("Task", ["causal-lm", "classification"], key="launch_task")
     c1, c2, c3, c4 = st.columns(4)
-    lora_rank = c1.number_input("LoRA rank (0 = full)", 0, 256, 0, key="launch_lora")
-    epochs = c2.number_input("Epochs", 1, 100, 2, key="launch_epochs")
-    lr = c3.number_input("Learning rate", 0.0, 1.0, 3e-3, format="%.5f", key="launch_lr")
-    batch = c4.number_input("Batch size", 1, 1024, 8, key="launch_batch")
+    lora_rank = c1.number_input("LoRA rank (0 = full)", 0, 256, key="launch_lora")
+    epochs = c2.number_input("Epochs", 1, 100, key="launch_epochs")
+    lr = c3.number_input("Learning rate", 0.0, 1.0, format="%.5f", key="launch_lr")
+    batch = c4.number_input("Batch size", 1, 1024, key="launch_batch")
     c1, c2, c3, c4 = st.columns(4)
-    max_length = c1.number_input("Max length (tokens)", 8, 4096, 64, key="launch_maxlen")
-    tiny_layers = c2.number_input("Tiny model layers", 1, 24, 2, key="launch_tiny_layers")
-    tiny_width = c3.number_input("Tiny model width", 8, 2048, 64, step=8, key="launch_tiny_width")
-    seed = c4.number_input("Seed", 0, 2**31 - 1, 0, key="launch_seed")
+    max_length = c1.number_input("Max length (tokens)", 8, 4096, key="launch_maxlen")
+    tiny_layers = c2.number_input("Tiny model layers", 1, 24, key="launch_tiny_layers")
+    tiny_width = c3.number_input("Tiny model width", 8, 2048, step=8, key="launch_tiny_width")
+    seed = c4.number_input("Seed", 0, 2**31 - 1, key="launch_seed")
     st.markdown("**Tracking**")
     c1, c2, c3, c4, c5, c6 = st.columns(6)
-    scope = c1.text_input("Scope (all, last-block or a regex)", "all", key="launch_scope")
-    k_in = c2.number_input("k in", 1, 1024, launch.LaunchSpec.k_in, key="launch_k_in")
-    k_out = c3.number_input("k out", 1, 1024, launch.LaunchSpec.k_out, key="launch_k_out")
+    scope = c1.text_input("Scope (all, last-block or a regex)", key="launch_scope")
+    k_in = c2.number_input("k in", 1, 1024, key="launch_k_in")
+    k_out = c3.number_input("k out", 1, 1024, key="launch_k_out")
     rank = c4.number_input(
         "Factor rank",
         0,
         64,
-        launch.LaunchSpec.rank,
         key="launch_rank",
         help="store each record as rank-r factors (0: the full k_out x k_in sketch)",
     )
     sketch = c5.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
-    covariance = c6.checkbox("K-FAC covariance", True, key="launch_cov")
+    covariance = c6.checkbox("K-FAC covariance", key="launch_cov")
     with st.expander("Measured quality, overhead and bytes of tracking configurations"):
         table = launch.measured_configurations()
         if table.is_empty():
@@ -198,9 +218,12 @@ with st.form("launch_form", enter_to_submit=False):
                     errors.append(str(e))
                 else:
                     st.session_state["launch_run"] = str(job.run_dir)
-                    st.success(text.md_escape(f"Started {job.run_dir.name}. {data_note}."))
                     note = launch.assess_configuration(spec)
-                    (st.warning if "Dominated by" in note else st.info)(text.md_escape(note))
+                    st.session_state["launch_started"] = (
+                        f"Started {job.run_dir.name}. {data_note}.",
+                        note,
+                    )
+                    st.rerun()  # the whole page again: the sidebar now follows the new job
         for e in errors:
             st.error(text.md_escape(e))
 

@@ -295,3 +295,33 @@ def test_influencers_second_opinion_marks_where_two_estimators_agree(at, app_env
             assert (rank == top[loc]) if both else rank != rank  # NaN when not in its top k
     assert 0 < props["both"].sum() < len(props)  # a real check: some agree, some do not
     assert any("agree on" in c.value for c in at.caption)
+
+
+def test_a_job_started_on_the_launch_page_shows_in_its_sidebar(at, app_env):
+    """Issue 29 defect 7: the sidebar was drawn before the form started the job, so the Launch
+    page's own sidebar did not show it; the page now reruns once the job has started."""
+    import time
+
+    from services import jobs
+
+    _goto(at, "launch")
+    for key, value in (
+        ("launch_maxlen", 32),
+        ("launch_tiny_layers", 1),
+        ("launch_tiny_width", 32),
+        ("launch_epochs", 1),
+    ):
+        at.number_input(key=key).set_value(value)
+    at.text_input(key="launch_name").input("sidebar-run")
+    at.button[0].click().run()
+    run_dir = app_env["runs"] / "sidebar-run"
+    try:
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        assert at.success[0].value.startswith("Started sidebar-run")
+        shown = [i.value for i in at.sidebar.info]
+        assert any(v.startswith("Training sidebar-run: step") for v in shown), shown
+    finally:
+        jobs.cancel_job(run_dir)
+        deadline = time.monotonic() + 120
+        while jobs.job_state(run_dir).running and time.monotonic() < deadline:
+            time.sleep(0.2)

@@ -87,7 +87,7 @@ def test_warning_when_the_model_does_not_produce_the_queried_output(app_env, eng
     assert len(warn) == 1 and "green" in warn[0] and "violet" in warn[0]
 
 
-def test_runs_page_tells_the_runs_story_and_relaunches_it(app_env, engine_run):
+def test_runs_page_tells_the_runs_story_and_relaunches_it(app_env, engine_run, caplog):
     engine_run.examples()  # the store is open elsewhere in the process, as in the app
     at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
     at.run()
@@ -118,6 +118,8 @@ def test_runs_page_tells_the_runs_story_and_relaunches_it(app_env, engine_run):
     assert at.radio(key="launch_data_kind").value == "facts"
     assert at.text_input(key="launch_name").value == "facts-again"
     assert any("Prefilled from the run" in i.value for i in at.info)
+    # issue 29 defect 7: the form's widgets took a default and the prefilled state at once
+    assert not [r for r in caplog.records if "Session State API" in r.getMessage()]
 
 
 def test_relaunch_of_a_run_on_the_data_root(app_env, tmp_path):
