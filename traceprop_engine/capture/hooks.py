@@ -416,3 +416,34 @@ class Capture:
                 )
             )
         return out
+
+    # -- checkpoint state -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The running state a resumed run needs: ``batches`` (picks the statistics batches and
+        rotates their token offset), per layer ``a_rows`` and, where covariance is on, copies of
+        ``A``, ``S`` and the token sum (``covariance``: a list of dicts or None)."""
+        cov = [
+            None
+            if layer.A is None
+            else {
+                "A": layer.A.detach().clone(),
+                "S": layer.S.detach().clone(),
+                "a_tokens": layer.a_tokens.detach().clone(),
+            }
+            for layer in self.layers
+        ]
+        rows = [int(layer.a_rows) for layer in self.layers]
+        return {"batches": int(self._batches), "a_rows": rows, "covariance": cov}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values into this capture's tensors (same layers)."""
+        self._batches = int(state.get("batches", 0))
+        pairs = zip(
+            self.layers, state.get("a_rows", []), state.get("covariance") or [], strict=False
+        )
+        for layer, rows, t in pairs:
+            layer.a_rows = int(rows)
+            if t is not None and layer.A is not None:
+                layer.A.copy_(t["A"])
+                layer.S.copy_(t["S"])
+                layer.a_tokens.copy_(t["a_tokens"])

@@ -266,37 +266,15 @@ def restore(ckpt: Checkpoint, model, opt, tracker, device: torch.device, rank: i
     return ckpt.step
 
 
-# -- the capture's running state --------------------------------------------------------------------
+# -- the capture's running state (Capture.state_dict, split into JSON and tensors) ----------------
 def _capture_state(capture) -> tuple[dict, list]:
     """JSON part (batch counter, host token counts) and tensors (``A``, ``S``, token sums)."""
-    meta = {
-        # rotates the covariance token offset and picks every cov_stride-th batch
-        "batches": int(capture._batches),
-        "a_rows": [int(layer.a_rows) for layer in capture.layers],
-    }
-    tensors = [
-        None
-        if layer.A is None
-        else {
-            "A": layer.A.detach().clone(),
-            "S": layer.S.detach().clone(),
-            "a_tokens": layer.a_tokens,
-        }
-        for layer in capture.layers
-    ]
-    return meta, tensors
+    state = capture.state_dict()
+    return {"batches": state["batches"], "a_rows": state["a_rows"]}, state["covariance"]
 
 
 def _restore_capture(tracker, meta: dict, tensors: list | None) -> None:
-    capture = tracker.capture
-    cap = meta.get("capture") or {}
-    capture._batches = int(cap.get("batches", 0))
-    for layer, rows, t in zip(capture.layers, cap.get("a_rows", []), tensors or [], strict=False):
-        layer.a_rows = int(rows)
-        if t is not None and layer.A is not None:
-            layer.A.copy_(t["A"])
-            layer.S.copy_(t["S"])
-            layer.a_tokens.copy_(t["a_tokens"])
+    tracker.capture.load_state_dict({**(meta.get("capture") or {}), "covariance": tensors})
     tracker.step_ms[:] = list(meta.get("step_ms", []))
 
 
