@@ -252,3 +252,17 @@ def test_share_k_changes_nothing_on_the_default_tiny_model():
     shared = [(x.k_in, x.k_out) for x in build_layers(model, TrackSettings())]
     assert shared == [(x.k_in, x.k_out) for x in build_layers(model, TrackSettings(share_k=False))]
     assert set(shared) == {(126, 126)}
+
+
+def test_every_settings_field_has_one_help_text_and_the_docstring_lists_it():
+    """Issue 28 item 3: each knob is described once, in its field (the CLI and the app read it
+    from there); the class docstring's Args section is made from the same texts."""
+    import dataclasses
+
+    from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings, field_help
+
+    for cls in (TrackSettings, TrainSettings, IndexSettings):
+        for f in dataclasses.fields(cls):
+            text = field_help(cls, f.name)
+            assert len(text) > 10 and not text.endswith("."), (cls.__name__, f.name)
+            assert f"        {f.name}: {text}" in cls.__doc__

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import Enum
 
 from . import constants as C
@@ -64,97 +64,122 @@ def parse_choice(enum: type[Enum], value: object, what: str) -> Enum:
         raise ConfigError(f"{what} must be one of {allowed}, got {value!r}") from None
 
 
+def knob(default=MISSING, *, help: str, default_factory=MISSING):
+    """A settings field with its one help text (``field(metadata={"help": ...})``): the class
+    docstring, the CLI's ``--help`` and the app's help read it from here (:func:`field_help`)."""
+    return field(default=default, default_factory=default_factory, metadata={"help": help})
+
+
+def field_help(cls, name: str) -> str:
+    """The help text of field ``name`` of a settings dataclass.
+
+    Raises:
+        KeyError: no such field, or it has no help text.
+    """
+    return cls.__dataclass_fields__[name].metadata["help"]
+
+
+def _document_fields(cls):
+    """Append each field's help to the class docstring (an ``Args:`` section)."""
+    lines = [f"        {f.name}: {f.metadata['help']}" for f in fields(cls) if "help" in f.metadata]
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+@_document_fields
 @dataclass(frozen=True)
 class TrackSettings:
     """What the capture hooks record.
 
-    The defaults come from the LDS, overhead and bytes measurements in benchmarks/EVAL.md:
-    a rank-1 approximation of the full per-example gradient, ``û ûᵀ G`` with ``û`` the
-    example's summed output gradient ``Σ_t g_t`` (half a power-iteration step in the backward
-    hook: two batched products, whatever k is), projected per example to k = 126 per side and
-    stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per layer and record, the
-    bytes of the former default (a full 8 × 8 float32 sketch), at 0.16–0.37 higher LDS.
-
-    Args:
-        scope: ``"all"`` (every trainable linear layer), ``"last-block"`` (the trainable linear
-            layers of the highest-numbered block) or a regular expression matched against module
-            names (``re.search``).
-        k_in: rows of the input-side projection ``P_in`` (clamped to the layer's input width;
-            equal to the width means no projection on that side).
-        k_out: rows of the output-side projection ``P_out`` (clamped likewise).
-        share_k: with factor records (``rank ≥ 1``), a side clamped to its layer's width gives
-            the rows it cannot use to the other side, so every record keeps its
-            ``rank·(k_in + k_out)`` numbers: a layer ``64 → 512`` (a narrow model's LM head)
-            records ``k_in = 64, k_out = 188`` instead of ``64, 126``, at the same bytes as a
-            wide layer. No effect on layers at least ``k_in`` wide on the input side and
-            ``k_out`` on the output side (every layer of the default tiny model), nor on full
-            sketches, whose bytes are ``k_out·k_in``. Runs recorded before this setting read
-            as ``False``.
-        projection: ``orthogonal`` (default): ``P`` has ``k`` orthonormal rows of a random
-            subspace, scaled by ``√(d/k)``; ``gaussian``: i.i.d. ``N(0, 1/k)`` entries. Both
-            keep inner products unbiased; orthogonal rows give them a lower variance, at the
-            same cost per use: mean cosine LDS over four projection seeds +0.027 / +0.014 on
-            facts24, +0.005 / −0.009 on the hard set (benchmarks/EVAL.md §1c). Runs recorded
-            before this setting read as ``gaussian``.
-        sketch: ``factored`` (``(P_out g)(P_in a)^T`` per example) or ``dense`` (materialised
-            per-example gradient + sparse JL projection to ``dense_k`` numbers).
-        dense_k: output size of the dense sketch.
-        dense_nnz: non-zeros per input coordinate of the sparse JL matrix.
-        covariance: accumulate K-FAC statistics ``A``, ``S`` in the projected space (factored
-            sketches only: dense layers have no Kronecker factors).
-        rank: store each factored record as rank-``rank`` factors ``U Vᵀ`` computed inline on
-            the device (subspace iteration, :func:`traceprop_engine.capture.sketch.top_factors`):
-            ``rank·(k_out + k_in)`` numbers instead of ``k_out·k_in``. ``0`` stores the full
-            sketch. Per-example records are nearly rank 1, so a large k stored as rank-1
-            factors beats a small full sketch of the same bytes (benchmarks/EVAL.md).
-        factor_dtype: ``int8`` (1 byte per number, each record's ``U`` and ``V`` scaled by
-            their own max-abs value, the product of both scales kept as one float32),
-            ``bfloat16`` (2 bytes, float32's exponent range) or ``float32``.
-        factor_space: ``full`` (default): the factors of the full per-example gradient
-            ``G = Σ_t g_t a_tᵀ``, found by ``power_iters`` power iterations on the layer's own
-            ``a`` and ``g`` in the backward hook (a few batched matrix-vector products, no
-            per-token projection), then projected per example (``P_out u``, ``P_in v``): the
-            per-token cost does not grow with k. ``sketch``: project every token to k and
-            factor the ``k_out × k_in`` sketch (cost grows with k).
-        power_iters: power iterations of ``factor_space='full'``; 0 = half a step (the
-            projection of ``G`` on ``Σ_t g_t`` from the left: two batched products, not four).
-        covariance_stride: with ``factor_space='full'``, the K-FAC statistics ``A``, ``S`` are
-            accumulated over every ``covariance_stride``-th batch (the first included, all its
-            tokens), which keeps their per-token projections cheap; 1 = every batch.
-        covariance_tokens: with ``factor_space='full'``, at most about this many token rows of
-            a statistics batch are projected: every s-th row of the flattened ``(B·T)`` tokens,
-            ``s = ⌈B·T / covariance_tokens⌉``, from an offset that rotates between statistics
-            batches (``A`` and ``S`` from the same rows, counted as such). ``0`` = every token.
-            The statistics cost a full batch's projection otherwise (≈ 80 ms, a quarter of a
-            step on the default tiny model with 1024 tokens a batch); benchmarks/EVAL.md says
-            what it does to K-FAC quality.
-        optimizer_aware: scale each record by AdamW's per-parameter step size at the recorded
-            step, ``1/(√v̂_t + ε)`` (its rank-1 fit, so the record stays rank 1 at the same
-            bytes; ``capture/optimizer_scale.py``), instead of the raw gradient. Needs the
-            optimizer (``Tracker(..., optimizer=opt)``; ``traceprop train`` passes its AdamW)
-            and the default factor records. Off by default: benchmarks/EVAL.md §1d.
-        seed: seed of the projection matrices.
-        buffer_records: records held in the device buffer before one transfer to the host.
+    The default records a rank-1 approximation of each example's full per-layer gradient,
+    ``û ûᵀ G`` with ``û`` the example's summed output gradient ``Σ_t g_t``, projected to
+    k = 126 per side and stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per
+    layer and record. (How the defaults were chosen: benchmarks/EVAL.md.)
     """
 
-    scope: str = "all"
-    k_in: int = 126
-    k_out: int = 126
-    share_k: bool = True
-    projection: ProjectionKind = ProjectionKind.ORTHOGONAL
-    sketch: SketchKind = SketchKind.FACTORED
-    dense_k: int = 512
-    dense_nnz: int = 2
-    covariance: bool = True
-    rank: int = 1
-    factor_dtype: FactorDtype = FactorDtype.INT8
-    factor_space: FactorSpace = FactorSpace.FULL
-    power_iters: int = 0
-    covariance_stride: int = 32
-    covariance_tokens: int = 256
-    optimizer_aware: bool = False
-    seed: int = 0
-    buffer_records: int = 2048
+    scope: str = knob(
+        "all",
+        help="'all' (every trainable linear layer), 'last-block' (the trainable linear layers "
+        "of the highest-numbered block) or a regular expression matched against module names "
+        "(re.search)",
+    )
+    k_in: int = knob(
+        126,
+        help="rows of the input-side projection P_in per layer (clamped to the layer's input "
+        "width; the width itself means no projection on that side)",
+    )
+    k_out: int = knob(
+        126,
+        help="rows of the output-side projection P_out per layer (clamped to the layer's "
+        "output width)",
+    )
+    share_k: bool = knob(
+        True,
+        help="with factor records (rank >= 1), a side clamped to its layer's width gives the "
+        "rows it cannot use to the other side, so every record keeps its rank*(k_in + k_out) "
+        "numbers (a 64 -> 512 LM head records k_in 64, k_out 188); no effect on layers wide "
+        "enough on both sides nor on full sketches. Runs recorded before it read as false",
+    )
+    projection: ProjectionKind = knob(
+        ProjectionKind.ORTHOGONAL,
+        help="orthogonal: k orthonormal rows of a random subspace, scaled by sqrt(d/k); "
+        "gaussian: i.i.d. N(0, 1/k) entries. Both keep inner products unbiased, orthogonal "
+        "rows with a lower variance at the same cost. Runs recorded before it read as gaussian",
+    )
+    sketch: SketchKind = knob(
+        SketchKind.FACTORED,
+        help="factored: (P_out g)(P_in a)^T per example; dense: the materialised per-example "
+        "gradient, sparse-JL-projected to dense_k numbers",
+    )
+    dense_k: int = knob(512, help="output size of the dense sketch")
+    dense_nnz: int = knob(2, help="non-zeros per input coordinate of the dense sketch's JL matrix")
+    covariance: bool = knob(
+        True,
+        help="accumulate the K-FAC statistics A, S in the projected space (factored sketches "
+        "only: dense layers have no Kronecker factors)",
+    )
+    rank: int = knob(
+        1,
+        help="store each factored record as rank-r factors U V^T computed inline on the device "
+        "(rank*(k_out + k_in) numbers instead of k_out*k_in); 0 stores the full sketch",
+    )
+    factor_dtype: FactorDtype = knob(
+        FactorDtype.INT8,
+        help="int8 (1 byte a number; U and V each scaled by its max-abs value, the product of "
+        "both scales kept as one float32), bfloat16 (2 bytes) or float32",
+    )
+    factor_space: FactorSpace = knob(
+        FactorSpace.FULL,
+        help="full: factors of the full per-example gradient G = sum_t g_t a_t^T by power "
+        "iteration on the layer's own a and g, then projected (per-token cost independent of "
+        "k); sketch: project every token to k, then factor the k_out x k_in sketch",
+    )
+    power_iters: int = knob(
+        0,
+        help="power iterations of factor_space full; 0 = half a step (G projected on "
+        "sum_t g_t from the left: two batched products)",
+    )
+    covariance_stride: int = knob(
+        32,
+        help="with factor_space full, the K-FAC statistics come from every n-th batch (the "
+        "first included); 1 = every batch",
+    )
+    covariance_tokens: int = knob(
+        256,
+        help="with factor_space full, at most about this many token rows of a statistics "
+        "batch: every s-th of its B*T rows, s = ceil(B*T / n), from an offset that rotates "
+        "between statistics batches (A and S from the same rows); 0 = every token",
+    )
+    optimizer_aware: bool = knob(
+        False,
+        help="scale each record by AdamW's per-parameter step size 1/(sqrt(v_t) + eps) at the "
+        "recorded step (its rank-1 fit: same bytes); needs the optimizer (Tracker(..., "
+        "optimizer=opt); traceprop train passes its AdamW) and the default factor records",
+    )
+    seed: int = knob(0, help="seed of the projection matrices")
+    buffer_records: int = knob(
+        2048, help="records held in the device buffer before one transfer to the host"
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sketch", parse_choice(SketchKind, self.sketch, "sketch"))
@@ -236,34 +261,55 @@ class TrackSettings:
         return d
 
 
+@_document_fields
 @dataclass(frozen=True)
 class TrainSettings:
     """A tracked (or untracked) fine-tune, as the ``traceprop train`` command runs it."""
 
-    data: str
-    out: str
-    model: str = "tiny"
-    task: Task = Task.CAUSAL_LM
-    eval_data: str | None = None
-    eval_fraction: float = 0.1
-    epochs: int = 2
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    batch_size: int = 8
-    max_length: int = 128
-    lora_rank: int = 0
-    lora_targets: str = "all-linear"
-    seed: int = 0
-    track: TrackSettings | None = field(default_factory=TrackSettings)
-    tiny_layers: int = 4
-    tiny_width: int = 256
-    tiny_vocab: int = 1024
-    threads: int = 0
-    device: str = "auto"
-    max_steps: int = 0
-    parallel: str = "ddp"  # several processes (torchrun): "ddp" or "fsdp" (FSDP2 fully_shard)
-    checkpoint_every: int = 50  # steps between checkpoints for --resume (0 = none; not FSDP)
+    data: str = knob(help="training data file or directory (.jsonl, .csv, .parquet, .txt)")
+    out: str = knob(help="run directory to create")
+    model: str = knob(
+        "tiny",
+        help="'tiny' (GPT-NeoX built from a config), 'minilm' (packaged encoder), or a local "
+        "Hugging Face directory",
+    )
+    task: Task = knob(Task.CAUSAL_LM, help="training objective: causal-lm or classification")
+    eval_data: str | None = knob(
+        None, help="separate eval data (otherwise eval_fraction of the data is held out)"
+    )
+    eval_fraction: float = knob(0.1, help="held-out fraction when there is no eval data")
+    epochs: int = knob(2, help="passes over the training data")
+    lr: float = knob(3e-3, help="peak learning rate (AdamW, linear decay to 10 %)")
+    weight_decay: float = knob(0.0, help="AdamW weight decay")
+    warmup_steps: int = knob(0, help="steps of linear warm-up to the peak learning rate")
+    batch_size: int = knob(8, help="examples per step")
+    max_length: int = knob(128, help="tokens per example (longer ones are truncated)")
+    lora_rank: int = knob(
+        0, help="LoRA rank via peft (0 = full fine-tune); the LoRA layers are tracked"
+    )
+    lora_targets: str = knob(
+        "all-linear", help="peft target modules: 'all-linear' or comma-separated names"
+    )
+    seed: int = knob(0, help="seed of data order, model init and projections")
+    track: TrackSettings | None = knob(
+        default_factory=TrackSettings, help="what is recorded (None: nothing, the baseline)"
+    )
+    tiny_layers: int = knob(4, help="layers of the tiny model")
+    tiny_width: int = knob(256, help="width of the tiny model (a multiple of 4)")
+    tiny_vocab: int = knob(1024, help="tokenizer vocabulary of the tiny model")
+    threads: int = knob(0, help="torch CPU threads (0 = torch default)")
+    device: str = knob("auto", help="auto, cpu, cuda, cuda:N")
+    max_steps: int = knob(0, help="stop after this many steps (0 = all epochs)")
+    parallel: str = knob(
+        "ddp",
+        help="under torchrun: DistributedDataParallel (ddp), or FSDP2 fully_shard (fsdp; "
+        "docs/scaling.md)",
+    )
+    checkpoint_every: int = knob(
+        50,
+        help="steps between checkpoints that a resume continues from (also on SIGTERM/Ctrl-C; "
+        "0 = none; not FSDP)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))
@@ -356,28 +402,46 @@ def _check_damping(damping) -> None:
         )
 
 
+@_document_fields
 @dataclass(frozen=True)
 class IndexSettings:
     """How the index of a run is built (part of its fingerprint).
 
     Default: identity preconditioning with cosine scores (TracIn directions along the
-    trajectory, normalised). On both LDS data sets it matched or beat identity, K-FAC and
-    EK-FAC at k ≥ 32 (benchmarks/EVAL.md), and unlike raw inner products it does not let a few
-    large-gradient examples top every query.
+    trajectory, normalised): a few large-gradient examples do not top every query.
     """
 
-    preconditioner: PreconditionerKind = PreconditionerKind(C.DEFAULT_PRECONDITIONER)
-    damping: float | None = None
-    cosine: bool = True
-    per_record: bool = False
-    kind: IndexKind = IndexKind.AUTO
-    index_side: int = INDEX_SIDE
-    index_dims: int = INDEX_DIMS
-    lists: bool | None = None
-    """A second candidate search over the own records of the layers holding most of the
-    gradient energy (``attribution/index_lists.py``): None builds it from
-    ``index_lists.MIN_ROWS`` index rows (where FAISS is an IVF index), True on any run whose
-    records allow it, False never."""
+    preconditioner: PreconditionerKind = knob(
+        PreconditionerKind(C.DEFAULT_PRECONDITIONER),
+        help="the approximation of H^-1: identity, kfac (K-FAC from the stored statistics) or "
+        "ekfac (K-FAC with eigenvalues corrected from the stored records)",
+    )
+    damping: float | None = knob(
+        None,
+        help="damping as a fraction of each factor's mean eigenvalue (None: the default, "
+        "DEFAULT_DAMPING)",
+    )
+    cosine: bool = knob(True, help="cosine scores (normalised vectors) or raw inner products")
+    per_record: bool = knob(
+        False, help="one vector per record (example x epoch) instead of per example"
+    )
+    kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
+    index_side: int = knob(
+        INDEX_SIDE,
+        help="m of the m x m index projection of layers with larger sketches (0: none); "
+        "candidates only, every returned score is exact",
+    )
+    index_dims: int = knob(
+        INDEX_DIMS,
+        help="index vectors reduced to their top principal directions over all layers (0: no "
+        "reduction)",
+    )
+    lists: bool | None = knob(
+        None,
+        help="factor lists: a second candidate search over the records of the layers holding "
+        "most of the gradient energy (None: from 200k index rows on, where FAISS is an IVF "
+        "index; True: on any run whose records allow it; False: never)",
+    )
 
     def __post_init__(self) -> None:
         if self.lists is not None and not isinstance(self.lists, bool):
