@@ -222,3 +222,14 @@ def check_data(data: Path, task: str, *, what: str = "training data") -> int:
     except DataError as e:
         raise DataError(f"{what}: {e}") from None
     return len(examples)
+
+
+def help_for(name: str) -> str:
+    """The Launch form's help for a setting: the field's own help text (``TrainSettings``
+    first, then ``TrackSettings``; the one description the CLI's ``--help`` shows too)."""
+    from traceprop_engine.settings import field_help
+
+    for cls in (TrainSettings, TrackSettings):
+        if name in cls.__dataclass_fields__:
+            return field_help(cls, name)
+    raise KeyError(name)

@@ -109,34 +109,63 @@ with st.form("launch_form", enter_to_submit=False):
     st.markdown("**Model**")
     c1, c2, c3 = st.columns(3)
     model_kind = c1.selectbox(
-        "Model", list(MODEL_CHOICES), format_func=MODEL_CHOICES.get, key="launch_model"
+        "Model",
+        list(MODEL_CHOICES),
+        format_func=MODEL_CHOICES.get,
+        key="launch_model",
+        help=launch.help_for("model"),
     )
     model_dir = c2.text_input("Model directory (under the data root)", key="launch_model_dir")
-    task = c3.selectbox("Task", ["causal-lm", "classification"], key="launch_task")
+    task = c3.selectbox(
+        "Task", ["causal-lm", "classification"], key="launch_task", help=launch.help_for("task")
+    )
     c1, c2, c3, c4 = st.columns(4)
-    lora_rank = c1.number_input("LoRA rank (0 = full)", 0, 256, key="launch_lora")
-    epochs = c2.number_input("Epochs", 1, 100, key="launch_epochs")
-    lr = c3.number_input("Learning rate", 0.0, 1.0, format="%.5f", key="launch_lr")
-    batch = c4.number_input("Batch size", 1, 1024, key="launch_batch")
+    lora_rank = c1.number_input(
+        "LoRA rank (0 = full)", 0, 256, key="launch_lora", help=launch.help_for("lora_rank")
+    )
+    epochs = c2.number_input("Epochs", 1, 100, key="launch_epochs", help=launch.help_for("epochs"))
+    lr = c3.number_input(
+        "Learning rate", 0.0, 1.0, format="%.5f", key="launch_lr", help=launch.help_for("lr")
+    )
+    batch = c4.number_input(
+        "Batch size", 1, 1024, key="launch_batch", help=launch.help_for("batch_size")
+    )
     c1, c2, c3, c4 = st.columns(4)
-    max_length = c1.number_input("Max length (tokens)", 8, 4096, key="launch_maxlen")
-    tiny_layers = c2.number_input("Tiny model layers", 1, 24, key="launch_tiny_layers")
-    tiny_width = c3.number_input("Tiny model width", 8, 2048, step=8, key="launch_tiny_width")
-    seed = c4.number_input("Seed", 0, 2**31 - 1, key="launch_seed")
+    max_length = c1.number_input(
+        "Max length (tokens)", 8, 4096, key="launch_maxlen", help=launch.help_for("max_length")
+    )
+    tiny_layers = c2.number_input(
+        "Tiny model layers", 1, 24, key="launch_tiny_layers", help=launch.help_for("tiny_layers")
+    )
+    tiny_width = c3.number_input(
+        "Tiny model width",
+        8,
+        2048,
+        step=8,
+        key="launch_tiny_width",
+        help=launch.help_for("tiny_width"),
+    )
+    seed = c4.number_input("Seed", 0, 2**31 - 1, key="launch_seed", help=launch.help_for("seed"))
     st.markdown("**Tracking**")
     c1, c2, c3, c4, c5, c6 = st.columns(6)
-    scope = c1.text_input("Scope (all, last-block or a regex)", key="launch_scope")
-    k_in = c2.number_input("k in", 1, 1024, key="launch_k_in")
-    k_out = c3.number_input("k out", 1, 1024, key="launch_k_out")
+    scope = c1.text_input(
+        "Scope (all, last-block or a regex)", key="launch_scope", help=launch.help_for("scope")
+    )
+    k_in = c2.number_input("k in", 1, 1024, key="launch_k_in", help=launch.help_for("k_in"))
+    k_out = c3.number_input("k out", 1, 1024, key="launch_k_out", help=launch.help_for("k_out"))
     rank = c4.number_input(
         "Factor rank",
         0,
         64,
         key="launch_rank",
-        help="store each record as rank-r factors (0: the full k_out x k_in sketch)",
+        help=launch.help_for("rank"),
     )
-    sketch = c5.selectbox("Sketch", ["factored", "dense"], key="launch_sketch")
-    covariance = c6.checkbox("K-FAC covariance", key="launch_cov")
+    sketch = c5.selectbox(
+        "Sketch", ["factored", "dense"], key="launch_sketch", help=launch.help_for("sketch")
+    )
+    covariance = c6.checkbox(
+        "K-FAC covariance", key="launch_cov", help=launch.help_for("covariance")
+    )
     with st.expander("Measured quality, overhead and bytes of tracking configurations"):
         table = launch.measured_configurations()
         if table.is_empty():

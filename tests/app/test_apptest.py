@@ -325,3 +325,14 @@ def test_a_job_started_on_the_launch_page_shows_in_its_sidebar(at, app_env):
         deadline = time.monotonic() + 120
         while jobs.job_state(run_dir).running and time.monotonic() < deadline:
             time.sleep(0.2)
+
+
+def test_launch_help_texts_are_the_settings_own(at):
+    """Issue 28 item 3: the Launch form shows each setting's one help text (its field's)."""
+    from traceprop_engine.settings import TrackSettings, TrainSettings, field_help
+
+    _goto(at, "launch")
+    assert at.number_input(key="launch_k_in").help == field_help(TrackSettings, "k_in")
+    assert at.number_input(key="launch_rank").help == field_help(TrackSettings, "rank")
+    assert at.number_input(key="launch_lr").help == field_help(TrainSettings, "lr")
+    assert at.checkbox(key="launch_cov").help == field_help(TrackSettings, "covariance")
