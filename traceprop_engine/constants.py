@@ -20,8 +20,8 @@ LOG_FILE = "train.log"
 MODEL_DIR = "model"
 INDEX_DIR = "index"
 
-# the default preconditioner of an index (IndexSettings, CLI, app). identity (TracIn along the
-# trajectory) beat K-FAC and EK-FAC on both LDS data sets at every k >= 32 (benchmarks/EVAL.md)
+# the default preconditioner of an index (IndexSettings, CLI, app): identity (TracIn along the
+# trajectory); why: benchmarks/EVAL.md
 DEFAULT_PRECONDITIONER = "identity"
 
 # run status values (run.json "status" and the store's "status" attribute)

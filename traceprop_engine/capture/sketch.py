@@ -6,8 +6,7 @@ projections with ``E[PᵀP] = I`` (so ``E‖Ŝ‖² = ‖G‖²`` and inner prod
 ``orthogonal`` (default) has ``k`` orthonormal rows of a uniformly random subspace, scaled by
 ``√(d/k)``; ``gaussian`` has i.i.d. ``N(0, 1/k)`` entries (the JL matrix of runs before
 2026-12-01). Orthogonal rows give inner products a lower variance (for squared norms by a
-factor of about ``1 − k/d``; exact at ``k = d``) at the same cost per use (benchmarks/EVAL.md
-§1c, "Orthogonal projections"). ``k == d`` means no projection on that side (``None``), which
+factor of about ``1 − k/d``; exact at ``k = d``) at the same cost per use. ``k == d`` means no projection on that side (``None``), which
 makes that side exact.
 
 Dense sketch: ``vec(G)`` (row-major, ``d_out × d_in``) times a sparse JL matrix with
@@ -145,7 +144,7 @@ def full_factors(
     iteration reads ``a`` and ``g`` twice and costs ``O(T (d_in + d_out) r)`` per example, like
     an ``r``-column projection. Start: ``u₀ = Σ_t g_t`` (the example's summed output gradient;
     with ``r > 1``, further columns weight the tokens by a fixed Gaussian). Per-example records
-    are nearly rank 1, so one or two iterations reach the top direction (benchmarks/EVAL.md).
+    are nearly rank 1, so one or two iterations reach the top direction.
 
     Args:
         a: (B, T, d_in) layer inputs; g: (B, T, d_out) output gradients (float32).

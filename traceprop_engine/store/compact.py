@@ -1,6 +1,6 @@
 """Compact storage: rank-``c`` factors of every stored sketch (LoRIF), in a factor file.
 
-A factored sketch ``Ŝ ∈ R^{k_out×k_in}`` (DESIGN §1) is replaced by its rank-``c`` truncated SVD
+A factored sketch ``Ŝ ∈ R^{k_out×k_in}`` (the score of README.md, "Scores") is replaced by its rank-``c`` truncated SVD
 ``Ŝ ≈ U Vᵀ`` with ``U ∈ R^{k_out×c}`` (singular values folded in) and ``V ∈ R^{k_in×c}``:
 ``c (k_out + k_in)`` numbers instead of ``k_out k_in`` (c = 1 at k = 32: 64 vs 1024). At
 ``c = min(k_out, k_in)`` the factors are exact. The residual ``R = Ŝ − U Vᵀ`` has the discarded
