@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from enum import Enum
 
 from . import constants as C
 from .errors import ConfigError
+from .knobs import (  # noqa: F401 - field_help, parse_choice, MAX_SEED: imported from here too
+    MAX_SEED,
+    check_damping,
+    check_seed,
+    document_fields,
+    field_help,
+    knob,
+    parse_choice,
+)
 
 
 class SketchKind(str, Enum):
@@ -55,38 +64,7 @@ class Task(str, Enum):
     CLASSIFICATION = "classification"
 
 
-def parse_choice(enum: type[Enum], value: object, what: str) -> Enum:
-    """``enum(value)``, or a ConfigError that lists the allowed values."""
-    try:
-        return enum(value)
-    except ValueError:
-        allowed = ", ".join(repr(e.value) for e in enum)
-        raise ConfigError(f"{what} must be one of {allowed}, got {value!r}") from None
-
-
-def knob(default=MISSING, *, help: str, default_factory=MISSING):
-    """A settings field with its one help text (``field(metadata={"help": ...})``): the class
-    docstring, the CLI's ``--help`` and the app's help read it from here (:func:`field_help`)."""
-    return field(default=default, default_factory=default_factory, metadata={"help": help})
-
-
-def field_help(cls, name: str) -> str:
-    """The help text of field ``name`` of a settings dataclass.
-
-    Raises:
-        KeyError: no such field, or it has no help text.
-    """
-    return cls.__dataclass_fields__[name].metadata["help"]
-
-
-def _document_fields(cls):
-    """Append each field's help to the class docstring (an ``Args:`` section)."""
-    lines = [f"        {f.name}: {f.metadata['help']}" for f in fields(cls) if "help" in f.metadata]
-    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
-    return cls
-
-
-@_document_fields
+@document_fields
 @dataclass(frozen=True)
 class TrackSettings:
     """What the capture hooks record.
@@ -221,7 +199,7 @@ class TrackSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        _check_seed(self.seed)
+        check_seed(self.seed)
         v = self.covariance_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(
@@ -261,7 +239,7 @@ class TrackSettings:
         return d
 
 
-@_document_fields
+@document_fields
 @dataclass(frozen=True)
 class TrainSettings:
     """A tracked (or untracked) fine-tune, as the ``traceprop train`` command runs it."""
@@ -313,7 +291,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "task", parse_choice(Task, self.task, "task"))
-        _check_seed(self.seed)
+        check_seed(self.seed)
         checks = {
             "epochs": self.epochs >= 1,
             "batch_size": self.batch_size >= 1,
@@ -367,42 +345,14 @@ class IndexKind(str, Enum):
 
 INDEX_SIDE = 16
 """m of the m × m index projection of layers with larger sketches (IndexSettings.index_side):
-the top-m principal directions of each side of a layer's records, m² numbers per layer, then
-reduced to ``INDEX_DIMS`` for all layers together. Its scores only pick candidates: every
-returned score is recomputed exactly from the store (:mod:`traceprop_engine.attribution.scoring`).
-On a real run of 10⁵ examples, m = 16 put the true top 10 within 4000 candidates for 1.00 /
-0.98 of proponents / opponents, m = 8 for 0.99 / 0.93 (benchmarks/README.md §2b)."""
+the top-m principal directions of each side of a layer's records, m² numbers per layer. Its
+scores only pick candidates: every returned score is recomputed exactly from the store."""
 INDEX_DIMS = 256
 """Index vectors are reduced to their top principal directions over all layers
-(IndexSettings.index_dims; 0: no reduction): 1 KB per example whatever the model, 256 of 2304
-dims held 99.7 % of the energy on that run and the same recall as all of them."""
+(IndexSettings.index_dims; 0: no reduction): 1 KB per example whatever the model."""
 
 
-MAX_SEED = 2**32 - 1
-"""Seeds run from 0 to this (what every generator of the run, numpy's and torch's, accepts)."""
-
-
-def _check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
-
-
-def _check_damping(damping) -> None:
-    """ConfigError unless ``damping`` is None (the default) or a finite number >= 0."""
-    if damping is None:
-        return
-    try:
-        d = float(damping)
-    except (TypeError, ValueError):
-        d = math.nan
-    if isinstance(damping, bool) or not math.isfinite(d) or d < 0:
-        raise ConfigError(
-            f"damping must be a finite number >= 0 (a fraction of each factor's mean "
-            f"eigenvalue), got {damping!r}; leave it out for the default"
-        )
-
-
-@_document_fields
+@document_fields
 @dataclass(frozen=True)
 class IndexSettings:
     """How the index of a run is built (part of its fingerprint).
@@ -446,7 +396,7 @@ class IndexSettings:
     def __post_init__(self) -> None:
         if self.lists is not None and not isinstance(self.lists, bool):
             raise ConfigError(f"lists must be True, False or None (auto), got {self.lists!r}")
-        _check_damping(self.damping)  # here, before anything is locked or written under index/
+        check_damping(self.damping)  # here, before anything is locked or written under index/
         for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -1,30 +1,27 @@
-"""Capture hooks: per-example factored (or dense) sketches and K-FAC statistics computed inside
-the training backward pass.
+"""Capture hooks: per-example gradient records and K-FAC statistics computed inside the
+training backward pass.
 
-For a tracked layer ``y = W a`` a forward hook projects the input once, ``ã = P_in a``
-``(B, T, k_in)``, and registers a tensor hook on the output; in the backward pass that hook sees
-``g = ∂L/∂y`` ``(B, T, d_out)``, projects it, ``g̃ = s · P_out g`` (``s`` the loss scale that
-turns the batch-loss gradient into per-example-loss gradients), and writes
-``Ŝ_b = Σ_t g̃_bt ã_btᵀ`` for every example ``b`` with one batched matmul into the device
-buffer. No ``d_out × d_in`` matrix is formed on the factored path.
+Exposes :class:`Capture`, which owns the hooks on the tracked layers of one model. For a tracked
+layer ``y = W a`` a forward hook keeps the input ``a`` ``(B, T, d_in)`` and registers a tensor hook
+on the output; in the backward pass that hook sees ``g = ∂L/∂y`` ``(B, T, d_out)`` scaled by
+``s`` (the loss scale that turns the batch-loss gradient into per-example-loss gradients) and
+writes each example's record into its buffer slot:
 
-Hot-path budget (measured on a 2-core CPU, tiny GPT-NeoX, 17 layers, k = 8): per layer and step
-the hooks issue one thin matmul in the forward (``a @ P_inᵀ``) and, in the backward, one thin
-matmul (``g @ P_outᵀ``), one ``baddbmm_`` into the buffer slot with the loss scale folded in as
-``alpha`` (no scaled copy of ``g̃``) and, with covariance on, two ``addmm_`` of ``k × k``
-(``A`` and ``S``, the latter with ``alpha = s²``). ``A`` is accumulated in the backward hook
-beside ``S`` so a forward pass whose backward never runs leaves no trace in the statistics. The
-token mask is applied to ``A`` only when the batch has padding (decided once per batch, on the
-host when the mask is a CPU tensor; a device mask is kept as is, never synchronised). Nothing
-calls ``.item()`` or otherwise synchronises a device per step. The two thin projections are the
-floor (~1.4 % of the step's multiply-adds but ~2 % of its CPU time: an ``N = 8`` GEMM runs at
-~1/3 of the big GEMMs' rate on 256-wide inputs, and re-reading 768/1024-wide activations and
-gradients from L3 bounds it on the wider ones).
+- factor records of the full gradient (``factor_space='full'``, the default): rank-r factors
+  of ``G_b = Σ_t g_bt a_btᵀ`` by power iteration on ``a`` and ``g`` themselves
+  (:func:`~.sketch.full_factors`), projected per example by ``P_out``, ``P_in`` after the
+  backward (:class:`~.project.DeferredFactors`): the per-token cost does not grow with k;
+- factor records of the sketch (``'sketch'``) and full sketches (``rank=0``): every token
+  projected, ``Ŝ_b = Σ_t (P_out g̃)(P_in a)ᵀ``, then factored (:func:`~.sketch.top_factors`);
+- dense records: ``vec(G_b)`` through a sparse JL matrix.
 
-Hooks never replace modules (parameter names and checkpoints stay valid); one
-:class:`Capture` owns every handle and removes them in :meth:`detach` (also after an exception or
-a ``KeyboardInterrupt``, when used as a context manager); nothing happens on a forward pass
-without gradients or outside a :meth:`Capture.batch` block.
+K-FAC statistics ``A = Σ ããᵀ``, ``S = Σ g̃g̃ᵀ`` (projected, token-masked) are accumulated in the
+backward hook, so a forward whose backward never runs leaves no trace. Nothing calls ``.item()``
+or otherwise synchronises a device per step. Hooks never replace modules (parameter names and
+checkpoints stay valid); :meth:`Capture.detach` removes every handle (also after an exception,
+when used as a context manager); nothing happens on a forward pass without gradients or outside
+a :meth:`Capture.batch` block. :meth:`Capture.state_dict` / :meth:`Capture.load_state_dict` carry
+the running state across a checkpoint.
 """
 
 from __future__ import annotations

@@ -16,22 +16,16 @@ and :meth:`DeferredFactors.write` turns every layer's ``(σ, w)`` into its recor
 group of sides that share a ``(width, k)`` (the 34 sides of the default tiny model's 17 layers
 make 3 groups) and one copy per layer side into the record slots.
 
-Why after the backward: inside a backward hook every distinct ATen op pays a cold-code cost (the
-big GEMMs of the backward evict the dispatcher's code from the CPU's caches): measured on the
-default tiny model, the first ``norm`` in a hook took 124 µs, the next ones 8–16 µs, against
-5 µs in a warm loop. The per-layer normalisation, projections and copies cost more than the
-products themselves (7 ms of a 15 ms hook budget per step); after the backward, in one place,
-they run warm.
-
-Why over several steps: projecting one step's 8 rows reads every ``P`` (8.9 MB of float32 for the
-tiny model's 17 layers at k = 126), which the training step has evicted from the caches, for a
-GEMM of 8 rows, and issues ≈ 50 small ops: 1.6 ms a step in the training loop. The raw rows of
-consecutive steps stay in scratch (``rows`` of them, within :data:`DEFER_BYTES`) and are projected
-together when the owner asks (:class:`~traceprop_engine.capture.tracker.Tracker`: before each
-buffer flush, whose rows they are) or when the scratch is full: one read of ``P`` and one copy
-per layer side for up to :data:`DEFER_MAX_ROWS` records. The records are the same, only written
-later; a caller that reads its slots right after a batch (the query encoders, the tests) gets
-them written at the end of the batch, as before (``Capture.batch(defer=False)``, the default).
+Why after the backward: inside a backward hook every distinct op pays a cold-code cost (the big
+GEMMs of the backward evict the dispatcher's code from the caches); after it, in one place, the
+normalisation, projections and copies run warm. Why over several steps: one step's few rows
+would read every ``P`` (evicted by the step) for a thin GEMM. The raw rows of consecutive steps
+stay in scratch (``rows`` of them, within :data:`DEFER_BYTES`) and are projected together when
+the owner asks (:class:`~traceprop_engine.capture.tracker.Tracker`: before each buffer flush,
+whose rows they are) or when the scratch is full: one read of ``P`` and one copy per layer side
+for up to :data:`DEFER_MAX_ROWS` records. The records are the same, only written later; a
+caller that reads its slots right after a batch (the query encoders, the tests) gets them
+written at the end of the batch (``Capture.batch(defer=False)``, the default).
 """
 
 from __future__ import annotations
