@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from traceprop_engine.attribution.worker import QueryWorker
+from traceprop_engine.attribution.model_side.worker import QueryWorker
 
 RUN = Path(__file__).resolve().parents[1] / "sample_runs" / "facts"
 

@@ -302,7 +302,7 @@ class TrainSettings:
 
 class PreconditionerKind(str, Enum):
     """Which approximation of the Fisher/Gauss-Newton ``H`` to invert
-    (:mod:`traceprop_engine.attribution.precondition`)."""
+    (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
 
     IDENTITY = "identity"
     KFAC = "kfac"
@@ -310,7 +310,7 @@ class PreconditionerKind(str, Enum):
 
 
 class IndexKind(str, Enum):
-    """Which FAISS index to build (:mod:`traceprop_engine.attribution.index`)."""
+    """Which FAISS index to build (:mod:`traceprop_engine.attribution.index.vector_index`)."""
 
     AUTO = "auto"
     FLAT = "flat"
@@ -323,7 +323,7 @@ INDEX_SIDE = 16
 """m of the m × m index projection of layers with larger sketches (IndexSettings.index_side):
 the top-m principal directions of each side of a layer's records, m² numbers per layer, then
 reduced to ``INDEX_DIMS`` for all layers together. Its scores only pick candidates: every
-returned score is recomputed exactly from the store (:mod:`traceprop_engine.attribution.scoring`).
+returned score is recomputed exactly from the store (:mod:`traceprop_engine.attribution.score.scoring`).
 On a real run of 10⁵ examples, m = 16 put the true top 10 within 4000 candidates for 1.00 /
 0.98 of proponents / opponents, m = 8 for 0.99 / 0.93 (benchmarks/README.md §2b)."""
 INDEX_DIMS = 256
@@ -375,7 +375,7 @@ class IndexSettings:
     index_dims: int = INDEX_DIMS
     lists: bool | None = None
     """A second candidate search over the own records of the layers holding most of the
-    gradient energy (``attribution/index_lists.py``): None builds it from
+    gradient energy (``attribution/index/lists.py``): None builds it from
     ``index_lists.MIN_ROWS`` index rows (where FAISS is an IVF index), True on any run whose
     records allow it, False never."""
 

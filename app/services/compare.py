@@ -1,5 +1,5 @@
 """The Compare page's data: one query answered by two (run, preconditioner) sides, their
-overlap and rank changes (the engine's :mod:`traceprop_engine.attribution.compare`)."""
+overlap and rank changes (the engine's :mod:`traceprop_engine.attribution.reports.compare`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceprop_engine.attribution import compare
+from traceprop_engine.attribution.reports import compare
 
 from .queries import open_cached, test_side
 

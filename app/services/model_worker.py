@@ -2,7 +2,7 @@
 
 The server process never needs torch: a query's model half (its sketches and loss, the model's
 greedy answer, an influencer's per-token view, token text) goes to one
-:class:`~traceprop_engine.attribution.worker.QueryWorker` per server process, started beside the
+:class:`~traceprop_engine.attribution.model_side.worker.QueryWorker` per server process, started beside the
 first page (``warmup.start``) and loading the active run's model at once on the other core;
 the ranking, the example table and every chart stay here, on numpy, FAISS and the store. The
 worker's imports (torch, transformers, the model: ≈ 4 s of one core) then no longer share the
@@ -25,7 +25,7 @@ import os
 import threading
 from pathlib import Path
 
-from traceprop_engine.attribution.worker import QueryWorker, WorkerUnavailable
+from traceprop_engine.attribution.model_side.worker import QueryWorker, WorkerUnavailable
 
 WORKER_NICE = int(os.environ.get("TRACEPROP_WORKER_NICE", "10"))
 """The worker's niceness: its start-up (torch, the model) yields the cores to the server and

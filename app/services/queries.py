@@ -151,7 +151,7 @@ def run_query_and_scores(
 ):
     """``(QueryResult, influence by source, every example's score)`` of one query: the by-source
     totals and the score histogram come from one pass over the store, made here once."""
-    from traceprop_engine.attribution.ranking import source_influence
+    from traceprop_engine.attribution.score.ranking import source_influence
     from traceprop_engine.settings import IndexSettings
 
     ts = test_side(

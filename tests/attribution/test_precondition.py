@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traceprop_engine.attribution.kfac import fit_layer
-from traceprop_engine.attribution.precondition import (
+from traceprop_engine.attribution.precondition.kfac import fit_layer
+from traceprop_engine.attribution.precondition.preconditioner import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerStats,

@@ -10,13 +10,13 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.factor_scores import factor_scores, sketch_scores
-from traceprop_engine.attribution.precondition import (
+from traceprop_engine.attribution.precondition.preconditioner import (
     EkfacMoments,
     LayerStats,
     Preconditioner,
 )
-from traceprop_engine.attribution.woodbury import fit_woodbury, truncated_svd
+from traceprop_engine.attribution.precondition.woodbury import fit_woodbury, truncated_svd
+from traceprop_engine.attribution.score.factor_scores import factor_scores, sketch_scores
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
 from traceprop_engine.store.compact import compact_store, factorize_chunk
 from traceprop_engine.store.factor_file import FactorStore

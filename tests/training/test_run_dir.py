@@ -422,7 +422,7 @@ def test_a_run_trained_at_lr_0_says_every_score_is_zero(data, tmp_path):
     """--lr 0: the model learns nothing and every lr-weighted score is 0. The query says so
     (run note + result note) instead of listing the same rows as proponents and opponents."""
     from traceprop_engine.attribution.query import open_run
-    from traceprop_engine.attribution.ranking import ALL_ZERO_NOTE, ZERO_LR_NOTE
+    from traceprop_engine.attribution.score.ranking import ALL_ZERO_NOTE, ZERO_LR_NOTE
 
     train(fast_settings(data, tmp_path / "lr0", lr=0.0, epochs=1))
     run = open_run(tmp_path / "lr0")

@@ -29,12 +29,15 @@ from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings
 from ..store.sharded import open_run_store
-from .blas_threads import one_blas_thread
-from .index import VectorIndex
-from .index_lists import list_candidates
-from .index_store import Progress, RunIndexes
-from .precondition import Preconditioner
-from .ranking import (
+from .index.lists import list_candidates
+from .index.run_indexes import Progress, RunIndexes
+from .index.vector_index import VectorIndex
+from .model_side.test_side import TestSideMixin
+from .precondition.preconditioner import Preconditioner
+from .precondition.vectors import fit_preconditioner, gradient_norms
+from .result import QueryResult, TestSide
+from .score.blas_threads import one_blas_thread
+from .score.ranking import (
     ZERO_LR_NOTE,
     example_table,
     hit_rows,
@@ -42,13 +45,10 @@ from .ranking import (
     signed_hits,
     source_influence,
 )
-from .rerank import rerank_candidates
-from .result import QueryResult, TestSide
-from .test_side import TestSideMixin
-from .vectors import fit_preconditioner, gradient_norms
+from .score.rerank import rerank_candidates
 
 if TYPE_CHECKING:
-    from .encode import QueryEncoder
+    from .model_side.encode import QueryEncoder
 
 __all__ = ["AttributionRun", "QueryResult", "TestSide", "open_run"]
 
@@ -57,10 +57,10 @@ class AttributionRun(TestSideMixin):
     """One run opened for attribution: its store, manifest, saved model and indexes.
 
     The facade the CLI and the app share; the work is done by the run's
-    :class:`~traceprop_engine.attribution.index_store.RunIndexes` (training side: indexes and
-    exact scorers) and :class:`~traceprop_engine.attribution.encode.QueryEncoder` (test side:
+    :class:`~traceprop_engine.attribution.index.run_indexes.RunIndexes` (training side: indexes and
+    exact scorers) and :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` (test side:
     the saved model and the query's sketches), and ranked by
-    :mod:`traceprop_engine.attribution.ranking`.
+    :mod:`traceprop_engine.attribution.score.ranking`.
 
     Raises:
         RunError: not a run directory.
@@ -323,7 +323,7 @@ class AttributionRun(TestSideMixin):
             raise QueryError(
                 "scores() gives one score per example: use settings with per_record=False"
             )
-        from .encode import query_batch  # torch: the queries run through the model
+        from .model_side.encode import query_batch  # torch: the queries run through the model
 
         queries, batched = query_batch(
             prompt, completion, input_ids, labels, loss_mask, eval_example, label

@@ -146,7 +146,7 @@ def with_layer_norms(run, s) -> None:
     """Give the index ``s`` of an open run the per-layer row norms of the layer-by-layer re-rank
     (``layer_norms.npy``) in memory when it was built before they were kept: the same numbers a
     build writes, without rebuilding a large index for a benchmark."""
-    from ..attribution.rerank import as_bounds
+    from ..attribution.score.rerank import as_bounds
 
     if run.indexes.row_layer_sq_norms(s) is None:
         scorer = run.indexes.scorer(s)

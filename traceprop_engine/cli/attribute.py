@@ -98,8 +98,8 @@ def add_query(sub) -> None:
 
 
 def _cmd_query(a) -> int:
-    from ..attribution.export import rows_for_export, write_rows
     from ..attribution.query import open_run
+    from ..attribution.reports.export import rows_for_export, write_rows
 
     run = open_run(a.run)
     s = index_settings(a)

@@ -136,7 +136,7 @@ def add_dense_k_flag(p, help: str | None = None) -> None:
 
 def add_preconditioner_flag(p, help: str | None = None) -> None:
     """--preconditioner with IndexSettings' default."""
-    from ..attribution.precondition import PreconditionerKind
+    from ..attribution.precondition.preconditioner import PreconditionerKind
     from ..settings import IndexSettings
 
     d = field_defaults(IndexSettings)
@@ -150,7 +150,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 
 def add_index_flags(p) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults."""
-    from ..attribution.precondition import DEFAULT_DAMPING
+    from ..attribution.precondition.preconditioner import DEFAULT_DAMPING
     from ..settings import IndexKind, IndexSettings
 
     d = field_defaults(IndexSettings)

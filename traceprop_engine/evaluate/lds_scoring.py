@@ -63,8 +63,8 @@ def _compact_methods(
     preconditioner of the run's persisted index for that kind), so at ``c = min(k_out, k_in)``
     the scores equal the full-sketch scores up to float32 storage round-off.
     """
-    from ..attribution.factor_scores import factor_scores
     from ..attribution.query import open_run
+    from ..attribution.score.factor_scores import factor_scores
     from ..settings import IndexSettings
     from ..store.factor_file import FactorStore
 

@@ -12,8 +12,8 @@ import json
 import numpy as np
 import polars as pl
 
-from .. import constants as C
-from .precondition import Preconditioner
+from ... import constants as C
+from ..precondition.preconditioner import Preconditioner
 
 SIGN_NOTE = (
     "score > 0: proponent (the example pushed the model toward this output; up-weighting it "

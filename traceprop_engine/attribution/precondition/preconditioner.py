@@ -159,7 +159,7 @@ class LayerPreconditioner:
     ``index_left · (preconditioned Ŝ) · index_rightᵀ`` instead: a second Kronecker JL
     projection, so inner products of index vectors are unbiased estimates of the exact scores
     and FAISS holds ``m²`` numbers per layer however large k is. :meth:`pullback` ignores it:
-    exact scores come from the stored records (:mod:`traceprop_engine.attribution.scoring`).
+    exact scores come from the stored records (:mod:`traceprop_engine.attribution.score.scoring`).
 
     Attributes:
         name: layer name (as in the store).
@@ -224,7 +224,7 @@ class LayerPreconditioner:
 
         ``T' = leftᵀ ((left T right) ⊙ scale²) rightᵀ`` — for K-FAC (symmetric factors)
         ``L² T R²``, i.e. ``H⁻¹ T``. Scoring unpreconditioned (e.g. low-rank factored) training
-        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.attribution.factor_scores`).
+        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.attribution.score.factor_scores`).
 
         Args:
             test_sketches: (q, *shape) test-side sketches of this layer.
@@ -344,7 +344,7 @@ class Preconditioner:
         damping: float | None = None,
         index_side: int = 0,
     ) -> Preconditioner:
-        """Fit every layer with the same kind and damping (see :func:`~traceprop_engine.attribution.kfac.fit_layer`).
+        """Fit every layer with the same kind and damping (see :func:`~traceprop_engine.attribution.precondition.kfac.fit_layer`).
 
         ``index_side = m > 0`` adds an ``m × m`` index projection to every factored layer whose
         sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the

@@ -15,16 +15,16 @@ import numpy as np
 import polars as pl
 import torch
 
-from .. import constants as C
-from ..capture.hooks import Capture
-from ..capture.layers import TrackedLayer
-from ..errors import ModelMismatchError, QueryError, RunError
-from ..run import RunManifest
-from ..settings import SketchKind
-from ..training.examples import Example
-from ..training.fingerprint import cached_model_fingerprint, model_files_key
-from ..training.losses import example_losses
-from ..training.models import (
+from ... import constants as C
+from ...capture.hooks import Capture
+from ...capture.layers import TrackedLayer
+from ...errors import ModelMismatchError, QueryError, RunError
+from ...run import RunManifest
+from ...settings import SketchKind
+from ...training.examples import Example
+from ...training.fingerprint import cached_model_fingerprint, model_files_key
+from ...training.losses import example_losses
+from ...training.models import (
     Encoded,
     collate,
     encode_example,
@@ -87,7 +87,7 @@ class QueryEncoder:
         model_dir = self.run_dir / C.MODEL_DIR
         if model_dir.exists():
             return model_dir, self.manifest.model.fingerprint
-        from ..training import checkpoint
+        from ...training import checkpoint
 
         ckpt = None if self.manifest.completed else checkpoint.load(self.run_dir)
         saved = ckpt is not None and (ckpt.folder / checkpoint.MODEL_SUBDIR).is_dir()

@@ -2,9 +2,9 @@
 
 :class:`TestSideMixin` gives :class:`~traceprop_engine.attribution.query.AttributionRun` the
 methods that need torch (the model, the query's tokens, its backward with the capture hooks),
-through a :class:`~traceprop_engine.attribution.encode.QueryEncoder` made on first use: opening a
+through a :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` made on first use: opening a
 run, its examples, its index and the ranking of given sketches import no torch, so an app can
-leave the model to another process (:mod:`~traceprop_engine.attribution.worker`) and rank here.
+leave the model to another process (:mod:`~traceprop_engine.attribution.model_side.worker`) and rank here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .result import TestSide
+from ..result import TestSide
 
 if TYPE_CHECKING:
-    from ..capture.layers import TrackedLayer
+    from ...capture.layers import TrackedLayer
     from .encode import QueryEncoder
 
 

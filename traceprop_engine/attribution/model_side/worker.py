@@ -4,7 +4,7 @@ A query has two halves. The test side (the query's tokens through the run's fina
 backward with the capture hooks: :meth:`AttributionRun.test_side`) needs torch and transformers,
 whose imports and the model's load take several seconds of one core; the ranking (index search,
 exact re-rank, example scores) needs only numpy, FAISS and the store. :class:`QueryWorker`
-starts ``python -m traceprop_engine.attribution.worker`` and sends it the model's half: the
+starts ``python -m traceprop_engine.attribution.model_side.worker`` and sends it the model's half: the
 caller's process never imports torch, and the worker's imports run on another core from the
 start instead of sharing the caller's interpreter lock (the app's first page and first query,
 ``app/services/model_worker.py``).
@@ -22,8 +22,8 @@ On start the worker imports torch, the engine's test side and ``transformers.mod
 arriving later finds them done.
 
 Ops: ``test_side`` (:class:`~traceprop_engine.attribution.result.TestSide`), ``model_answer``
-(:class:`~traceprop_engine.attribution.answer.ModelAnswer`), ``token_contributions``
-(:class:`~traceprop_engine.attribution.tokens.TokenContributions`), ``decode`` (token ids to
+(:class:`~traceprop_engine.attribution.model_side.answer.ModelAnswer`), ``token_contributions``
+(:class:`~traceprop_engine.attribution.model_side.tokens.TokenContributions`), ``decode`` (token ids to
 text pieces with the run's tokenizer, or None without one) and ``warm`` (the model, its tokenizer
 and one query's backward, so the first real query pays none of it).
 """
@@ -44,8 +44,8 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from .. import constants as C
-from ..errors import TracepropError
+from ... import constants as C
+from ...errors import TracepropError
 
 MAX_OPEN_RUNS = 8
 
@@ -86,7 +86,7 @@ class QueryWorker:
             return self
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        root = str(Path(__file__).resolve().parents[2])  # the engine's parent, importable there
+        root = str(Path(__file__).resolve().parents[3])  # the engine's parent, importable there
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
@@ -198,7 +198,7 @@ class _Runs:
         self._open: OrderedDict[str, tuple[float, object]] = OrderedDict()
 
     def get(self, run_dir: str):
-        from .query import open_run
+        from ..query import open_run
 
         manifest = Path(run_dir) / C.MANIFEST_FILE
         mtime = manifest.stat().st_mtime if manifest.exists() else 0.0
@@ -233,7 +233,7 @@ def _ops():
     from .tokens import token_contributions
 
     def contributions(run, sketches, example_id, settings: dict):
-        from ..settings import IndexSettings
+        from ...settings import IndexSettings
 
         return token_contributions(run, sketches, int(example_id), IndexSettings(**settings))
 

@@ -1,12 +1,12 @@
 """The persisted indexes of one run: build, load, staleness, and what each query reuses.
 
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
-(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, a
+(:mod:`traceprop_engine.attribution.precondition.vectors`), their example ids, the exact row norms, a
 memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), on large runs the
 factor lists of the layers holding most of the energy (:mod:`.index_lists`), the FAISS index and
 ``index.json``, which records the digest of every file. Its fingerprint (the
 store's fingerprint + the settings) makes an index built from other records stale; a stale,
-half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).
+half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index.files`).
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import constants as C
-from ..errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
-from ..permissions import make_temp_dir
-from ..settings import IndexSettings
-from . import record_cache
-from .index import INDEX_META_FILE, VectorIndex
-from .index_build import build_index
-from .index_files import index_lock, publish_dir
-from .index_lists import FactorLists, build_lists, list_layers, open_lists, wants_lists
-from .precondition import Preconditioner
-from .record_cache import RecordCache, write_record_cache
-from .rerank import as_bounds
-from .scoring import ExactScorer
-from .vectors import fit_preconditioner, write_vectors
+from ... import constants as C
+from ...errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
+from ...permissions import make_temp_dir
+from ...settings import IndexSettings
+from ..precondition.preconditioner import Preconditioner
+from ..precondition.vectors import fit_preconditioner, write_vectors
+from ..score import record_cache
+from ..score.record_cache import RecordCache, write_record_cache
+from ..score.rerank import as_bounds
+from ..score.scoring import ExactScorer
+from .build import build_index
+from .files import index_lock, publish_dir
+from .lists import FactorLists, build_lists, list_layers, open_lists, wants_lists
+from .vector_index import INDEX_META_FILE, VectorIndex
 
 log = logging.getLogger(__name__)
 

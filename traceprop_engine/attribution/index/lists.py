@@ -220,7 +220,7 @@ def list_candidates(scorer, sketches, opponents: bool = True, prepared=None) -> 
 
     ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it (the
     re-rank then reuses the pullbacks and the factored ``T'`` of the lists' layers)."""
-    from .factor_scores import LowRankTest
+    from ..score.factor_scores import LowRankTest
 
     if not scorer.lists or len(sketches[0]) != 1:
         return np.zeros(0, np.int64)

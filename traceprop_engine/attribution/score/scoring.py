@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from .. import constants as C
+from ... import constants as C
+from ..index.projection import transformed_factors
+from ..precondition.preconditioner import Preconditioner
 from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
-from .index_projection import transformed_factors
-from .precondition import Preconditioner
 
 CHUNK = 4096  # records per streamed chunk
 NORM_BUFFER_BYTES = 1 << 30  # exact per-example norms accumulate at most this much in memory

@@ -1,6 +1,6 @@
 """Fitting one layer's ``H^{-1/2}`` from its K-FAC statistics: identity, K-FAC, EK-FAC, dense.
 
-The kinds and their formulas are described in :mod:`traceprop_engine.attribution.precondition`;
+The kinds and their formulas are described in :mod:`traceprop_engine.attribution.precondition.preconditioner`;
 :func:`fit_layer` checks the statistics, then dispatches to one named step per kind.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from traceprop_engine.attribution.precondition import (
+from traceprop_engine.attribution.precondition.preconditioner import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerPreconditioner,
