@@ -341,6 +341,10 @@ def _check_seed(seed) -> None:
         raise ConfigError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
 
 
+DEFAULT_DAMPING = 0.1
+"""Damping as a fraction of each factor's mean eigenvalue (a common heuristic; overridable)."""
+
+
 def _check_damping(damping) -> None:
     """ConfigError unless ``damping`` is None (the default) or a finite number >= 0."""
     if damping is None:

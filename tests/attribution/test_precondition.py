@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from traceprop_engine.attribution.precondition.kfac import fit_layer
-from traceprop_engine.attribution.precondition.preconditioner import (
+from traceprop_engine.attribution.precondition.layer import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerStats,
-    Preconditioner,
 )
+from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
 from traceprop_engine.errors import ConfigError, StoreError
 from traceprop_engine.settings import PreconditionerKind
 

@@ -136,8 +136,7 @@ def add_dense_k_flag(p, help: str | None = None) -> None:
 
 def add_preconditioner_flag(p, help: str | None = None) -> None:
     """--preconditioner with IndexSettings' default."""
-    from ..attribution.precondition.preconditioner import PreconditionerKind
-    from ..settings import IndexSettings
+    from ..settings import IndexSettings, PreconditionerKind
 
     d = field_defaults(IndexSettings)
     p.add_argument(
@@ -150,8 +149,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 
 def add_index_flags(p) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults."""
-    from ..attribution.precondition.preconditioner import DEFAULT_DAMPING
-    from ..settings import IndexKind, IndexSettings
+    from ..settings import DEFAULT_DAMPING, IndexKind, IndexSettings
 
     d = field_defaults(IndexSettings)
     add_preconditioner_flag(p, help="H^-1 approximation")

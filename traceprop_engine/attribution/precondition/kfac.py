@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from traceprop_engine.attribution.precondition.preconditioner import (
+from traceprop_engine.errors import ConfigError, StoreError
+from traceprop_engine.settings import PreconditionerKind
+
+from .layer import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerPreconditioner,
@@ -16,8 +19,6 @@ from traceprop_engine.attribution.precondition.preconditioner import (
     parse_kind,
     symmetrize,
 )
-from traceprop_engine.errors import ConfigError, StoreError
-from traceprop_engine.settings import PreconditionerKind
 
 __all__ = ["fit_layer", "inverse_sqrt_psd"]
 

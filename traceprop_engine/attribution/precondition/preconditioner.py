@@ -40,267 +40,27 @@ Kinds:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from traceprop_engine.errors import ConfigError, StoreError
-from traceprop_engine.settings import PreconditionerKind, parse_choice
+from traceprop_engine.settings import PreconditionerKind
 
-__all__ = [
-    "DEFAULT_DAMPING",
-    "EkfacMoments",
-    "LayerPreconditioner",
-    "LayerStats",
-    "Preconditioner",
-    "check_damping",
-    "parse_kind",
-    "symmetrize",
-]
+from .kfac import fit_layer
+from .layer import LayerPreconditioner, LayerStats, check_damping, parse_kind
 
-DEFAULT_DAMPING = 0.1
-"""Damping as a fraction of each factor's mean eigenvalue (a common heuristic; overridable)."""
+__all__ = ["Preconditioner"]
 
 _FORMAT = "traceprop-preconditioner"
 _FORMAT_VERSION = 1
 
 
-def parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
-    return parse_choice(PreconditionerKind, kind, "preconditioner")
-
-
-def check_damping(damping: float | None) -> float:
-    d = DEFAULT_DAMPING if damping is None else float(damping)
-    if not np.isfinite(d) or d < 0:
-        raise ConfigError(
-            f"damping must be a finite number >= 0 (a fraction of the mean eigenvalue), got "
-            f"{damping!r}; the default is {DEFAULT_DAMPING}"
-        )
-    return d
-
-
-class EkfacMoments:
-    """Streamed second moments of sketches in the K-FAC eigenbasis (the EK-FAC correction).
-
-    Construct it from the layer's covariance (:meth:`from_factors`) or with ``q_s = q_a = None``
-    for a dense sketch layer (coordinate basis), then feed the stored sketches chunk by chunk
-    with :meth:`update`. :attr:`mean` is ``Λ = mean_i (Q_Sᵀ Ŝ_i Q_A)²`` (or ``mean_i x_i²``).
-    Because the rotation is orthogonal, ``Λ.sum()`` is also ``mean_i ‖Ŝ_i‖²_F``
-    (:attr:`mean_sq_norm`), which K-FAC's trace calibration needs.
-    """
-
-    def __init__(self, q_s: np.ndarray | None, q_a: np.ndarray | None, shape: tuple[int, ...]):
-        self.q_s = None if q_s is None else np.asarray(q_s, dtype=np.float64)
-        self.q_a = None if q_a is None else np.asarray(q_a, dtype=np.float64)
-        self.shape = tuple(int(s) for s in shape)
-        self.sum_sq = np.zeros(self.shape, dtype=np.float64)
-        self.count = 0
-
-    @classmethod
-    def from_factors(cls, a: np.ndarray, s: np.ndarray) -> EkfacMoments:
-        """Eigenbases of the K-FAC factors (scaling by ``n_tokens`` does not change them)."""
-        _, q_a = np.linalg.eigh(symmetrize(a))
-        _, q_s = np.linalg.eigh(symmetrize(s))
-        return cls(q_s, q_a, (q_s.shape[0], q_a.shape[0]))
-
-    @classmethod
-    def dense(cls, k: int) -> EkfacMoments:
-        """Per-coordinate second moments of a dense (n, k) sketch layer."""
-        return cls(None, None, (int(k),))
-
-    def update(self, sketch_chunk: np.ndarray) -> None:
-        """Add a chunk of records: (n, k_out, k_in) for factored, (n, k) for dense layers."""
-        x = np.asarray(sketch_chunk, dtype=np.float64)
-        if x.shape[1:] != self.shape:
-            raise StoreError(
-                f"sketch chunk has per-record shape {x.shape[1:]}, expected {self.shape}; "
-                "the chunk comes from another layer or the store is inconsistent"
-            )
-        if self.q_s is not None:
-            x = np.einsum("ko,nkj,jl->nol", self.q_s, x, self.q_a, optimize=True)  # Q_Sᵀ X Q_A
-        self.sum_sq += np.einsum("n...,n...->...", x, x)
-        self.count += x.shape[0]
-
-    @property
-    def mean(self) -> np.ndarray:
-        if self.count == 0:
-            raise StoreError(
-                "no sketches were accumulated for the EK-FAC correction; the layer has no "
-                "records — check the store or use the identity preconditioner"
-            )
-        return self.sum_sq / self.count
-
-    @property
-    def mean_sq_norm(self) -> float:
-        return float(self.mean.sum())
-
-
-def symmetrize(m: np.ndarray) -> np.ndarray:
-    m = np.asarray(m, dtype=np.float64)
-    return (m + m.T) / 2
-
-
-@dataclass(frozen=True, eq=False)
-class LayerPreconditioner:
-    """The ``H^{-1/2}`` side of one layer: ``v = ((left @ Ŝ @ right) * scale).ravel()``.
-
-    - identity: all three ``None``.
-    - K-FAC: ``left = (cS̄+λ_S I)^{-1/2}``, ``right = (Ā+λ_A I)^{-1/2}``.
-    - EK-FAC: ``left = Q_Sᵀ``, ``right = Q_A``, ``scale = 1/sqrt(Λ+λ)``.
-    - dense: ``scale`` a (k,) vector (or None for identity).
-
-    Index projection (large sketches): with ``index_left`` ``(m, k_out)`` and ``index_right``
-    ``(m, k_in)`` (Gaussian, variance ``1/m``), :meth:`apply` returns the ``m × m`` matrix
-    ``index_left · (preconditioned Ŝ) · index_rightᵀ`` instead: a second Kronecker JL
-    projection, so inner products of index vectors are unbiased estimates of the exact scores
-    and FAISS holds ``m²`` numbers per layer however large k is. :meth:`pullback` ignores it:
-    exact scores come from the stored records (:mod:`traceprop_engine.attribution.score.scoring`).
-
-    Attributes:
-        name: layer name (as in the store).
-        kind: the preconditioner kind this was fitted as.
-        shape: per-record sketch shape, ``(k_out, k_in)`` or ``(k,)``.
-    """
-
-    name: str
-    kind: PreconditionerKind
-    shape: tuple[int, ...]
-    left: np.ndarray | None = None
-    right: np.ndarray | None = None
-    scale: np.ndarray | None = None
-    info: dict = field(default_factory=dict)  # fitted constants (c, λ) for reports
-    index_left: np.ndarray | None = None  # (m, k_out) second projection of the index vectors
-    index_right: np.ndarray | None = None  # (m, k_in)
-
-    @property
-    def dim(self) -> int:
-        """Length of this layer's index vector (``m²`` with an index projection)."""
-        if self.index_left is not None:
-            return int(self.index_left.shape[0] * self.index_right.shape[0])
-        return int(np.prod(self.shape))
-
-    def with_index_projection(self, m: int, seed: int) -> LayerPreconditioner:
-        """This preconditioner with an ``m × m`` index projection (only when it shrinks the vector)."""
-        if len(self.shape) != 2 or m * m >= self.shape[0] * self.shape[1]:
-            return self
-        gen = np.random.default_rng(seed)
-        left = gen.standard_normal((m, self.shape[0])) / np.sqrt(m)
-        right = gen.standard_normal((m, self.shape[1])) / np.sqrt(m)
-        return dataclasses.replace(self, index_left=left, index_right=right)
-
-    def apply(self, sketches: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-        """Precondition and flatten.
-
-        Args:
-            sketches: (n, k_out, k_in) or (n, k) records of this layer.
-            dtype: output dtype; the arithmetic runs in it too (float64 for exact checks).
-
-        Returns:
-            (n, dim) vectors.
-        """
-        x = np.asarray(sketches, dtype=dtype)
-        if x.shape[1:] != self.shape:
-            raise StoreError(
-                f"layer {self.name!r}: sketches have per-record shape {x.shape[1:]}, the "
-                f"preconditioner was fitted for {self.shape}; refit it from this store"
-            )
-        if self.left is not None:
-            x = np.matmul(np.matmul(self.left.astype(dtype), x), self.right.astype(dtype))
-        if self.scale is not None:
-            x = x * self.scale.astype(dtype)
-        if self.index_left is not None:  # (n, m, m) second Kronecker projection
-            x = np.matmul(
-                np.matmul(self.index_left.astype(dtype), x), self.index_right.T.astype(dtype)
-            )
-        return np.ascontiguousarray(x.reshape(x.shape[0], -1))
-
-    def pullback(self, test_sketches: np.ndarray) -> np.ndarray:
-        """The test sketch pushed to the training side: ``T'`` with ``⟨apply(T), apply(X)⟩ = ⟨T', X⟩``.
-
-        ``T' = leftᵀ ((left T right) ⊙ scale²) rightᵀ`` — for K-FAC (symmetric factors)
-        ``L² T R²``, i.e. ``H⁻¹ T``. Scoring unpreconditioned (e.g. low-rank factored) training
-        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.attribution.score.factor_scores`).
-
-        Args:
-            test_sketches: (q, *shape) test-side sketches of this layer.
-
-        Returns:
-            (q, *shape) float64.
-        """
-        t = np.asarray(test_sketches, dtype=np.float64)
-        if t.shape[1:] != self.shape:
-            raise StoreError(
-                f"layer {self.name!r}: test sketches have per-record shape {t.shape[1:]}, the "
-                f"preconditioner was fitted for {self.shape}"
-            )
-        if self.left is not None:
-            t = np.matmul(np.matmul(self.left, t), self.right)
-        if self.scale is not None:
-            t = t * self.scale.astype(np.float64) ** 2
-        if self.left is not None:
-            t = np.matmul(np.matmul(self.left.T, t), self.right.T)
-        return t
-
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """npz-friendly dict (no objects): matrices plus a JSON string of the metadata."""
-        meta = {
-            "name": self.name,
-            "kind": self.kind.value,
-            "shape": list(self.shape),
-            "info": self.info,
-        }
-        out = {"meta": np.array(json.dumps(meta))}
-        for key in ("left", "right", "scale", "index_left", "index_right"):
-            val = getattr(self, key)
-            if val is not None:
-                out[key] = np.asarray(val, dtype=np.float64)
-        return out
-
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> LayerPreconditioner:
-        meta = json.loads(str(arrays["meta"]))
-        return cls(
-            name=meta["name"],
-            kind=PreconditionerKind(meta["kind"]),
-            shape=tuple(meta["shape"]),
-            left=arrays.get("left"),
-            right=arrays.get("right"),
-            scale=arrays.get("scale"),
-            info=meta.get("info", {}),
-            index_left=arrays.get("index_left"),
-            index_right=arrays.get("index_right"),
-        )
-
-
 def _name_seed(name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"index|{name}".encode()).digest()[:8], "little")
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    """What the store provides per layer to fit a preconditioner.
-
-    Attributes:
-        name: layer name.
-        shape: per-record sketch shape, (k_out, k_in) or (k,).
-        A, S: K-FAC token sums, None for dense layers.
-        n_tokens: token count of A and S (0 for dense layers).
-        mean_sq_norm: ``mean_i ‖Ŝ_i‖²`` over records (None if ``moments`` is given).
-        moments: streamed :class:`EkfacMoments` (needed for EK-FAC).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    A: np.ndarray | None = None
-    S: np.ndarray | None = None
-    n_tokens: int = 0
-    mean_sq_norm: float | None = None
-    moments: EkfacMoments | None = None
 
 
 class Preconditioner:
@@ -350,7 +110,6 @@ class Preconditioner:
         sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the
         layer's name.
         """
-        from .kfac import fit_layer  # kfac builds LayerPreconditioners: imported here, not above
 
         fitted = [
             fit_layer(

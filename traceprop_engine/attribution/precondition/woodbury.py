@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from traceprop_engine.attribution.precondition.preconditioner import DEFAULT_DAMPING, check_damping
 from traceprop_engine.errors import ConfigError, StoreError
+
+from .layer import DEFAULT_DAMPING, check_damping
 
 __all__ = ["WoodburyPreconditioner", "fit_woodbury", "truncated_svd"]
 

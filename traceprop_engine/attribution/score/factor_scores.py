@@ -3,7 +3,7 @@
 Scores never rebuild ``Ŝ`` (:mod:`traceprop_engine.store.compact` writes ``Ŝ ≈ U Vᵀ``). Every
 preconditioner here is a linear map ``P`` on the sketch, so ``⟨P T, P Ŝ⟩ = ⟨T', Ŝ⟩`` with
 ``T' = P*P T`` the test sketch pushed to the training side
-(:meth:`~traceprop_engine.attribution.precondition.preconditioner.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
+(:meth:`~traceprop_engine.attribution.precondition.layer.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
 
     ⟨T', U Vᵀ⟩ = Σ_c u_cᵀ T' v_c,
 
