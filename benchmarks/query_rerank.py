@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution import AttributionRun
 from traceprop_engine.attribution.score import factor_scores, scoring
 from traceprop_engine.attribution.score.factor_scores import LowRankTest
 from traceprop_engine.bench import query_e2e as e2e

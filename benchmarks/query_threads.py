@@ -21,8 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from traceprop_engine.attribution import AttributionRun
 from traceprop_engine.attribution import query as query_mod
-from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 

@@ -20,7 +20,7 @@ def model_answer(run_dir: str | os.PathLike, **query):
     try:
         return model_worker.call("model_answer", run_dir, **query)
     except model_worker.WorkerUnavailable:
-        from traceprop_engine.attribution.model_side.answer import model_answer as answer
+        from traceprop_engine.attribution import model_answer as answer
 
         run, lock = in_process(run_dir)
         with lock:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceprop_engine.attribution.reports import compare
+from traceprop_engine import attribution
 
 from .queries import open_cached, test_side
 
@@ -82,5 +82,5 @@ def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) ->
     a = side_query(side_a[0], side_a[1], top_k, query)
     b = side_query(side_b[0], side_b[1], top_k, query)
     return Comparison(
-        a, b, compare.overlap(a.rows, b.rows, top_k), compare.rank_changes(a.rows, b.rows)
+        a, b, attribution.overlap(a.rows, b.rows, top_k), attribution.rank_changes(a.rows, b.rows)
     )

@@ -8,7 +8,7 @@ import os
 import polars as pl
 import streamlit as st
 
-from traceprop_engine.attribution.reports.distributions import score_histogram
+from traceprop_engine.attribution import score_histogram
 
 from .queries import open_cached
 
@@ -42,7 +42,7 @@ def rank_by(run_dir: str | os.PathLike, by: str, preconditioner: str) -> pl.Data
         TracepropError: the run cannot be opened or lacks what ``by`` needs.
         ConfigError: an unknown ``by``.
     """
-    from traceprop_engine.attribution.reports.outliers import rank_examples
+    from traceprop_engine.attribution import rank_examples
     from traceprop_engine.settings import IndexSettings
 
     run, lock = open_cached(run_dir)

@@ -25,7 +25,7 @@ import os
 import threading
 from pathlib import Path
 
-from traceprop_engine.attribution.model_side.worker import QueryWorker, WorkerUnavailable
+from traceprop_engine.attribution import QueryWorker, WorkerUnavailable
 
 WORKER_NICE = int(os.environ.get("TRACEPROP_WORKER_NICE", "10"))
 """The worker's niceness: its start-up (torch, the model) yields the cores to the server and

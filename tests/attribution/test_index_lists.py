@@ -215,7 +215,7 @@ def _swapped(d: Path) -> None:
 
 
 def test_cli_flag_and_a_damaged_or_foreign_lists_file(tmp_path, caplog):
-    from traceprop_engine.cli.flags import add_index_flags, index_settings
+    from traceprop_engine.flags import add_index_flags, index_settings
 
     p = argparse.ArgumentParser()
     add_index_flags(p)

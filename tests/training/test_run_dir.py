@@ -21,11 +21,11 @@ from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, RunError, Store, StoreError
 from traceprop_engine.cli.main import main
-from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
 from traceprop_engine.store.writer import StoreWriter
 from traceprop_engine.training import run_dir as run_dir_mod
+from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import train
 from traceprop_engine.training.run_dir import LOCK_FILE
 from traceprop_engine.verify import verify_run

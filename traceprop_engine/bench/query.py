@@ -310,8 +310,8 @@ def run_base_vectors(run_dir: str | os.PathLike) -> np.ndarray | None:
     to fit the generator to; ``None`` when there is no such directory."""
     if not Path(run_dir).exists():
         return None
+    from ..attribution import open_run
     from ..attribution.index.run_indexes import VECTORS_FILE
-    from ..attribution.query import open_run
 
     run = open_run(run_dir)
     run.index()

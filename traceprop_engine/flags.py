@@ -51,7 +51,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def add_track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
-    from ..settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings
+    from .settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings
 
     d = field_defaults(TrackSettings)
     p.add_argument(
@@ -119,7 +119,7 @@ def add_track_flags(p) -> None:
 
 def add_sketch_flag(p, help: str | None = None) -> None:
     """--sketch with TrackSettings' default."""
-    from ..settings import SketchKind, TrackSettings
+    from .settings import SketchKind, TrackSettings
 
     d = field_defaults(TrackSettings)
     p.add_argument("--sketch", default=plain(d["sketch"]), choices=choices(SketchKind), help=help)
@@ -127,7 +127,7 @@ def add_sketch_flag(p, help: str | None = None) -> None:
 
 def add_dense_k_flag(p, help: str | None = None) -> None:
     """--dense-k with TrackSettings' default."""
-    from ..settings import TrackSettings
+    from .settings import TrackSettings
 
     p.add_argument(
         "--dense-k", type=int, default=field_defaults(TrackSettings)["dense_k"], help=help
@@ -136,7 +136,7 @@ def add_dense_k_flag(p, help: str | None = None) -> None:
 
 def add_preconditioner_flag(p, help: str | None = None) -> None:
     """--preconditioner with IndexSettings' default."""
-    from ..settings import IndexSettings, PreconditionerKind
+    from .settings import IndexSettings, PreconditionerKind
 
     d = field_defaults(IndexSettings)
     p.add_argument(
@@ -149,7 +149,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 
 def add_index_flags(p) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults."""
-    from ..settings import DEFAULT_DAMPING, IndexKind, IndexSettings
+    from .settings import DEFAULT_DAMPING, IndexKind, IndexSettings
 
     d = field_defaults(IndexSettings)
     add_preconditioner_flag(p, help="H^-1 approximation")
@@ -188,7 +188,7 @@ def add_index_flags(p) -> None:
 
 def index_settings(a):
     """The :class:`IndexSettings` of parsed :func:`add_index_flags` flags."""
-    from ..settings import IndexSettings
+    from .settings import IndexSettings
 
     return IndexSettings(
         preconditioner=a.preconditioner,
