@@ -6,6 +6,7 @@ and nothing below the CLI imports it."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,3 +171,114 @@ def test_nothing_below_the_cli_imports_it():
         or (module == "traceprop_engine" and "cli" in names)
     ]
     assert bad == [], f"the engine and the app must not import the CLI (move it down): {bad}"
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+_PATH = re.compile(r"^[\w./-]+(\.py|\.md|/)$")
+
+
+def _tree_paths(text: str) -> list[str]:
+    """The paths of the tree block of docs/architecture.md (two spaces of indent per level)."""
+    block = next(
+        b for b in re.findall(r"```\n(.*?)```", text, flags=re.S) if "traceprop_engine/\n" in b
+    )
+    parents: list[str] = []
+    out = []
+    for line in block.splitlines():
+        level = (len(line) - len(line.lstrip())) // 2
+        parents = parents[:level]
+        for token in line.split():
+            if not _PATH.match(token):
+                break
+            path = "".join(parents) + token
+            out.append(path)
+            if token.endswith("/"):
+                parents = [*parents, token]
+    return out
+
+
+def _named_paths(text: str) -> list[tuple[list[str], str]]:
+    """``(section directories, path)`` of every inline-code path outside code blocks; a bare
+    file name is looked up under its section's directories (``### `dir/` ``)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    dirs: list[str] = [""]
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            dirs = re.findall(r"`([\w./]+/)`", line) or [""]
+            continue
+        for token in re.findall(r"`([^`\s]+)`", line):
+            if _PATH.match(token) and not token.startswith("RUN/"):
+                out.append((dirs, token))
+    return out
+
+
+def _dotted_names(text: str) -> list[str]:
+    """Inline ``module.name`` references whose first part is an engine module or package."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    engine = REPO / "traceprop_engine"
+    out = []
+    for token in re.findall(r"`([A-Za-z_][\w.]*\.[A-Za-z_]\w*)`", text):
+        head = token.split(".")[0]
+        if token.rsplit(".", 1)[1] in ("py", "md", "json", "jsonl", "h5", "csv", "npy", "npz"):
+            continue  # a file name, not an object
+        if (engine / head).is_dir() or (engine / f"{head}.py").is_file():
+            out.append(token)
+    return out
+
+
+def test_architecture_names_only_paths_that_exist():
+    text = ARCHITECTURE.read_text()
+    tree = _tree_paths(text)
+    assert "traceprop_engine/attribution/score/" in tree and len(tree) > 30
+    missing = [p for p in tree if not (REPO / p).exists()]
+    for dirs, token in _named_paths(text):
+        if "/" in token.rstrip("/"):
+            found = any((REPO / base / token).exists() for base in ("", "traceprop_engine"))
+        else:  # a bare name: under its section's directories, or at the top of the engine
+            found = (
+                any((REPO / d / token).exists() or any((REPO / d).rglob(token)) for d in dirs)
+                or (REPO / "traceprop_engine" / token).exists()
+                or (REPO / token).exists()
+            )
+        if not found:
+            missing.append(f"{token} (under {dirs})")
+    assert missing == [], f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_architecture_names_only_engine_objects_that_exist():
+    import importlib
+
+    missing = []
+    for token in _dotted_names(ARCHITECTURE.read_text()):
+        parts = ["traceprop_engine", *token.split(".")]
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(token)
+            break
+    assert missing == [], f"docs/architecture.md names objects that do not exist: {missing}"
+
+
+def test_the_tree_lists_every_engine_package():
+    tree = set(_tree_paths(ARCHITECTURE.read_text()))
+    packages = {
+        str(p.parent.relative_to(REPO)) + "/" for p in REPO.glob("traceprop_engine/**/__init__.py")
+    }
+    assert packages - tree == set(), f"add these packages to the tree: {packages - tree}"
+
+
+def test_app_services_lists_its_modules():
+    init = REPO / "app" / "services" / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    listed = set(re.findall(r":mod:`services\.(\w+)`", doc))
+    modules = {p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+    assert listed == modules, (
+        f"app/services/__init__.py: list {modules - listed}, drop {listed - modules}"
+    )

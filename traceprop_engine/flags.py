@@ -1,4 +1,6 @@
-"""Flags shared by several command groups, their defaults and choices read from the settings.
+"""The settings as command-line flags: the flags shared by several command groups (the CLI's, and
+the ``traceprop train`` command line of :mod:`traceprop_engine.training.command`), their defaults
+and choices read from the settings.
 
 A default lives in one place, the settings dataclass (``TrackSettings``, ``TrainSettings``,
 ``IndexSettings``); the parser reads it from there, so changing it there changes ``--help`` and
