@@ -228,7 +228,7 @@ class AttributionRun(TestSideMixin):
             ).astype(np.int64)
             cand = cand[cand >= 0]
             prepared = None  # the re-rank computes the query's pullbacks when no lists did
-            if lists:  # the dominant layers' own records propose more (index_lists.py)
+            if lists:  # the dominant layers' own records propose more (index/lists.py)
                 # the query's pullbacks and factored T', shared by the lists and the re-rank
                 prepared = scorer.prepared_lazily(sketches)
                 extra = list_candidates(scorer, sketches, opponents, prepared)
