@@ -2,18 +2,18 @@
 
 This module is the front door: code outside ``attribution/`` (the other engine packages, the
 CLI, the app, benchmarks) imports from here only (``tests/test_layout.py`` checks it). Open a
-run with :func:`open_run` and ask :meth:`AttributionRun.query`; the rest are what a query
-returns, the model's half in a process of its own (:class:`QueryWorker`), and the reports built
-on a run or a result. Every name is imported on first use: ``import traceprop_engine.attribution``
-loads no torch, FAISS or polars, and opening a run and ranking load no torch either (only the
-model's half, ``model_side/``, imports torch).
+run with :func:`open_run` and ask :meth:`AttributionRun.query` (a :class:`Query` or its
+fields); the rest are what a query returns, the model's half in a process of its own
+(:class:`QueryWorker`), and the reports built on a run or a result. Every name is imported on
+first use: ``import traceprop_engine.attribution`` loads no torch, FAISS or polars, and opening
+a run and ranking load no torch either (only the model's half, ``model_side/``, imports torch).
 
 Inside, one sub-package per concept (``docs/architecture.md``): ``precondition/`` (``H^{-1/2}``
 per layer, the index vectors), ``index/`` (FAISS candidates, locked atomic builds, staleness),
 ``score/`` (exact scores from the stored records, the re-rank, the signed ranking),
 ``model_side/`` (the model's half of a query), ``reports/`` (exports, audit trails, comparisons,
 distributions, query-independent rankings), and the facade at the top (``query.py``,
-``result.py``, ``overview.py``).
+``query_input.py``, ``result.py``, ``overview.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ _LAZY = {
     # the facade: open a run, query it, what a query returns
     "open_run": ".query",
     "AttributionRun": ".query",
+    "Query": ".query_input",
     "QueryResult": ".result",
     "TestSide": ".result",
     "ModelAnswer": ".result",
@@ -60,6 +61,7 @@ __all__ = [
     "AttributionRun",
     "IndexSettings",
     "ModelAnswer",
+    "Query",
     "QueryResult",
     "QueryWorker",
     "RankBy",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
     from .model_side.worker import QueryWorker, WorkerUnavailable
     from .overview import RunOverview, describe, example_tokens
     from .query import AttributionRun, open_run
+    from .query_input import Query
     from .reports.audit import audit_rows, audit_trail
     from .reports.compare import overlap, rank_changes
     from .reports.distributions import score_histogram

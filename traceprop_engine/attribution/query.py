@@ -35,6 +35,7 @@ from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
+from .query_input import Query
 from .result import QueryResult, TestSide
 from .score.blas_threads import one_blas_thread
 from .score.ranking import (
@@ -154,25 +155,21 @@ class AttributionRun(TestSideMixin):
     # -- query --------------------------------------------------------------------------------
     def query(
         self,
-        prompt: str | None = None,
+        prompt: Query | str | None = None,
         completion: str | None = None,
         *,
-        eval_example: int | None = None,
-        label: str | None = None,
         top_k: int = 10,
         opponents: bool = True,
         settings: IndexSettings | None = None,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
         test_side: TestSide | None = None,
+        **query,
     ) -> QueryResult:
         """Rank training examples by influence on the query's loss.
 
-        The query is text (``prompt``/``completion``), an example of the run
-        (``eval_example``), or token ids: ``input_ids`` (1-D) with ``labels`` (-100 where no
-        loss is taken, Hugging Face style) or a 0/1 ``loss_mask``; or its :meth:`test_side`,
-        computed already (e.g. by a query worker), in which case no torch is needed here.
+        The query is a :class:`~traceprop_engine.attribution.query_input.Query` or its fields
+        (``prompt``/``completion``, ``eval_example``, ``input_ids`` with ``labels`` or
+        ``loss_mask``, ``label``); or its :meth:`test_side`, computed already (e.g. by a query
+        worker), in which case no torch is needed here.
 
         Raises:
             QueryError: empty prompt, unknown example, bad top_k, bad token ids, text on a run
@@ -182,15 +179,7 @@ class AttributionRun(TestSideMixin):
             raise QueryError(f"top_k must be at least 1, got {top_k}")
         s = settings or IndexSettings()
         t0 = time.perf_counter()
-        ts = test_side or self.test_side(
-            prompt,
-            completion,
-            eval_example=eval_example,
-            label=label,
-            input_ids=input_ids,
-            labels=labels,
-            loss_mask=loss_mask,
-        )
+        ts = test_side or self.test_side(Query.of(prompt, completion, **query))
         encode_ms = ts.elapsed_ms if test_side is not None else 0.0
         rows, sign_notes = self.rank(ts.sketches, s, top_k, opponents)
         index, _, pre = self.index(s)
@@ -298,15 +287,11 @@ class AttributionRun(TestSideMixin):
 
     def scores(
         self,
-        prompt: str | list[str] | None = None,
+        prompt: Query | str | list[str] | None = None,
         completion: str | list[str] | None = None,
         *,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
-        eval_example: int | list[int] | None = None,
-        label: str | list[str] | None = None,
         settings: IndexSettings | None = None,
+        **query,
     ) -> np.ndarray:
         """Scores of every training example, in example-id order (exact: no index search).
 
@@ -323,16 +308,12 @@ class AttributionRun(TestSideMixin):
             raise QueryError(
                 "scores() gives one score per example: use settings with per_record=False"
             )
-        from .model_side.encode import query_batch  # torch: the queries run through the model
-
-        queries, batched = query_batch(
-            prompt, completion, input_ids, labels, loss_mask, eval_example, label
-        )
+        queries, batched = Query.of(prompt, completion, **query).split()
         _, ids, _ = self.index(s)
         n = max(self.examples().height, int(ids.max()) + 1 if len(ids) else 0)
         out = np.zeros((len(queries), n), np.float64)
-        for qi, kw in enumerate(queries):
-            enc, _, _ = self.encode(**kw)
+        for qi, one in enumerate(queries):
+            enc, _, _ = self.encode(one)  # torch: the queries run through the model
             sk, _ = self.query_sketches(enc)
             out[qi, ids] = self.all_scores(sk, s)
         return out if batched else out[0]
@@ -352,14 +333,7 @@ class AttributionRun(TestSideMixin):
         s = settings or IndexSettings()
         sk = result.sketches
         if sk is None:  # a result rebuilt from its description (e.g. an audit trail)
-            enc, _, _ = self.encode(
-                result.query.get("prompt"),
-                result.query.get("completion"),
-                eval_example=result.query.get("eval_example"),
-                label=result.query.get("label"),
-                input_ids=result.query.get("input_ids"),
-                loss_mask=result.query.get("loss_mask"),
-            )
+            enc, _, _ = self.encode(Query.from_description(result.query))
             sk, _ = self.query_sketches(enc)
         _, ids, _ = self.index(s)
         scores = self.all_scores(sk, s)
