@@ -323,8 +323,9 @@ INDEX_SIDE = 16
 """m of the m × m index projection of layers with larger sketches (IndexSettings.index_side):
 the top-m principal directions of each side of a layer's records, m² numbers per layer, then
 reduced to ``INDEX_DIMS`` for all layers together. Its scores only pick candidates: every
-returned score is recomputed exactly from the store (:mod:`traceprop_engine.attribution.score.scoring`).
-On a real run of 10⁵ examples, m = 16 put the true top 10 within 4000 candidates for 1.00 /
+returned score is recomputed exactly from the store
+(:mod:`traceprop_engine.attribution.score.scoring`). On a real run of 10⁵ examples, m = 16 put the
+true top 10 within 4000 candidates for 1.00 /
 0.98 of proponents / opponents, m = 8 for 0.99 / 0.93 (benchmarks/README.md §2b)."""
 INDEX_DIMS = 256
 """Index vectors are reduced to their top principal directions over all layers

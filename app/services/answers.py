@@ -9,8 +9,8 @@ from .queries import in_process
 
 
 def model_answer(run_dir: str | os.PathLike, **query):
-    """:func:`traceprop_engine.attribution.model_side.answer.model_answer` on the run's model: in the query
-    worker, or here under the cached run's lock when there is none.
+    """:func:`traceprop_engine.attribution.model_side.answer.model_answer` on the run's model: in
+    the query worker, or here under the cached run's lock when there is none.
 
     ``query``: ``prompt``, ``completion``, ``eval_example``, ``label`` as for a query.
 

@@ -36,7 +36,8 @@ def all_scores(run_dir: str | os.PathLike, result, preconditioner: str) -> pl.Da
 
 
 def rank_by(run_dir: str | os.PathLike, by: str, preconditioner: str) -> pl.DataFrame:
-    """:func:`~traceprop_engine.attribution.reports.outliers.rank_examples` of a run (``traceprop rank``).
+    """:func:`~traceprop_engine.attribution.reports.outliers.rank_examples` of a run
+    (``traceprop rank``).
 
     Raises:
         TracepropError: the run cannot be opened or lacks what ``by`` needs.

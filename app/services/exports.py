@@ -25,10 +25,13 @@ def shown_rows(result) -> pl.DataFrame:
 
 def export_bytes(result, fmt: str, rows: pl.DataFrame | None = None) -> bytes:
     """CSV or JSON bytes of the shown influencer rows (or of ``rows``, e.g. those found), with
-    the query they answer recorded inside (:func:`~traceprop_engine.attribution.reports.export.export_with_query`)."""
+    the query they answer recorded inside
+    (:func:`~traceprop_engine.attribution.reports.export.export_with_query`)."""
     from traceprop_engine import attribution
 
-    return attribution.export_with_query(shown_rows(result) if rows is None else rows, result.query, fmt)
+    return attribution.export_with_query(
+        shown_rows(result) if rows is None else rows, result.query, fmt
+    )
 
 
 def audit_bytes(run_dir: str | os.PathLike, result) -> tuple[bytes, bytes, dict]:

@@ -1,5 +1,5 @@
-"""The query worker (attribution/model_side/worker.py): a real process holding the run's model, against
-the same work done in this process."""
+"""The query worker (attribution/model_side/worker.py): a real process holding the run's model,
+against the same work done in this process."""
 
 from __future__ import annotations
 

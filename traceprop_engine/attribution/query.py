@@ -59,8 +59,8 @@ class AttributionRun(TestSideMixin):
 
     The facade the CLI and the app share; the work is done by the run's
     :class:`~traceprop_engine.attribution.index.run_indexes.RunIndexes` (training side: indexes and
-    exact scorers) and :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` (test side:
-    the saved model and the query's sketches), and ranked by
+    exact scorers) and :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` (test
+    side: the saved model and the query's sketches), and ranked by
     :mod:`traceprop_engine.attribution.score.ranking`.
 
     Raises:

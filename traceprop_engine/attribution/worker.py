@@ -1,5 +1,6 @@
 """Deprecated path of the query worker, kept for one release: import :class:`QueryWorker` from
-:mod:`traceprop_engine.attribution` (it lives in :mod:`traceprop_engine.attribution.model_side.worker`)."""
+:mod:`traceprop_engine.attribution` (it lives in
+:mod:`traceprop_engine.attribution.model_side.worker`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Query-latency benchmark of the FAISS index on vectors that look like preconditioned sketches.
 
 :func:`run_query_bench` builds each index kind at each size through the product path
-(:func:`traceprop_engine.attribution.index.build.build_index`, including nprobe tuning), then times single
-queries (batch of 1, like an interactive query) one by one, and measures recall@10 against the
-exact answer (streamed numpy brute force) on a subset of the queries.
+(:func:`traceprop_engine.attribution.index.build.build_index`, including nprobe tuning), then times
+single queries (batch of 1, like an interactive query) one by one, and measures recall@10 against
+the exact answer (streamed numpy brute force) on a subset of the queries.
 
 Vectors come from a low-rank-plus-noise generator (:class:`SketchGenerator`): fitted to real
 preconditioned sketches when ``base_vectors`` is given (mean + top-r PCA + per-dimension

@@ -4,8 +4,8 @@ eval set.
 
 Rows of the retrain are matched to the original's by lineage: the cleaned copy left out some
 rows, so a kept row's number in the copy is mapped back to its number in the source file
-(:func:`source_row`) before :mod:`~traceprop_engine.attribution.reports.compare` matches ``source:row``.
-Saved as ``DATA_DIR/proof.json``.
+(:func:`source_row`) before :mod:`~traceprop_engine.attribution.reports.compare` matches
+``source:row``. Saved as ``DATA_DIR/proof.json``.
 """
 
 from __future__ import annotations

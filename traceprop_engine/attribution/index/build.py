@@ -1,4 +1,5 @@
-"""Building a :class:`~traceprop_engine.attribution.index.vector_index.VectorIndex` by streaming vectors.
+"""Building a :class:`~traceprop_engine.attribution.index.vector_index.VectorIndex` by streaming
+vectors.
 
 One pass samples the vectors to train the IVF quantiser (and finds the MIPS-to-L2 radius), a
 second adds them while accumulating the exact answers of the calibration queries, which then

@@ -1,12 +1,13 @@
 """The persisted indexes of one run: build, load, staleness, and what each query reuses.
 
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
-(:mod:`traceprop_engine.attribution.precondition.vectors`), their example ids, the exact row norms, a
-memory-mapped copy of the records for the re-rank (:mod:`~traceprop_engine.attribution.score.record_cache`), on large runs the
-factor lists of the layers holding most of the energy (:mod:`~traceprop_engine.attribution.index.lists`), the FAISS index and
-``index.json``, which records the digest of every file. Its fingerprint (the
-store's fingerprint + the settings) makes an index built from other records stale; a stale,
-half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index.files`).
+(:mod:`traceprop_engine.attribution.precondition.vectors`), their example ids, the exact row norms,
+a memory-mapped copy of the records for the re-rank
+(:mod:`~traceprop_engine.attribution.score.record_cache`), on large runs the factor lists of the
+layers holding most of the energy (:mod:`~traceprop_engine.attribution.index.lists`), the FAISS
+index and ``index.json``, which records the digest of every file. Its fingerprint (the store's
+fingerprint + the settings) makes an index built from other records stale; a stale, half-written or
+damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index.files`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ LAYER_NORMS_FILE = "layer_norms.npy"  # the same per row and layer, float32 roun
 BUILD_FILE = "build.json"
 BUILD_FORMAT = 3
 """What a build writes, recorded in ``build.json`` (absent: 1). 2: the rows' per-layer norms
-(the layer-by-layer re-rank, :mod:`~traceprop_engine.attribution.score.rerank`) and the index projection split by energy. 3: the
-factor lists of large runs (:mod:`~traceprop_engine.attribution.index.lists`). An index of an older format still answers
-exactly (its vectors only pick candidates) and is reused; its queries get
-:data:`OLD_BUILD_NOTE` (a format-2 index only where this release would have built lists)."""
+(the layer-by-layer re-rank, :mod:`~traceprop_engine.attribution.score.rerank`) and the index
+projection split by energy. 3: the factor lists of large runs
+(:mod:`~traceprop_engine.attribution.index.lists`). An index of an older format still answers
+exactly (its vectors only pick candidates) and is reused; its queries get :data:`OLD_BUILD_NOTE` (a
+format-2 index only where this release would have built lists)."""
 OLD_BUILD_NOTE = (
     "this index was built by an earlier version of Traceprop: every score is still exact, but "
     "rebuilding it (`traceprop index RUN --rebuild` with the same settings) makes queries "
@@ -275,8 +277,9 @@ class RunIndexes:
         return index
 
     def _build_lists(self, s: IndexSettings, scorer, layer_norms, out: Path, progress) -> tuple:
-        """The factor lists of a build (:mod:`~traceprop_engine.attribution.index.lists`), when ``s`` and the run want them:
-        written into ``out`` and given to ``scorer``; returns their file names."""
+        """The factor lists of a build (:mod:`~traceprop_engine.attribution.index.lists`), when
+        ``s`` and the run want them: written into ``out`` and given to ``scorer``; returns their
+        file names."""
         layers = list_layers(layer_norms, [i.rank == 1 for i in self.store.layers])
         if not layers or not wants_lists(s.lists, scorer.n_rows):
             return ()
@@ -368,7 +371,8 @@ class RunIndexes:
     def row_layer_sq_norms(self, s: IndexSettings) -> np.ndarray | None:
         """Exact ``‖H_l^{-1/2} x_{i,l}‖²`` per index row and layer, float32 rounded up
         (memory-mapped), or None for an index built without them (too large to compute exactly,
-        or built before they were kept): the bounds of :mod:`~traceprop_engine.attribution.score.rerank`."""
+        or built before they were kept): the bounds of
+        :mod:`~traceprop_engine.attribution.score.rerank`."""
         scorer = self.scorer(s)
         if scorer.layer_sq_norms is None:
             path = self.dir(s) / LAYER_NORMS_FILE

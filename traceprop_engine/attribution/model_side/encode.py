@@ -159,7 +159,11 @@ class QueryEncoder:
 
     # -- tokens ---------------------------------------------------------------------------------
     def encode(self, query: Query):
-        """Tokens of ``query`` as training saw them; returns ``(Encoded, query description, notes)``."""
+        """Tokens of ``query`` as training saw them.
+
+        Returns:
+            ``(Encoded, query description, notes)``.
+        """
         loaded = self.model()
         if query.input_ids is not None:
             enc = self._encode_ids(

@@ -2,9 +2,10 @@
 
 :class:`TestSideMixin` gives :class:`~traceprop_engine.attribution.query.AttributionRun` the
 methods that need torch (the model, the query's tokens, its backward with the capture hooks),
-through a :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` made on first use: opening a
-run, its examples, its index and the ranking of given sketches import no torch, so an app can
-leave the model to another process (:mod:`~traceprop_engine.attribution.model_side.worker`) and rank here.
+through a :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` made on first use:
+opening a run, its examples, its index and the ranking of given sketches import no torch, so an app
+can leave the model to another process (:mod:`~traceprop_engine.attribution.model_side.worker`) and
+rank here.
 """
 
 from __future__ import annotations

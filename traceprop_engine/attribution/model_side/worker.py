@@ -4,8 +4,8 @@ A query has two halves. The test side (the query's tokens through the run's fina
 backward with the capture hooks: :meth:`AttributionRun.test_side`) needs torch and transformers,
 whose imports and the model's load take several seconds of one core; the ranking (index search,
 exact re-rank, example scores) needs only numpy, FAISS and the store. :class:`QueryWorker`
-starts ``python -m traceprop_engine.attribution.model_side.worker`` and sends it the model's half: the
-caller's process never imports torch, and the worker's imports run on another core from the
+starts ``python -m traceprop_engine.attribution.model_side.worker`` and sends it the model's half:
+the caller's process never imports torch, and the worker's imports run on another core from the
 start instead of sharing the caller's interpreter lock (the app's first page and first query,
 ``app/services/model_worker.py``).
 
@@ -23,8 +23,8 @@ arriving later finds them done.
 
 Ops: ``test_side`` (:class:`~traceprop_engine.attribution.result.TestSide`), ``model_answer``
 (:class:`~traceprop_engine.attribution.model_side.answer.ModelAnswer`), ``token_contributions``
-(:class:`~traceprop_engine.attribution.model_side.tokens.TokenContributions`), ``decode`` (token ids to
-text pieces with the run's tokenizer, or None without one) and ``warm`` (the model, its tokenizer
+(:class:`~traceprop_engine.attribution.model_side.tokens.TokenContributions`), ``decode`` (token ids
+to text pieces with the run's tokenizer, or None without one) and ``warm`` (the model, its tokenizer
 and one query's backward, so the first real query pays none of it).
 """
 

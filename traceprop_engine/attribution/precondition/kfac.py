@@ -1,7 +1,8 @@
 """Fitting one layer's ``H^{-1/2}`` from its K-FAC statistics: identity, K-FAC, EK-FAC, dense.
 
-The kinds and their formulas are described in :mod:`traceprop_engine.attribution.precondition.preconditioner`;
-:func:`fit_layer` checks the statistics, then dispatches to one named step per kind.
+The kinds and their formulas are described in
+:mod:`traceprop_engine.attribution.precondition.preconditioner`; :func:`fit_layer` checks the
+statistics, then dispatches to one named step per kind.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One layer's preconditioner and what fits it: :class:`LayerPreconditioner` (``apply`` /
 ``pullback`` of one layer's ``H^{-1/2}``, saved as plain arrays), :class:`LayerStats` (a layer's
 K-FAC sums and record moments, as the store gives them), :class:`EkfacMoments`, and the checks of a
-kind and a damping. The kinds and formulas: :mod:`~traceprop_engine.attribution.precondition.preconditioner`."""
+kind and a damping. The kinds and formulas:
+:mod:`~traceprop_engine.attribution.precondition.preconditioner`."""
 
 from __future__ import annotations
 
@@ -179,7 +180,8 @@ class LayerPreconditioner:
 
         ``T' = leftᵀ ((left T right) ⊙ scale²) rightᵀ`` — for K-FAC (symmetric factors)
         ``L² T R²``, i.e. ``H⁻¹ T``. Scoring unpreconditioned (e.g. low-rank factored) training
-        sketches against ``T'`` needs no per-record preconditioning (:mod:`traceprop_engine.attribution.score.factor_scores`).
+        sketches against ``T'`` needs no per-record preconditioning
+        (:mod:`traceprop_engine.attribution.score.factor_scores`).
 
         Args:
             test_sketches: (q, *shape) test-side sketches of this layer.

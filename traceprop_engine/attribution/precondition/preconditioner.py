@@ -104,7 +104,8 @@ class Preconditioner:
         damping: float | None = None,
         index_side: int = 0,
     ) -> Preconditioner:
-        """Fit every layer with the same kind and damping (see :func:`~traceprop_engine.attribution.precondition.kfac.fit_layer`).
+        """Fit every layer with the same kind and damping (see
+        :func:`~traceprop_engine.attribution.precondition.kfac.fit_layer`).
 
         ``index_side = m > 0`` adds an ``m × m`` index projection to every factored layer whose
         sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the
