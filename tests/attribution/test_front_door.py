@@ -3,7 +3,6 @@ name is used, and the import paths the README used to show keep working for one 
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 import warnings
@@ -43,13 +42,16 @@ def test_front_door_names_are_the_owners_objects():
         attribution.nothing  # noqa: B018
 
 
-def test_old_worker_path_warns_and_gives_the_same_class():
-    sys.modules.pop("traceprop_engine.attribution.worker", None)
+def test_old_worker_path_warns_at_the_importing_line_and_gives_the_same_class():
     with pytest.warns(
         DeprecationWarning, match="import QueryWorker from traceprop_engine.attribution"
-    ):
-        old = importlib.import_module("traceprop_engine.attribution.worker")
-    assert old.QueryWorker is attribution.QueryWorker
+    ) as w:
+        from traceprop_engine.attribution.worker import QueryWorker
+    assert w[0].filename == __file__  # the warning points at the import, not at importlib
+    assert QueryWorker is attribution.QueryWorker
+    with pytest.warns(DeprecationWarning, match="import WorkerUnavailable"):
+        from traceprop_engine.attribution.worker import WorkerUnavailable
+    assert WorkerUnavailable is attribution.WorkerUnavailable
 
 
 def test_the_query_module_path_still_gives_open_run_without_a_warning():

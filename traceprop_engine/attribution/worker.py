@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import warnings
 
-from .model_side.worker import QueryWorker, WorkerUnavailable
+_MOVED = ("QueryWorker", "WorkerUnavailable")  # to traceprop_engine.attribution
 
-__all__ = ["QueryWorker", "WorkerUnavailable"]
 
-warnings.warn(
-    "traceprop_engine.attribution.worker is deprecated: import QueryWorker from "
-    "traceprop_engine.attribution",
-    DeprecationWarning,
-    stacklevel=2,
-)
+def __getattr__(name: str):
+    if name in _MOVED:
+        warnings.warn(
+            f"traceprop_engine.attribution.worker is deprecated: import {name} from "
+            "traceprop_engine.attribution",
+            DeprecationWarning,
+            stacklevel=2,  # the line that imports it
+        )
+        from .model_side import worker
+
+        return getattr(worker, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
