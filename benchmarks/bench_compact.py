@@ -15,9 +15,9 @@ from scipy.stats import spearmanr
 
 torch.set_num_threads(1)
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.factor_scores import factor_scores, sketch_scores
-from traceprop_engine.attribution.query import open_run
-from traceprop_engine.attribution.woodbury import fit_woodbury
+from traceprop_engine.attribution import open_run
+from traceprop_engine.attribution.precondition.woodbury import fit_woodbury
+from traceprop_engine.attribution.score.factor_scores import factor_scores, sketch_scores
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings
 from traceprop_engine.store.compact import compact_store

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.attribution import ranking
-from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution import AttributionRun
+from traceprop_engine.attribution.score import ranking
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.query import open_run
+from traceprop_engine.attribution import open_run
 from traceprop_engine.evaluate.lds_report import lds_scores, summarize
 from traceprop_engine.settings import IndexSettings
 

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.attribution import index_lists, ranking
-from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution import AttributionRun
+from traceprop_engine.attribution.index import lists as index_lists
+from traceprop_engine.attribution.score import ranking
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.samples.templates import SYLLABLES, TOPICS
 from traceprop_engine.settings import IndexSettings

@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-from traceprop_engine.attribution import factor_scores, scoring
-from traceprop_engine.attribution.factor_scores import LowRankTest
-from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution import AttributionRun
+from traceprop_engine.attribution.score import factor_scores, scoring
+from traceprop_engine.attribution.score.factor_scores import LowRankTest
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.format import decode_factors

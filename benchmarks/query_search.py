@@ -22,9 +22,9 @@ import time
 
 import numpy as np
 
-from traceprop_engine.attribution.index import SearchResult
-from traceprop_engine.attribution.query import AttributionRun
-from traceprop_engine.attribution.ranking import n_candidates
+from traceprop_engine.attribution import AttributionRun
+from traceprop_engine.attribution.index.vector_index import SearchResult
+from traceprop_engine.attribution.score.ranking import n_candidates
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 

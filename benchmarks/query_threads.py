@@ -5,7 +5,7 @@
 Times ``AttributionRun.rank`` (candidate search + exact re-rank of the default candidates, the
 query's forward/backward excluded) for ``--queries`` held-out questions of the run, alternating
 two arms in every repeat: ``one`` (the engine as it is: the re-rank under
-:func:`~traceprop_engine.attribution.blas_threads.one_blas_thread`) and ``default`` (the same
+:func:`~traceprop_engine.attribution.score.blas_threads.one_blas_thread`) and ``default`` (the same
 calls with BLAS left at its default thread count). ``--load`` starts a busy process on one core
 for the whole measurement, like a training job started from the app. Prints each arm's median of
 the per-repeat p50 and their ratio; the rankings of both arms are checked to be identical.
@@ -21,8 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from traceprop_engine.attribution import AttributionRun
 from traceprop_engine.attribution import query as query_mod
-from traceprop_engine.attribution.query import AttributionRun
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 

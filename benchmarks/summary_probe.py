@@ -29,9 +29,9 @@ import faiss
 import numpy as np
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.index_projection import side_moments
-from traceprop_engine.attribution.query import AttributionRun
-from traceprop_engine.attribution.record_cache import RecordCache
+from traceprop_engine.attribution import AttributionRun
+from traceprop_engine.attribution.index.projection import side_moments
+from traceprop_engine.attribution.score.record_cache import RecordCache
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 

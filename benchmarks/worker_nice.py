@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from traceprop_engine.attribution.worker import QueryWorker
+from traceprop_engine.attribution import QueryWorker
 
 RUN = Path(__file__).resolve().parents[1] / "sample_runs" / "facts"
 
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--json", help="write the result here")
     a = p.parse_args(argv)
-    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.attribution import open_run
 
     evals = [int(e) for e in open_run(RUN).eval_examples()["example_id"].to_list()[:4]]
     out = {}

@@ -383,3 +383,66 @@ def write_factor_store(
     w.write_covariance(cov)
     w.close(C.STATUS_COMPLETED)
     return Store(path)
+
+
+# a synthetic store (compact storage, Woodbury): 3 layers, no model
+SYNTHETIC_SHAPES = [(6, 4), (5, 5), (3, 7)]  # (k_out, k_in) per layer: tall, square, wide
+_SYN_EXAMPLES, _SYN_EPOCHS = 23, 2
+
+
+def write_synthetic_store(path, seed=0, sketch="factored"):
+    """A synthetic store: 3 layers, 23 examples seen twice with varying lr, K-FAC statistics."""
+    from types import SimpleNamespace
+
+    from traceprop_engine import constants as C
+    from traceprop_engine.store.format import Covariance
+    from traceprop_engine.store.writer import StoreWriter
+
+    rng = np.random.default_rng(seed)
+    layers = [
+        SimpleNamespace(
+            name=f"blk.{i}",
+            kind="linear",
+            d_in=16,
+            d_out=16,
+            k_in=ki,
+            k_out=ko,
+            P_in=None,
+            P_out=None,
+            record_shape=(ko, ki) if sketch == "factored" else (ko * ki,),
+        )
+        for i, (ko, ki) in enumerate(SYNTHETIC_SHAPES)
+    ]
+    w = StoreWriter(path, layers, {"run_id": f"synthetic-{seed}"}, sketch)
+    ex = np.concatenate([rng.permutation(_SYN_EXAMPLES) for _ in range(_SYN_EPOCHS)])
+    n = len(ex)
+    # low-rank-ish sketches (decaying spectra), as per-example gradients are
+    sk = []
+    for ko, ki in SYNTHETIC_SHAPES:
+        m = min(ko, ki)
+        x = np.einsum(
+            "nkc,c,nlc->nkl",
+            rng.normal(size=(n, ko, m)),
+            0.5 ** np.arange(m),
+            rng.normal(size=(n, ki, m)),
+        )
+        sk.append(
+            x.astype(np.float32) if sketch == "factored" else x.reshape(n, -1).astype(np.float32)
+        )
+    meta = {
+        C.REC_EXAMPLE: ex,
+        C.REC_STEP: np.arange(n) // 4,
+        C.REC_EPOCH: np.arange(n) // _SYN_EXAMPLES,
+        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
+        C.REC_LOSS: rng.random(n).astype(np.float32),
+    }
+    for s0 in range(0, n, 10):  # several chunks, like the tracker's flushes
+        w.append([x[s0 : s0 + 10] for x in sk], {k: v[s0 : s0 + 10] for k, v in meta.items()})
+    cov = []
+    for ko, ki in SYNTHETIC_SHAPES:
+        a, g = rng.normal(size=(300, ki)) * np.linspace(0.3, 2, ki), rng.normal(size=(300, ko))
+        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
+    if sketch == "factored":
+        w.write_covariance(cov)
+    w.close(C.STATUS_COMPLETED)
+    return path

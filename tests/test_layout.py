@@ -1,10 +1,12 @@
 """The layout rules of docs/architecture.md, checked on every run: modules stay small enough to
-read, functions short unless a comment says why, and the app's pages reach the engine only
-through ``app/services`` (errors excepted)."""
+read, functions short unless a comment says why, the app's pages reach the engine only through
+``app/services`` (errors excepted), code outside ``attribution/`` imports only its front door,
+and nothing below the CLI imports it."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -12,6 +14,26 @@ SOURCES = sorted([*REPO.glob("traceprop_engine/**/*.py"), *REPO.glob("app/**/*.p
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80  # statements after the docstring
 LONG_REASON = "# long:"  # on the line above a longer function: why it stays whole
+ATTRIBUTION = "traceprop_engine.attribution"
+# the code that imports attribution/ from outside: the other engine packages, the CLI, the app,
+# the benchmarks (tests may import deeper)
+OUTSIDE = sorted(
+    p
+    for p in [*SOURCES, *REPO.glob("benchmarks/**/*.py")]
+    if not p.is_relative_to(REPO / "traceprop_engine" / "attribution")
+)
+# benchmarks that time or patch attribution's internals, so reach past the front door: what for
+PROBES = {
+    "benchmarks/bench_compact.py": "the Woodbury preconditioner and scores from stored factors",
+    "benchmarks/candidates.py": "patches the ranking's candidate counts",
+    "benchmarks/query_real_run.py": "patches the factor lists' and the ranking's candidate counts",
+    "benchmarks/query_rerank.py": "times the exact scorer's and the low-rank test's routes",
+    "benchmarks/query_search.py": "times the FAISS search alone",
+    "benchmarks/query_threads.py": "patches the query's BLAS thread limit",
+    "benchmarks/summary_probe.py": "the index projection's moments and the record cache",
+    "traceprop_engine/bench/query.py": "times FAISS index builds on synthetic vectors",
+    "traceprop_engine/bench/query_e2e.py": "gives an index built before them its layer norms",
+}
 
 
 def _long_functions(path: Path) -> list[str]:
@@ -67,3 +89,196 @@ def test_app_pages_reach_the_engine_through_services():
                 )
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("traceprop_engine") for a in node.names), page
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """``(line, module, names)`` of every import in ``path``, relative ones resolved."""
+    pkg = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            yield node.lineno, base, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, []
+
+
+def _past_the_front_door(path: Path) -> list[str]:
+    from traceprop_engine import attribution
+
+    front = set(attribution.__all__)
+    out = []
+    for line, module, names in _imports(path):
+        if module == "traceprop_engine" and "attribution" in names:
+            continue  # `from traceprop_engine import attribution`
+        if module == ATTRIBUTION and (not names or set(names) <= front):
+            continue
+        if module == ATTRIBUTION or module.startswith(ATTRIBUTION + "."):
+            out.append(f"{path.relative_to(REPO)}:{line} {module} {names}")
+    return out
+
+
+def test_outside_code_imports_only_the_attribution_front_door():
+    assert any(p.name == "queries.py" for p in OUTSIDE)
+    assert any(p.parts[-2] == "benchmarks" for p in OUTSIDE)
+    bad = [
+        hit
+        for p in OUTSIDE
+        if str(p.relative_to(REPO)) not in PROBES
+        for hit in _past_the_front_door(p)
+    ]
+    assert bad == [], (
+        "import these from traceprop_engine.attribution (add a name to its front door, "
+        f"attribution/__init__.py, if it belongs there) or move the code inside: {bad}"
+    )
+
+
+def test_every_listed_probe_reaches_inside():
+    """PROBES names benchmarks only, and each still needs its exception."""
+    for name in PROBES:
+        path = REPO / name
+        assert name.startswith(("benchmarks/", "traceprop_engine/bench/")), name
+        assert _past_the_front_door(path), (
+            f"{name} imports only the front door: drop it from PROBES"
+        )
+
+
+def test_the_front_door_names_what_it_loads():
+    from traceprop_engine import attribution
+
+    assert attribution.__all__ == sorted(attribution._LAZY)
+    for name in attribution.__all__:
+        assert getattr(attribution, name) is not None, name
+
+
+def test_nothing_below_the_cli_imports_it():
+    cli = REPO / "traceprop_engine" / "cli"
+    bad = [
+        f"{p.relative_to(REPO)}:{line} {module}"
+        for p in [*SOURCES, *REPO.glob("benchmarks/**/*.py")]
+        if not p.is_relative_to(cli) and p != REPO / "traceprop_engine" / "__main__.py"
+        for line, module, names in _imports(p)
+        if module == "traceprop_engine.cli"
+        or module.startswith("traceprop_engine.cli.")
+        or (module == "traceprop_engine" and "cli" in names)
+    ]
+    assert bad == [], f"the engine and the app must not import the CLI (move it down): {bad}"
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+_PATH = re.compile(r"^[\w./-]+(\.py|\.md|/)$")
+
+
+def _tree_paths(text: str) -> list[str]:
+    """The paths of the tree block of docs/architecture.md (two spaces of indent per level)."""
+    block = next(
+        b for b in re.findall(r"```\n(.*?)```", text, flags=re.S) if "traceprop_engine/\n" in b
+    )
+    parents: list[str] = []
+    out = []
+    for line in block.splitlines():
+        level = (len(line) - len(line.lstrip())) // 2
+        parents = parents[:level]
+        for token in line.split():
+            if not _PATH.match(token):
+                break
+            path = "".join(parents) + token
+            out.append(path)
+            if token.endswith("/"):
+                parents = [*parents, token]
+    return out
+
+
+def _named_paths(text: str) -> list[tuple[list[str], str]]:
+    """``(section directories, path)`` of every inline-code path outside code blocks; a bare
+    file name is looked up under its section's directories (``### `dir/` ``)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    dirs: list[str] = [""]
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            dirs = re.findall(r"`([\w./]+/)`", line) or [""]
+            continue
+        for token in re.findall(r"`([^`\s]+)`", line):
+            if _PATH.match(token) and not token.startswith("RUN/"):
+                out.append((dirs, token))
+    return out
+
+
+def _dotted_names(text: str) -> list[str]:
+    """Inline ``module.name`` references whose first part is an engine module or package."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    engine = REPO / "traceprop_engine"
+    out = []
+    for token in re.findall(r"`([A-Za-z_][\w.]*\.[A-Za-z_]\w*)`", text):
+        head = token.split(".")[0]
+        if token.rsplit(".", 1)[1] in ("py", "md", "json", "jsonl", "h5", "csv", "npy", "npz"):
+            continue  # a file name, not an object
+        if (engine / head).is_dir() or (engine / f"{head}.py").is_file():
+            out.append(token)
+    return out
+
+
+def test_architecture_names_only_paths_that_exist():
+    text = ARCHITECTURE.read_text()
+    tree = _tree_paths(text)
+    assert "traceprop_engine/attribution/score/" in tree and len(tree) > 30
+    missing = [p for p in tree if not (REPO / p).exists()]
+    for dirs, token in _named_paths(text):
+        if "/" in token.rstrip("/"):
+            found = any((REPO / base / token).exists() for base in ("", "traceprop_engine"))
+        else:  # a bare name: under its section's directories, or at the top of the engine
+            found = (
+                any((REPO / d / token).exists() or any((REPO / d).rglob(token)) for d in dirs)
+                or (REPO / "traceprop_engine" / token).exists()
+                or (REPO / token).exists()
+            )
+        if not found:
+            missing.append(f"{token} (under {dirs})")
+    assert missing == [], f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_architecture_names_only_engine_objects_that_exist():
+    import importlib
+
+    missing = []
+    for token in _dotted_names(ARCHITECTURE.read_text()):
+        parts = ["traceprop_engine", *token.split(".")]
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(token)
+            break
+    assert missing == [], f"docs/architecture.md names objects that do not exist: {missing}"
+
+
+def test_the_tree_lists_every_engine_package():
+    tree = set(_tree_paths(ARCHITECTURE.read_text()))
+    packages = {
+        str(p.parent.relative_to(REPO)) + "/" for p in REPO.glob("traceprop_engine/**/__init__.py")
+    }
+    assert packages - tree == set(), f"add these packages to the tree: {packages - tree}"
+
+
+def test_app_services_lists_its_modules():
+    init = REPO / "app" / "services" / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    listed = set(re.findall(r":mod:`services\.(\w+)`", doc))
+    modules = {p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+    assert listed == modules, (
+        f"app/services/__init__.py: list {modules - listed}, drop {listed - modules}"
+    )

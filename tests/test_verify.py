@@ -80,8 +80,8 @@ def test_flipped_bytes_after_the_index_was_built_never_reach_an_answer(
     against index.json's digests on load): the same scores as before the damage. A small store
     has no copy: the query reads the store and stops with "damaged". Never damaged numbers.
     `verify` and `index --rebuild` stop with "damaged"."""
-    from traceprop_engine.attribution import record_cache
     from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.attribution.score import record_cache
 
     monkeypatch.setattr(record_cache, "MIN_RECORDS", 0 if cached else 10**9)
     first = open_run(run)
@@ -302,8 +302,8 @@ def test_a_swapped_model_is_refused_and_trails_name_the_loaded_model(run, monkey
     from safetensors.torch import load_file, save_file
 
     from traceprop_engine import ModelMismatchError
-    from traceprop_engine.attribution.audit import audit_trail
     from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.attribution.reports.audit import audit_trail
     from traceprop_engine.training import fingerprint
     from traceprop_engine.training.fingerprint import model_fingerprint
 

@@ -16,9 +16,9 @@ from .settings import SketchKind, Task, TrackSettings, TrainSettings
 
 __version__ = "0.1.0"
 
-# Tracker and Store pull torch / h5py: imported on first use, so that `import traceprop_engine.x`
-# (the app's pages, `traceprop runs`) starts without loading torch.
-_LAZY = {"Tracker": ".capture.tracker", "Store": ".store.reader"}
+# Tracker and Store pull torch / h5py, open_run FAISS: imported on first use, so that
+# `import traceprop_engine.x` (the app's pages, `traceprop runs`) starts without loading torch.
+_LAZY = {"Tracker": ".capture.tracker", "Store": ".store.reader", "open_run": ".attribution"}
 
 
 def __getattr__(name: str):
@@ -49,4 +49,5 @@ __all__ = [
     "Tracker",
     "TracepropError",
     "__version__",
+    "open_run",
 ]

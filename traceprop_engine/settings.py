@@ -326,7 +326,7 @@ class TrainSettings:
 
 class PreconditionerKind(str, Enum):
     """Which approximation of the Fisher/Gauss-Newton ``H`` to invert
-    (:mod:`traceprop_engine.attribution.precondition`)."""
+    (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
 
     IDENTITY = "identity"
     KFAC = "kfac"
@@ -334,7 +334,7 @@ class PreconditionerKind(str, Enum):
 
 
 class IndexKind(str, Enum):
-    """Which FAISS index to build (:mod:`traceprop_engine.attribution.index`)."""
+    """Which FAISS index to build (:mod:`traceprop_engine.attribution.index.vector_index`)."""
 
     AUTO = "auto"
     FLAT = "flat"
@@ -350,6 +350,10 @@ scores only pick candidates: every returned score is recomputed exactly from the
 INDEX_DIMS = 256
 """Index vectors are reduced to their top principal directions over all layers
 (IndexSettings.index_dims; 0: no reduction): 1 KB per example whatever the model."""
+
+
+DEFAULT_DAMPING = 0.1
+"""Damping as a fraction of each factor's mean eigenvalue (a common heuristic; overridable)."""
 
 
 @document_fields

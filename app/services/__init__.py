@@ -9,12 +9,23 @@ One module per concern, each importable on its own (``from services import jobs`
 
 - :mod:`services.config`: where the app reads and writes, path safety, uploads, sample data
 - :mod:`services.runs`: run listings and summaries, the active run, bench and LDS results
+- :mod:`services.run_story`: the Runs page's story of one run (loss curve, configuration, bytes
+  per example, measured quality, the Launch form prefilled)
 - :mod:`services.launch`: the Launch form's spec and the measured tracking configurations
 - :mod:`services.jobs`: training jobs: start, state from disk, cancel, wait
+- :mod:`services.landing`: the landing page's sample question and how to read a score
 - :mod:`services.queries`: cached runs, queries, overviews and tokens under each run's lock
+- :mod:`services.answers`: the model's own loss and greedy answer for a query
+- :mod:`services.find`: filter, sort and page a query's influencers, name an export
+- :mod:`services.distributions`: a query's scores over every example, query-independent rankings
+- :mod:`services.charts`: plotly figures of those distributions
+- :mod:`services.compare`: one query answered by two (run, preconditioner) sides
+- :mod:`services.counterfactual`: the counterfactual check (a background job) and per-token view
+- :mod:`services.curate`: the Curate page's selection, its background job and its proof
 - :mod:`services.model_worker`: the query worker holding the runs' models (the server
   process imports no torch while it runs)
 - :mod:`services.warmup`: the first query's work, started beside the first page
+- :mod:`services.preload`: the browser's chart and table code, loaded while the first page is read
 - :mod:`services.exports`: influencer and audit-trail downloads, verification of a run
 - :mod:`services.text`: markdown escaping and one-line texts
 

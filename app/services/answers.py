@@ -9,8 +9,8 @@ from .queries import in_process
 
 
 def model_answer(run_dir: str | os.PathLike, **query):
-    """:func:`traceprop_engine.attribution.answer.model_answer` on the run's model: in the query
-    worker, or here under the cached run's lock when there is none.
+    """:func:`traceprop_engine.attribution.model_side.answer.model_answer` on the run's model: in
+    the query worker, or here under the cached run's lock when there is none.
 
     ``query``: ``prompt``, ``completion``, ``eval_example``, ``label`` as for a query.
 
@@ -20,7 +20,7 @@ def model_answer(run_dir: str | os.PathLike, **query):
     try:
         return model_worker.call("model_answer", run_dir, **query)
     except model_worker.WorkerUnavailable:
-        from traceprop_engine.attribution.answer import model_answer as answer
+        from traceprop_engine.attribution import model_answer as answer
 
         run, lock = in_process(run_dir)
         with lock:

@@ -10,8 +10,8 @@ PRO, OPP, TOTAL = "#2a9d8f", "#e76f51", "#264653"
 
 
 def score_histogram_figure(hist: pl.DataFrame) -> go.Figure:
-    """Bars of :func:`~traceprop_engine.attribution.distributions.score_histogram`: proponents
-    and opponents in their colours on shared bins."""
+    """Bars of :func:`~traceprop_engine.attribution.reports.distributions.score_histogram`:
+    proponents and opponents in their colours on shared bins."""
     fig = go.Figure()
     width = (hist["right"] - hist["left"]).to_list()
     for name, color in (("proponents", PRO), ("opponents", OPP)):

@@ -1,5 +1,5 @@
 """The Compare page's data: one query answered by two (run, preconditioner) sides, their
-overlap and rank changes (the engine's :mod:`traceprop_engine.attribution.compare`)."""
+overlap and rank changes (the engine's :mod:`traceprop_engine.attribution.reports.compare`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceprop_engine.attribution import compare
+from traceprop_engine import attribution
 
 from .queries import open_cached, test_side
 
@@ -82,7 +82,7 @@ def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) ->
     a = side_query(side_a[0], side_a[1], top_k, query)
     b = side_query(side_b[0], side_b[1], top_k, query)
     return Comparison(
-        a, b, compare.overlap(a.rows, b.rows, top_k), compare.rank_changes(a.rows, b.rows)
+        a, b, attribution.overlap(a.rows, b.rows, top_k), attribution.rank_changes(a.rows, b.rows)
     )
 
 
@@ -102,7 +102,7 @@ def second_opinion(run_dir, result, preconditioner: str, query: dict):
     Returns:
         ``(marks, overlap)``: ``marks`` has ``kind, example_id, second_rank`` for each example
         in the second estimator's top k (join it on ``kind, example_id``: null means the second
-        estimator does not rank it in its top k); ``overlap`` is :func:`compare.overlap` of the
+        estimator does not rank it in its top k); ``overlap`` is :func:`~traceprop_engine.attribution.overlap` of the
         two answers.
 
     Raises:
@@ -113,4 +113,4 @@ def second_opinion(run_dir, result, preconditioner: str, query: dict):
     marks = other.rows.select(
         "kind", pl.col("example_id").cast(pl.Int64), pl.col("rank").alias("second_rank")
     )
-    return marks, compare.overlap(result.rows, other.rows, k)
+    return marks, attribution.overlap(result.rows, other.rows, k)

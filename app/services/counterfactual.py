@@ -193,7 +193,7 @@ def token_view(run_dir: str | os.PathLike, res, example_id: int):
             settings=s,
         )
     except model_worker.WorkerUnavailable:
-        from traceprop_engine.attribution.tokens import token_contributions
+        from traceprop_engine.attribution import token_contributions
 
         run, lock = in_process(run_dir)
         with lock:

@@ -8,7 +8,7 @@ import os
 import polars as pl
 import streamlit as st
 
-from traceprop_engine.attribution.distributions import score_histogram
+from traceprop_engine.attribution import score_histogram
 
 from .queries import open_cached
 
@@ -36,13 +36,14 @@ def all_scores(run_dir: str | os.PathLike, result, preconditioner: str) -> pl.Da
 
 
 def rank_by(run_dir: str | os.PathLike, by: str, preconditioner: str) -> pl.DataFrame:
-    """:func:`~traceprop_engine.attribution.outliers.rank_examples` of a run (``traceprop rank``).
+    """:func:`~traceprop_engine.attribution.reports.outliers.rank_examples` of a run
+    (``traceprop rank``).
 
     Raises:
         TracepropError: the run cannot be opened or lacks what ``by`` needs.
         ConfigError: an unknown ``by``.
     """
-    from traceprop_engine.attribution.outliers import rank_examples
+    from traceprop_engine.attribution import rank_examples
     from traceprop_engine.settings import IndexSettings
 
     run, lock = open_cached(run_dir)

@@ -15,9 +15,9 @@ from .queries import open_cached
 
 def shown_rows(result) -> pl.DataFrame:
     """Exactly the rows shown and exported: the engine's export columns plus ``file:row``."""
-    from traceprop_engine.attribution import export
+    from traceprop_engine import attribution
 
-    rows = export.rows_for_export(result)
+    rows = attribution.rows_for_export(result)
     return rows.with_columns(
         (pl.col("source") + ":" + pl.col("row").cast(pl.Utf8)).alias("location")
     )
@@ -25,10 +25,13 @@ def shown_rows(result) -> pl.DataFrame:
 
 def export_bytes(result, fmt: str, rows: pl.DataFrame | None = None) -> bytes:
     """CSV or JSON bytes of the shown influencer rows (or of ``rows``, e.g. those found), with
-    the query they answer recorded inside (:func:`~traceprop_engine.attribution.export.export_with_query`)."""
-    from traceprop_engine.attribution import export
+    the query they answer recorded inside
+    (:func:`~traceprop_engine.attribution.reports.export.export_with_query`)."""
+    from traceprop_engine import attribution
 
-    return export.export_with_query(shown_rows(result) if rows is None else rows, result.query, fmt)
+    return attribution.export_with_query(
+        shown_rows(result) if rows is None else rows, result.query, fmt
+    )
 
 
 def audit_bytes(run_dir: str | os.PathLike, result) -> tuple[bytes, bytes, dict]:
@@ -37,13 +40,13 @@ def audit_bytes(run_dir: str | os.PathLike, result) -> tuple[bytes, bytes, dict]
     Raises:
         TracepropError: the run cannot be opened.
     """
-    from traceprop_engine.attribution import audit, export
+    from traceprop_engine import attribution
 
     run, _ = open_cached(run_dir)  # the trail reads the manifest only, not the store
-    trail = audit.audit_trail(run, result)
+    trail = attribution.audit_trail(run, result)
     js = json.dumps(trail, indent=2, ensure_ascii=False, default=str).encode()
-    rows = audit.audit_rows(trail)
-    return js, export.csv_bytes(rows) if rows.height else b"", trail
+    rows = attribution.audit_rows(trail)
+    return js, attribution.csv_bytes(rows) if rows.height else b"", trail
 
 
 def verify_inputs(run_dir: str | os.PathLike) -> dict:
@@ -61,6 +64,6 @@ def verify_inputs(run_dir: str | os.PathLike) -> dict:
 def ranking_bytes(ranked: pl.DataFrame, desc: dict, by: str) -> bytes:
     """CSV of ranked examples (``rank_examples``) with the run, the ranking and the
     preconditioner in ``query_*`` columns."""
-    from traceprop_engine.attribution import export
+    from traceprop_engine import attribution
 
-    return export.export_with_query(ranked, {**desc, "prompt": f"rank by {by}"}, "csv")
+    return attribution.export_with_query(ranked, {**desc, "prompt": f"rank by {by}"}, "csv")

@@ -95,7 +95,7 @@ class LaunchSpec:
         )
 
     def command(self, run_dir: Path) -> list[str]:
-        from traceprop_engine.cli.train import train_argv
+        from traceprop_engine.training.command import train_argv
 
         tiny = self.model == "tiny"
         flags = {

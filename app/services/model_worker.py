@@ -2,9 +2,9 @@
 
 The server process never needs torch: a query's model half (its sketches and loss, the model's
 greedy answer, an influencer's per-token view, token text) goes to one
-:class:`~traceprop_engine.attribution.worker.QueryWorker` per server process, started beside the
-first page (``warmup.start``) and loading the active run's model at once on the other core;
-the ranking, the example table and every chart stay here, on numpy, FAISS and the store. The
+:class:`~traceprop_engine.attribution.model_side.worker.QueryWorker` per server process, started
+beside the first page (``warmup.start``) and loading the active run's model at once on the other
+core; the ranking, the example table and every chart stay here, on numpy, FAISS and the store. The
 worker's imports (torch, transformers, the model: ≈ 4 s of one core) then no longer share the
 server's interpreter lock with the first page, and the first query finds them done
 (benchmarks/README.md, "App speed").
@@ -25,7 +25,7 @@ import os
 import threading
 from pathlib import Path
 
-from traceprop_engine.attribution.worker import QueryWorker, WorkerUnavailable
+from traceprop_engine.attribution import QueryWorker, WorkerUnavailable
 
 WORKER_NICE = int(os.environ.get("TRACEPROP_WORKER_NICE", "10"))
 """The worker's niceness: its start-up (torch, the model) yields the cores to the server and

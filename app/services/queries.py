@@ -20,8 +20,8 @@ from pathlib import Path
 import polars as pl
 import streamlit as st
 
+from traceprop_engine import attribution
 from traceprop_engine import constants as C
-from traceprop_engine.attribution import overview
 
 from . import model_worker
 from .runs import step_times
@@ -48,7 +48,7 @@ def app_threads() -> int:
 
 @st.cache_resource(max_entries=8, show_spinner="Opening the run…")
 def _open_run(run_dir: str, mtime: float):
-    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.attribution import open_run
 
     return open_run(run_dir), threading.Lock()  # no torch: the model is loaded on first use
 
@@ -62,7 +62,7 @@ def open_cached(run_dir: str | os.PathLike):
     return out
 
 
-def query_overview(run_dir: str | os.PathLike) -> overview.RunOverview:
+def query_overview(run_dir: str | os.PathLike) -> attribution.RunOverview:
     """Run id, task, records, tracked layers, notes and the usable preconditioners of a run.
 
     Raises:
@@ -70,7 +70,7 @@ def query_overview(run_dir: str | os.PathLike) -> overview.RunOverview:
     """
     run, lock = open_cached(run_dir)
     with lock:
-        return overview.describe(run)
+        return attribution.describe(run)
 
 
 @st.cache_resource(max_entries=8, show_spinner=False)
@@ -151,7 +151,7 @@ def run_query_and_scores(
 ):
     """``(QueryResult, influence by source, every example's score)`` of one query: the by-source
     totals and the score histogram come from one pass over the store, made here once."""
-    from traceprop_engine.attribution.ranking import source_influence
+    from traceprop_engine.attribution import source_influence
     from traceprop_engine.settings import IndexSettings
 
     ts = test_side(
@@ -195,5 +195,5 @@ def example_tokens_text(run_dir: str | os.PathLike, example_id: int) -> str:
 def _example_tokens_text(run_dir: str, mtime: float, example_id: int) -> str:
     run, lock = open_cached(run_dir)
     with lock:
-        ids, mask = overview.example_tokens(run, example_id)
+        ids, mask = attribution.example_tokens(run, example_id)
     return decode_tokens(Path(run_dir), ids, mask)

@@ -110,7 +110,7 @@ def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
         import pandas  # noqa: F401 - the first table's conversion (st.dataframe), 0.4 s
         import pyarrow  # noqa: F401
 
-        from traceprop_engine.attribution import export  # noqa: F401 - the query page's
+        from traceprop_engine.attribution import export_with_query  # noqa: F401 - the query page's
     except (_Stopped, model_worker.AppExiting):
         log.info("warm-up of %s stopped: the app is exiting", run_dir)
     except (TracepropError, OSError, ValueError, model_worker.WorkerUnavailable) as e:

@@ -18,10 +18,10 @@ import services
 from services import compare, distributions, find
 from streamlit.testing.v1 import AppTest
 
-from traceprop_engine.attribution import compare as engine_compare
-from traceprop_engine.attribution.distributions import score_histogram
-from traceprop_engine.attribution.outliers import rank_examples
 from traceprop_engine.attribution.query import open_run
+from traceprop_engine.attribution.reports import compare as engine_compare
+from traceprop_engine.attribution.reports.distributions import score_histogram
+from traceprop_engine.attribution.reports.outliers import rank_examples
 from traceprop_engine.settings import IndexSettings
 
 REPO = Path(__file__).resolve().parents[2]

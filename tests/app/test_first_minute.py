@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from traceprop_engine.attribution.answer import model_answer
+from traceprop_engine.attribution.model_side.answer import model_answer
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.evaluate.pareto import describe
 from traceprop_engine.run import RunManifest, read_progress

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from traceprop_engine.attribution.answer import model_answer
+from traceprop_engine.attribution.model_side.answer import model_answer
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.errors import QueryError
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from traceprop_engine.attribution.blas_threads import one_blas_thread
+from traceprop_engine.attribution.score.blas_threads import one_blas_thread
 
 
 def _blas_threads() -> set[int]:

@@ -12,9 +12,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from traceprop_engine.attribution.compare import overlap, rank_changes
-from traceprop_engine.attribution.distributions import score_histogram
-from traceprop_engine.attribution.export import export_with_query, rows_with_query
+from traceprop_engine.attribution.reports.compare import overlap, rank_changes
+from traceprop_engine.attribution.reports.distributions import score_histogram
+from traceprop_engine.attribution.reports.export import export_with_query, rows_with_query
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "facts"
 

@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 from helpers import assert_same_ranking
 
-from traceprop_engine.attribution.index import INDEX_META_FILE, VectorIndex, l2_normalize
-from traceprop_engine.attribution.index_build import build_index
+from traceprop_engine.attribution.index.build import build_index
+from traceprop_engine.attribution.index.vector_index import (
+    INDEX_META_FILE,
+    VectorIndex,
+    l2_normalize,
+)
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
 from traceprop_engine.settings import IndexKind
 

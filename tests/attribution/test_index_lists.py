@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 from helpers import write_factor_store
 
-from traceprop_engine.attribution import index_lists, ranking, record_cache
-from traceprop_engine.attribution.index_lists import (
+from traceprop_engine.attribution.index import lists as index_lists
+from traceprop_engine.attribution.index.lists import (
     FactorLists,
     file_names,
     list_layers,
     open_lists,
     wants_lists,
 )
-from traceprop_engine.attribution.index_store import RunIndexes
+from traceprop_engine.attribution.index.run_indexes import RunIndexes
 from traceprop_engine.attribution.query import AttributionRun
+from traceprop_engine.attribution.score import ranking, record_cache
 from traceprop_engine.errors import ConfigError
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
@@ -214,7 +215,7 @@ def _swapped(d: Path) -> None:
 
 
 def test_cli_flag_and_a_damaged_or_foreign_lists_file(tmp_path, caplog):
-    from traceprop_engine.cli.flags import add_index_flags, index_settings
+    from traceprop_engine.flags import add_index_flags, index_settings
 
     p = argparse.ArgumentParser()
     add_index_flags(p)
@@ -255,7 +256,7 @@ def test_principal_basis_keeps_the_asked_share_of_the_energy():
 
 
 def test_an_index_built_before_lists_says_so_only_where_it_would_have_them(tmp_path, monkeypatch):
-    from traceprop_engine.attribution import index_store
+    from traceprop_engine.attribution.index import run_indexes as index_store
 
     store = _store(tmp_path / "store.h5")
     with monkeypatch.context() as m:  # as the previous release built them: no lists

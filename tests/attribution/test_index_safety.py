@@ -18,11 +18,11 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import IndexBuildError, RunError
-from traceprop_engine.attribution import vectors as vectors_module
-from traceprop_engine.attribution.audit import audit_trail
-from traceprop_engine.attribution.export import csv_bytes, rows_to_bytes
-from traceprop_engine.attribution.index_store import IDS_FILE, VECTORS_FILE
+from traceprop_engine.attribution.index.run_indexes import IDS_FILE, VECTORS_FILE
+from traceprop_engine.attribution.precondition import vectors as vectors_module
 from traceprop_engine.attribution.query import open_run
+from traceprop_engine.attribution.reports.audit import audit_trail
+from traceprop_engine.attribution.reports.export import csv_bytes, rows_to_bytes
 from traceprop_engine.cli.main import main
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.training.loop import train

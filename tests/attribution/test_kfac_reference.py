@@ -15,7 +15,7 @@ import pytest
 from helpers import causal_batch, per_example_grads, single_causal_losses, tiny_neox
 
 from traceprop_engine import Store, Tracker, TrackSettings
-from traceprop_engine.attribution.vectors import fit_preconditioner
+from traceprop_engine.attribution.precondition.vectors import fit_preconditioner
 from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.training.losses import causal_lm_losses

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traceprop_engine.attribution import factor_scores as fs
-from traceprop_engine.attribution.factor_scores import (
+from traceprop_engine.attribution.score import factor_scores as fs
+from traceprop_engine.attribution.score.factor_scores import (
     FLOAT32_RTOL,
     LOWRANK_RTOL,
     LowRankTest,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traceprop_engine.attribution.kfac import fit_layer
-from traceprop_engine.attribution.precondition import (
+from traceprop_engine.attribution.precondition.kfac import fit_layer
+from traceprop_engine.attribution.precondition.layer import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerStats,
-    Preconditioner,
 )
+from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
 from traceprop_engine.errors import ConfigError, StoreError
 from traceprop_engine.settings import PreconditionerKind
 

@@ -193,7 +193,7 @@ def test_stale_index_is_rebuilt_not_used(run_dir, tmp_path):
 def test_an_index_of_an_older_build_answers_exactly_and_says_so(
     run_dir, tmp_path, monkeypatch, capsys
 ):
-    from traceprop_engine.attribution import index_store
+    from traceprop_engine.attribution.index import run_indexes as index_store
 
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)

@@ -12,12 +12,12 @@ import pytest
 from helpers import write_factor_store
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution import record_cache
-from traceprop_engine.attribution.index_projection import principal_basis, split_sides
-from traceprop_engine.attribution.index_store import PRECOND_FILE, RunIndexes
-from traceprop_engine.attribution.precondition import Preconditioner
-from traceprop_engine.attribution.record_cache import RecordCache
-from traceprop_engine.attribution.vectors import _vectors
+from traceprop_engine.attribution.index.projection import principal_basis, split_sides
+from traceprop_engine.attribution.index.run_indexes import PRECOND_FILE, RunIndexes
+from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
+from traceprop_engine.attribution.precondition.vectors import _vectors
+from traceprop_engine.attribution.score import record_cache
+from traceprop_engine.attribution.score.record_cache import RecordCache
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.store.reader import Store
 
@@ -201,8 +201,8 @@ def test_low_rank_float32_queries_take_the_factored_route_and_match_brute_force(
     """A query's sketch is float32 and has rank ≤ its tokens: the re-rank scores it through its
     truncated SVD (O((k_out + k_in)·t) per record). Only singular values at float32 rounding are
     dropped, so the scores match the float64 brute force to float32 precision."""
-    from traceprop_engine.attribution import factor_scores
     from traceprop_engine.attribution.query import AttributionRun
+    from traceprop_engine.attribution.score import factor_scores
 
     store = _store(tmp_path / "store.h5", "int8", 1)
     ix = RunIndexes(tmp_path, store)
@@ -292,7 +292,7 @@ def test_inner_int8_from_bytes_equals_decoding_first(tmp_path, dtype):
     :meth:`LowRankTest.inner` of the decoded factors: rank-2 records, a rank-3 and a rank-1
     query, scattered unsorted records. (Against ``factors_at``, which folds the scale in in
     float32, a float64 query differs at 2e-8 of the largest score: its rounding, not ours.)"""
-    from traceprop_engine.attribution.factor_scores import LowRankTest
+    from traceprop_engine.attribution.score.factor_scores import LowRankTest
 
     store = _store(tmp_path / "store.h5", "int8", rank=2)
     ix = RunIndexes(tmp_path, store)
@@ -335,8 +335,8 @@ def test_layer_norms_bound_every_layer_and_sum_to_the_row_norms(tmp_path, kind, 
 def _full_and_bounded(ix, s, tests, top_k, opponents=True):
     """``signed_hits`` of every candidate scored at every layer, and of the bounded re-rank."""
     from traceprop_engine.attribution.query import AttributionRun
-    from traceprop_engine.attribution.ranking import signed_hits
-    from traceprop_engine.attribution.rerank import rerank_candidates
+    from traceprop_engine.attribution.score.ranking import signed_hits
+    from traceprop_engine.attribution.score.rerank import rerank_candidates
 
     run = AttributionRun.__new__(AttributionRun)
     run.indexes = ix
@@ -383,7 +383,7 @@ def test_bounded_rerank_of_low_rank_queries_either_way(tmp_path, monkeypatch, ra
     """Real queries' ``T'`` have rank ≤ their tokens, so every layer is factored
     (:class:`LowRankTest`) unless few rows are left at it, which then take the raw ``T'``
     (``RAW_PRODUCTS_MAX``): both routes give the full re-rank's rows and scores."""
-    from traceprop_engine.attribution import scoring
+    from traceprop_engine.attribution.score import scoring
 
     monkeypatch.setattr(scoring, "RAW_PRODUCTS_MAX", raw_max)
     store = _store(tmp_path / "store.h5", "int8", 2)
@@ -421,7 +421,7 @@ def test_bounded_rerank_of_an_all_zero_query_keeps_the_note(tmp_path):
 
 def test_placeable_never_drops_a_top_row():
     """Against brute force on random scores with ties and zeros, and bounds around them."""
-    from traceprop_engine.attribution.rerank import _placeable
+    from traceprop_engine.attribution.score.rerank import _placeable
 
     rng = np.random.default_rng(2)
     for _ in range(500):

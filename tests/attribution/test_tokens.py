@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from traceprop_engine.attribution.model_side.tokens import example_score, token_contributions
 from traceprop_engine.attribution.query import open_run
-from traceprop_engine.attribution.tokens import example_score, token_contributions
 from traceprop_engine.errors import QueryError
 from traceprop_engine.settings import IndexSettings
 

@@ -1,5 +1,5 @@
-"""The query worker (attribution/worker.py): a real process holding the run's model, against
-the same work done in this process."""
+"""The query worker (attribution/model_side/worker.py): a real process holding the run's model,
+against the same work done in this process."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from helpers import assert_same_ranking
 
-from traceprop_engine.attribution.answer import model_answer
+from traceprop_engine.attribution.model_side.answer import model_answer
+from traceprop_engine.attribution.model_side.tokens import token_contributions
+from traceprop_engine.attribution.model_side.worker import QueryWorker, WorkerUnavailable
 from traceprop_engine.attribution.query import open_run
-from traceprop_engine.attribution.tokens import token_contributions
-from traceprop_engine.attribution.worker import QueryWorker, WorkerUnavailable
 from traceprop_engine.errors import QueryError, RunError
 from traceprop_engine.settings import IndexSettings
 
@@ -115,7 +115,7 @@ def test_the_worker_exits_with_its_caller(tmp_path):
     """Its request pipe closes when the caller dies, however it dies: no orphan is left."""
     code = (
         "import sys, time\n"
-        "from traceprop_engine.attribution.worker import QueryWorker\n"
+        "from traceprop_engine.attribution.model_side.worker import QueryWorker\n"
         "w = QueryWorker().start()\n"
         "print(w.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -139,7 +139,7 @@ def test_the_caller_imports_no_torch(run_dir):
     """Open, rank from the worker's test side, score every example: numpy, FAISS and h5py only."""
     code = (
         "import sys\n"
-        "from traceprop_engine.attribution.worker import QueryWorker\n"
+        "from traceprop_engine.attribution.model_side.worker import QueryWorker\n"
         "from traceprop_engine.attribution.query import open_run\n"
         f"run = open_run({str(run_dir)!r})\n"
         "with QueryWorker() as w:\n"

@@ -1,86 +1,25 @@
-"""Compact (rank-c factored) storage and Woodbury preconditioning against naive references."""
+"""Compact (rank-c factored) storage and the scores from its factors against naive references."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
-from helpers import facts_data, fast_settings
+from helpers import SYNTHETIC_SHAPES, facts_data, fast_settings, write_synthetic_store
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.factor_scores import factor_scores, sketch_scores
-from traceprop_engine.attribution.precondition import (
-    EkfacMoments,
-    LayerStats,
-    Preconditioner,
-)
-from traceprop_engine.attribution.woodbury import fit_woodbury, truncated_svd
+from traceprop_engine.attribution.precondition.layer import EkfacMoments, LayerStats
+from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
+from traceprop_engine.attribution.score.factor_scores import factor_scores, sketch_scores
 from traceprop_engine.errors import ConfigError, IndexStaleError, StoreError
 from traceprop_engine.store.compact import compact_store, factorize_chunk
 from traceprop_engine.store.factor_file import FactorStore
-from traceprop_engine.store.format import Covariance
 from traceprop_engine.store.reader import Store
-from traceprop_engine.store.writer import StoreWriter
 
 RTOL_F64 = 1e-9  # float64 arithmetic on float32-stored factors of the same float32 sketches
 RTOL_F32 = 2e-4  # float32 products vs float64 reference
 ATOL_SVD = 2e-6  # float32 storage of exact SVD factors, relative to the sketch norm
-SHAPES = [(6, 4), (5, 5), (3, 7)]  # (k_out, k_in) per layer: tall, square, wide
-N_EX, EPOCHS = 23, 2
-
-
-def _write_store(path, seed=0, sketch="factored"):
-    """A synthetic store: 3 layers, 23 examples seen twice with varying lr, K-FAC statistics."""
-    rng = np.random.default_rng(seed)
-    layers = [
-        SimpleNamespace(
-            name=f"blk.{i}",
-            kind="linear",
-            d_in=16,
-            d_out=16,
-            k_in=ki,
-            k_out=ko,
-            P_in=None,
-            P_out=None,
-            record_shape=(ko, ki) if sketch == "factored" else (ko * ki,),
-        )
-        for i, (ko, ki) in enumerate(SHAPES)
-    ]
-    w = StoreWriter(path, layers, {"run_id": f"synthetic-{seed}"}, sketch)
-    ex = np.concatenate([rng.permutation(N_EX) for _ in range(EPOCHS)])
-    n = len(ex)
-    # low-rank-ish sketches (decaying spectra), as per-example gradients are
-    sk = []
-    for ko, ki in SHAPES:
-        m = min(ko, ki)
-        x = np.einsum(
-            "nkc,c,nlc->nkl",
-            rng.normal(size=(n, ko, m)),
-            0.5 ** np.arange(m),
-            rng.normal(size=(n, ki, m)),
-        )
-        sk.append(
-            x.astype(np.float32) if sketch == "factored" else x.reshape(n, -1).astype(np.float32)
-        )
-    meta = {
-        C.REC_EXAMPLE: ex,
-        C.REC_STEP: np.arange(n) // 4,
-        C.REC_EPOCH: np.arange(n) // N_EX,
-        C.REC_LR: np.linspace(1e-3, 2e-4, n).astype(np.float32),
-        C.REC_LOSS: rng.random(n).astype(np.float32),
-    }
-    for s0 in range(0, n, 10):  # several chunks, like the tracker's flushes
-        w.append([x[s0 : s0 + 10] for x in sk], {k: v[s0 : s0 + 10] for k, v in meta.items()})
-    cov = []
-    for ko, ki in SHAPES:
-        a, g = rng.normal(size=(300, ki)) * np.linspace(0.3, 2, ki), rng.normal(size=(300, ko))
-        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
-    if sketch == "factored":
-        w.write_covariance(cov)
-    w.close(C.STATUS_COMPLETED)
-    return path
+SHAPES = SYNTHETIC_SHAPES
 
 
 def _fit(store, kind):
@@ -120,7 +59,7 @@ def _naive_scores(store, pre, tests):
 
 @pytest.fixture(scope="module")
 def store_path(tmp_path_factory):
-    return _write_store(tmp_path_factory.mktemp("run") / C.STORE_FILE)
+    return write_synthetic_store(tmp_path_factory.mktemp("run") / C.STORE_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +136,7 @@ def test_compact_store_round_trip_and_metadata(store_path, tmp_path):
 
 
 def test_factor_file_errors(store_path, tmp_path):
-    dense = _write_store(tmp_path / "dense" / C.STORE_FILE, sketch="dense")
+    dense = write_synthetic_store(tmp_path / "dense" / C.STORE_FILE, sketch="dense")
     with pytest.raises(ConfigError, match="dense sketches"):
         compact_store(dense, 2)
     with pytest.raises(StoreError, match="compact_store"):
@@ -211,7 +150,7 @@ def test_factor_file_errors(store_path, tmp_path):
         f.attrs["status"] = C.STATUS_RUNNING
     with pytest.raises(StoreError, match="unfinished"):
         FactorStore(path)
-    other = _write_store(tmp_path / "other" / C.STORE_FILE, seed=1)
+    other = write_synthetic_store(tmp_path / "other" / C.STORE_FILE, seed=1)
     f2 = compact_store(store_path, 2, out=tmp_path / "f2.h5")
     with Store(other) as st, FactorStore(f2) as fs, pytest.raises(IndexStaleError, match="rebuild"):
         fs.check_source(st)
@@ -279,84 +218,6 @@ def test_factor_scores_reject_mismatched_inputs(store_path, tests_q, tmp_path):
             factor_scores([np.zeros((2, 2))] + tests_q[1:], fs, pre)
         with pytest.raises(ConfigError, match="no layer"):
             factor_scores(tests_q, fs, pre.layers[:2])
-
-
-# -- truncated SVD + Woodbury ----------------------------------------------------------------------
-
-
-def _explicit_inv_sqrt(g, rank, damping):
-    """Dense reference: eigen-decompose (1/n) GᵀG, keep the top ``rank`` eigenvalues, add λ I."""
-    n, d = g.shape
-    h = g.T @ g / n
-    e, q = np.linalg.eigh(h)
-    lam = damping * np.trace(h) / d
-    e = np.where(np.arange(d) >= d - rank, np.clip(e, 0, None), 0.0)  # eigh is ascending
-    return (q / np.sqrt(e + lam)) @ q.T, lam
-
-
-def test_woodbury_equals_explicit_dense_inverse_sqrt():
-    rng = np.random.default_rng(3)
-    g = rng.normal(size=(60, 12)) * np.linspace(0.1, 3, 12)  # anisotropic, D = 12
-    x = rng.normal(size=(5, 3, 4))
-    for rank in (12, 5, 1):  # full rank: the exact damped inverse; truncated: its rank-r version
-        wp = fit_woodbury(g, rank, 0.1, shape=(3, 4))
-        ref, lam = _explicit_inv_sqrt(g, rank, 0.1)
-        assert wp.lam == pytest.approx(lam, rel=1e-12) and wp.basis.shape == (12, rank)
-        np.testing.assert_allclose(
-            wp.dense_inverse_sqrt(), ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max()
-        )
-        np.testing.assert_allclose(
-            wp.apply(x, dtype=np.float64), x.reshape(5, -1) @ ref, rtol=1e-9, atol=1e-12
-        )
-        np.testing.assert_allclose(
-            wp.pullback(x).reshape(5, -1), x.reshape(5, -1) @ ref @ ref, rtol=1e-8, atol=1e-12
-        )
-    full = fit_woodbury(g, 12, 0.1)
-    assert full.info["trace_captured"] == pytest.approx(1.0, rel=1e-12) and full.shape == (12,)
-
-
-def test_randomized_svd_recovers_the_top_subspace():
-    rng = np.random.default_rng(4)
-    # rank-6 signal + small noise in D = 200 with n = 300: the randomized path (6 + 10 < 200)
-    g = rng.normal(size=(300, 6)) @ (rng.normal(size=(6, 200)) * 5) + 0.01 * rng.normal(
-        size=(300, 200)
-    )
-    s, v = truncated_svd(g, 6)
-    s_ref = np.linalg.svd(g, compute_uv=False)[:6]
-    np.testing.assert_allclose(s, s_ref, rtol=1e-6)
-    _, _, vt = np.linalg.svd(g, full_matrices=False)
-    # same subspace: the projector onto span(v) equals the exact one
-    np.testing.assert_allclose(v @ v.T, vt[:6].T @ vt[:6], atol=1e-6)
-    wp = fit_woodbury(g, 6, 0.1)
-    assert wp.info["trace_captured"] > 0.99
-    with pytest.raises(ConfigError, match="positive integer"):
-        fit_woodbury(g, 0)
-    with pytest.raises(ConfigError, match="damping"):
-        fit_woodbury(np.zeros((4, 3)), 2)
-
-
-def test_woodbury_preconditioner_in_factor_scores(store_path, tests_q, tmp_path):
-    path = compact_store(store_path, 99, out=tmp_path / "f.h5")
-    with Store(store_path) as store, FactorStore(path) as fs:
-        wps = [
-            fit_woodbury(store.sketches(li), 4, 0.1, name=la.name)
-            for li, la in enumerate(store.layers)
-        ]
-        got = factor_scores(tests_q, fs, wps, dtype=np.float64).scores
-        # reference: explicit H^{-1/2} on both sides, per record, lr-weighted per example
-        rec = store.records()
-        ids = np.unique(rec[C.REC_EXAMPLE])
-        ref = np.zeros((3, len(ids)))
-        for li, wp in enumerate(wps):
-            m = wp.dense_inverse_sqrt()
-            x = store.sketches(li).astype(np.float64).reshape(store.n_records, -1) @ m
-            t = tests_q[li].reshape(3, -1) @ m
-            r = t @ x.T * rec[C.REC_LR].astype(np.float64)
-            for qi in range(3):
-                ref[qi] += np.bincount(
-                    np.searchsorted(ids, rec[C.REC_EXAMPLE]), weights=r[qi], minlength=len(ids)
-                )
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
 # -- end to end on a trained run ------------------------------------------------------------------

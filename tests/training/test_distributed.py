@@ -18,10 +18,10 @@ from helpers import (
 )
 
 from traceprop_engine import Store
-from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest
 from traceprop_engine.settings import TrackSettings
 from traceprop_engine.store.sharded import ShardedStore, open_run_store
+from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.data import load_examples
 from traceprop_engine.training.distributed import DistContext, shard_file
 from traceprop_engine.training.loop import train

@@ -18,10 +18,10 @@ from helpers import facts_data, fast_settings
 from safetensors.torch import load_file
 
 from traceprop_engine import Store
-from traceprop_engine.cli.train import train_argv
 from traceprop_engine.errors import RunError
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.training import checkpoint
+from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import resume, train
 
 

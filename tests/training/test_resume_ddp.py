@@ -21,10 +21,10 @@ from helpers import facts_data, torchrun, torchrun_failure
 from test_resume import assert_same_model, assert_same_store
 
 from traceprop_engine import Store
-from traceprop_engine.cli.train import train_argv
 from traceprop_engine.errors import RunError
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.training import checkpoint
+from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import resume
 from traceprop_engine.training.resume import check_shards
 

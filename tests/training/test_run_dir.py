@@ -21,11 +21,11 @@ from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, RunError, Store, StoreError
 from traceprop_engine.cli.main import main
-from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrainSettings
 from traceprop_engine.store.writer import StoreWriter
 from traceprop_engine.training import run_dir as run_dir_mod
+from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import train
 from traceprop_engine.training.run_dir import LOCK_FILE
 from traceprop_engine.verify import verify_run
@@ -422,7 +422,7 @@ def test_a_run_trained_at_lr_0_says_every_score_is_zero(data, tmp_path):
     """--lr 0: the model learns nothing and every lr-weighted score is 0. The query says so
     (run note + result note) instead of listing the same rows as proponents and opponents."""
     from traceprop_engine.attribution.query import open_run
-    from traceprop_engine.attribution.ranking import ALL_ZERO_NOTE, ZERO_LR_NOTE
+    from traceprop_engine.attribution.score.ranking import ALL_ZERO_NOTE, ZERO_LR_NOTE
 
     train(fast_settings(data, tmp_path / "lr0", lr=0.0, epochs=1))
     run = open_run(tmp_path / "lr0")

@@ -14,9 +14,9 @@ import pytest
 from helpers import facts_data, fast_settings
 
 from traceprop_engine import ConfigError, DataError, RunError, Store
-from traceprop_engine.cli.train import train_argv
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
+from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import StopFlag, train
 
 

@@ -29,12 +29,16 @@ from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings
 from ..store.sharded import open_run_store
-from .blas_threads import one_blas_thread
-from .index import VectorIndex
-from .index_lists import list_candidates
-from .index_store import Progress, RunIndexes
-from .precondition import Preconditioner
-from .ranking import (
+from .index.lists import list_candidates
+from .index.run_indexes import Progress, RunIndexes
+from .index.vector_index import VectorIndex
+from .model_side.test_side import TestSideMixin
+from .precondition.preconditioner import Preconditioner
+from .precondition.vectors import fit_preconditioner, gradient_norms
+from .query_input import Query
+from .result import QueryResult, TestSide
+from .score.blas_threads import one_blas_thread
+from .score.ranking import (
     ZERO_LR_NOTE,
     example_table,
     hit_rows,
@@ -42,13 +46,10 @@ from .ranking import (
     signed_hits,
     source_influence,
 )
-from .rerank import rerank_candidates
-from .result import QueryResult, TestSide
-from .test_side import TestSideMixin
-from .vectors import fit_preconditioner, gradient_norms
+from .score.rerank import rerank_candidates
 
 if TYPE_CHECKING:
-    from .encode import QueryEncoder
+    from .model_side.encode import QueryEncoder
 
 __all__ = ["AttributionRun", "QueryResult", "TestSide", "open_run"]
 
@@ -57,10 +58,10 @@ class AttributionRun(TestSideMixin):
     """One run opened for attribution: its store, manifest, saved model and indexes.
 
     The facade the CLI and the app share; the work is done by the run's
-    :class:`~traceprop_engine.attribution.index_store.RunIndexes` (training side: indexes and
-    exact scorers) and :class:`~traceprop_engine.attribution.encode.QueryEncoder` (test side:
-    the saved model and the query's sketches), and ranked by
-    :mod:`traceprop_engine.attribution.ranking`.
+    :class:`~traceprop_engine.attribution.index.run_indexes.RunIndexes` (training side: indexes and
+    exact scorers) and :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` (test
+    side: the saved model and the query's sketches), and ranked by
+    :mod:`traceprop_engine.attribution.score.ranking`.
 
     Raises:
         RunError: not a run directory.
@@ -154,25 +155,21 @@ class AttributionRun(TestSideMixin):
     # -- query --------------------------------------------------------------------------------
     def query(
         self,
-        prompt: str | None = None,
+        prompt: Query | str | None = None,
         completion: str | None = None,
         *,
-        eval_example: int | None = None,
-        label: str | None = None,
         top_k: int = 10,
         opponents: bool = True,
         settings: IndexSettings | None = None,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
         test_side: TestSide | None = None,
+        **query,
     ) -> QueryResult:
         """Rank training examples by influence on the query's loss.
 
-        The query is text (``prompt``/``completion``), an example of the run
-        (``eval_example``), or token ids: ``input_ids`` (1-D) with ``labels`` (-100 where no
-        loss is taken, Hugging Face style) or a 0/1 ``loss_mask``; or its :meth:`test_side`,
-        computed already (e.g. by a query worker), in which case no torch is needed here.
+        The query is a :class:`~traceprop_engine.attribution.query_input.Query` or its fields
+        (``prompt``/``completion``, ``eval_example``, ``input_ids`` with ``labels`` or
+        ``loss_mask``, ``label``); or its :meth:`test_side`, computed already (e.g. by a query
+        worker), in which case no torch is needed here.
 
         Raises:
             QueryError: empty prompt, unknown example, bad top_k, bad token ids, text on a run
@@ -182,15 +179,7 @@ class AttributionRun(TestSideMixin):
             raise QueryError(f"top_k must be at least 1, got {top_k}")
         s = settings or IndexSettings()
         t0 = time.perf_counter()
-        ts = test_side or self.test_side(
-            prompt,
-            completion,
-            eval_example=eval_example,
-            label=label,
-            input_ids=input_ids,
-            labels=labels,
-            loss_mask=loss_mask,
-        )
+        ts = test_side or self.test_side(Query.of(prompt, completion, **query))
         encode_ms = ts.elapsed_ms if test_side is not None else 0.0
         rows, sign_notes = self.rank(ts.sketches, s, top_k, opponents)
         index, _, pre = self.index(s)
@@ -228,7 +217,7 @@ class AttributionRun(TestSideMixin):
             ).astype(np.int64)
             cand = cand[cand >= 0]
             prepared = None  # the re-rank computes the query's pullbacks when no lists did
-            if lists:  # the dominant layers' own records propose more (index_lists.py)
+            if lists:  # the dominant layers' own records propose more (index/lists.py)
                 # the query's pullbacks and factored T', shared by the lists and the re-rank
                 prepared = scorer.prepared_lazily(sketches)
                 extra = list_candidates(scorer, sketches, opponents, prepared)
@@ -298,15 +287,11 @@ class AttributionRun(TestSideMixin):
 
     def scores(
         self,
-        prompt: str | list[str] | None = None,
+        prompt: Query | str | list[str] | None = None,
         completion: str | list[str] | None = None,
         *,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
-        eval_example: int | list[int] | None = None,
-        label: str | list[str] | None = None,
         settings: IndexSettings | None = None,
+        **query,
     ) -> np.ndarray:
         """Scores of every training example, in example-id order (exact: no index search).
 
@@ -323,16 +308,12 @@ class AttributionRun(TestSideMixin):
             raise QueryError(
                 "scores() gives one score per example: use settings with per_record=False"
             )
-        from .encode import query_batch  # torch: the queries run through the model
-
-        queries, batched = query_batch(
-            prompt, completion, input_ids, labels, loss_mask, eval_example, label
-        )
+        queries, batched = Query.of(prompt, completion, **query).split()
         _, ids, _ = self.index(s)
         n = max(self.examples().height, int(ids.max()) + 1 if len(ids) else 0)
         out = np.zeros((len(queries), n), np.float64)
-        for qi, kw in enumerate(queries):
-            enc, _, _ = self.encode(**kw)
+        for qi, one in enumerate(queries):
+            enc, _, _ = self.encode(one)  # torch: the queries run through the model
             sk, _ = self.query_sketches(enc)
             out[qi, ids] = self.all_scores(sk, s)
         return out if batched else out[0]
@@ -352,14 +333,7 @@ class AttributionRun(TestSideMixin):
         s = settings or IndexSettings()
         sk = result.sketches
         if sk is None:  # a result rebuilt from its description (e.g. an audit trail)
-            enc, _, _ = self.encode(
-                result.query.get("prompt"),
-                result.query.get("completion"),
-                eval_example=result.query.get("eval_example"),
-                label=result.query.get("label"),
-                input_ids=result.query.get("input_ids"),
-                loss_mask=result.query.get("loss_mask"),
-            )
+            enc, _, _ = self.encode(Query.from_description(result.query))
             sk, _ = self.query_sketches(enc)
         _, ids, _ = self.index(s)
         scores = self.all_scores(sk, s)

@@ -2,8 +2,8 @@
 answer, the model's own answer and an influencer's per-token shares.
 
 All are plain data (numpy, polars, str) defined without torch: they pickle, so the model's part
-can run in another process (:mod:`~traceprop_engine.attribution.worker`) and be used where the
-store is open without importing torch there."""
+can run in another process (:mod:`~traceprop_engine.attribution.model_side.worker`) and be used
+where the store is open without importing torch there."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from .ranking import SIGN_NOTE
+from .score.ranking import SIGN_NOTE
 
 
 @dataclass

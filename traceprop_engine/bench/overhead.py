@@ -58,9 +58,9 @@ import numpy as np
 import torch
 
 from ..capture.tracker import Tracker
-from ..cli.train import train_argv
 from ..settings import TrackSettings, TrainSettings
 from ..store.sizes import steady_state_bytes
+from ..training.command import train_argv
 from ..training.losses import causal_lm_losses
 from ..training.models import tiny_config
 

@@ -1,9 +1,9 @@
 """Query-latency benchmark of the FAISS index on vectors that look like preconditioned sketches.
 
 :func:`run_query_bench` builds each index kind at each size through the product path
-(:func:`traceprop_engine.attribution.index_build.build_index`, including nprobe tuning), then times single
-queries (batch of 1, like an interactive query) one by one, and measures recall@10 against the
-exact answer (streamed numpy brute force) on a subset of the queries.
+(:func:`traceprop_engine.attribution.index.build.build_index`, including nprobe tuning), then times
+single queries (batch of 1, like an interactive query) one by one, and measures recall@10 against
+the exact answer (streamed numpy brute force) on a subset of the queries.
 
 Vectors come from a low-rank-plus-noise generator (:class:`SketchGenerator`): fitted to real
 preconditioned sketches when ``base_vectors`` is given (mean + top-r PCA + per-dimension
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from ..attribution.index_build import build_index
+from ..attribution.index.build import build_index
 from ..errors import ConfigError
 from ..settings import IndexKind
 
@@ -310,8 +310,8 @@ def run_base_vectors(run_dir: str | os.PathLike) -> np.ndarray | None:
     to fit the generator to; ``None`` when there is no such directory."""
     if not Path(run_dir).exists():
         return None
-    from ..attribution.index_store import VECTORS_FILE
-    from ..attribution.query import open_run
+    from ..attribution import open_run
+    from ..attribution.index.run_indexes import VECTORS_FILE
 
     run = open_run(run_dir)
     run.index()

@@ -118,7 +118,7 @@ def write_synthetic_run(
 
 def real_queries(base_dir: str | os.PathLike, n_queries: int) -> list[list[np.ndarray]]:
     """Per-layer sketches of the base run's examples (eval first) on its final model."""
-    from ..attribution.query import AttributionRun
+    from ..attribution import AttributionRun
 
     run = AttributionRun(base_dir)
     try:
@@ -146,7 +146,7 @@ def with_layer_norms(run, s) -> None:
     """Give the index ``s`` of an open run the per-layer row norms of the layer-by-layer re-rank
     (``layer_norms.npy``) in memory when it was built before they were kept: the same numbers a
     build writes, without rebuilding a large index for a benchmark."""
-    from ..attribution.rerank import as_bounds
+    from ..attribution.score.rerank import as_bounds
 
     if run.indexes.row_layer_sq_norms(s) is None:
         scorer = run.indexes.scorer(s)
@@ -166,7 +166,7 @@ def measure(
     """Build the index of ``run_dir``, time :meth:`AttributionRun.rank` per query, and compare the
     top 10 of the first ``recall_queries`` (default all) with brute force (one pass over the
     store per 16 queries: ``2 · n · L · k²`` flops a query)."""
-    from ..attribution.query import AttributionRun
+    from ..attribution import AttributionRun
 
     s = s or IndexSettings()
     run = AttributionRun(run_dir)

@@ -1,7 +1,7 @@
 """Which layers are tracked and how: :class:`TrackedLayer` (a Linear/Conv1D layer, its widths,
 projections and sketch kind), found by :func:`find_layers` and built by :func:`build_layers`
 from :class:`~traceprop_engine.settings.TrackSettings`; the capture hooks (hooks.py) and the
-query side (attribution/encode.py, :meth:`TrackedLayer.from_stored`) share it."""
+query side (attribution/model_side/encode.py, :meth:`TrackedLayer.from_stored`) share it."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Example (your own loop)::
 
     from traceprop_engine import Tracker, TrackSettings
-    from traceprop_engine.attribution.query import open_run
+    from traceprop_engine.attribution import open_run
 
     with Tracker(model, "runs/mine/store.h5", TrackSettings(k_in=8, k_out=8)) as tracker:
         for epoch in range(n_epochs):

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from .flags import add_index_flags, index_settings
+from ..flags import add_index_flags, index_settings
 
 
 def add_index(sub) -> None:
@@ -51,7 +51,7 @@ def _bar_progress():
 
 
 def _cmd_index(a) -> int:
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     run = open_run(a.run)
     for n in run.notes:
@@ -98,8 +98,7 @@ def add_query(sub) -> None:
 
 
 def _cmd_query(a) -> int:
-    from ..attribution.export import rows_for_export, write_rows
-    from ..attribution.query import open_run
+    from ..attribution import open_run, rows_for_export, write_rows
 
     run = open_run(a.run)
     s = index_settings(a)

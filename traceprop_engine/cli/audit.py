@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .flags import add_preconditioner_flag, choices, positive_int
+from ..flags import add_preconditioner_flag, choices, positive_int
 
 
 def add_audit(sub) -> None:
@@ -34,9 +34,7 @@ def add_audit(sub) -> None:
 
 
 def _cmd_audit(a) -> int:
-    from ..attribution.audit import audit_rows, audit_trail
-    from ..attribution.export import write_csv
-    from ..attribution.query import open_run
+    from ..attribution import audit_rows, audit_trail, open_run, write_csv
     from ..settings import IndexSettings
 
     run = open_run(a.run)
@@ -107,7 +105,7 @@ def _print_verify(rep: dict) -> None:
 
 
 def add_rank(sub) -> None:
-    from ..attribution.outliers import RankBy
+    from ..attribution import RankBy
 
     r = sub.add_parser(
         "rank",
@@ -127,8 +125,7 @@ def add_rank(sub) -> None:
 
 
 def _cmd_rank(a) -> int:
-    from ..attribution.outliers import RankBy, rank_examples
-    from ..attribution.query import open_run
+    from ..attribution import RankBy, open_run, rank_examples
     from ..settings import IndexSettings
 
     run = open_run(a.run)
@@ -144,7 +141,7 @@ def _cmd_rank(a) -> int:
             f"{row['rank']:>4} {row[col]:>15.6g}  {row['source'] + ':' + str(row['row']):<28} {text}"
         )
     if a.csv:
-        from ..attribution.export import write_csv
+        from ..attribution import write_csv
 
         write_csv(df, a.csv)
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .flags import add_dense_k_flag, add_sketch_flag, add_track_flags, field_defaults
+from ..flags import add_dense_k_flag, add_sketch_flag, add_track_flags, field_defaults
 
 
 def add_bench(sub) -> None:

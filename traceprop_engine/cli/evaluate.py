@@ -6,7 +6,7 @@ import argparse
 import logging
 import math
 
-from .flags import choices, field_defaults, int_list, plain
+from ..flags import choices, field_defaults, int_list, plain
 
 
 def _add_train_flags(p) -> None:

@@ -24,7 +24,7 @@ def add_compact(sub) -> None:
 
 
 def _cmd_compact(a) -> int:
-    from ..attribution.query import open_run
+    from ..attribution import open_run
     from ..errors import ConfigError
     from ..store.compact import compact_store
     from ..store.sizes import describe_compaction

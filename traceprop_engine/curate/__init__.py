@@ -45,7 +45,7 @@ __all__ = [
 
 def preview(run_dir: str | os.PathLike, selection: Selection) -> tuple[list[Removal], list[dict]]:
     """What ``selection`` removes from ``run_dir``, without writing anything."""
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     run = open_run(run_dir)
     try:
@@ -68,7 +68,7 @@ def curate(
         ConfigError, DataError, QueryError, RunError: see :func:`select_examples` and
             :func:`write_clean_copy`; nothing is written when one is raised before the copy.
     """
-    from ..attribution.query import open_run
+    from ..attribution import open_run
     from ..run import RunManifest
     from .clean_copy import data_root
 

@@ -4,8 +4,8 @@ eval set.
 
 Rows of the retrain are matched to the original's by lineage: the cleaned copy left out some
 rows, so a kept row's number in the copy is mapped back to its number in the source file
-(:func:`source_row`) before :mod:`~traceprop_engine.attribution.compare` matches ``source:row``.
-Saved as ``DATA_DIR/proof.json``.
+(:func:`source_row`) before :mod:`~traceprop_engine.attribution.reports.compare` matches
+``source:row``. Saved as ``DATA_DIR/proof.json``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _in_source_rows(rows: pl.DataFrame, dropped: dict[str, list[int]]) -> pl.Dat
 
 
 def _side(run, q: dict, top_k: int, settings) -> tuple[pl.DataFrame, dict]:
-    from ..attribution.answer import model_answer
+    from ..attribution import model_answer
 
     completion = q.get("completion") or None
     res = run.query(q["prompt"], completion, label=q.get("label"), top_k=top_k, settings=settings)
@@ -79,8 +79,7 @@ def prove(data_dir: str | os.PathLike, top_k: int = 10) -> dict:
     Raises:
         ConfigError: ``data_dir`` is not a cleaned copy, or it has no completed retrain.
     """
-    from ..attribution.compare import overlap, rank_changes
-    from ..attribution.query import open_run
+    from ..attribution import open_run, overlap, rank_changes
     from ..errors import ConfigError
     from ..settings import IndexSettings
 

@@ -83,7 +83,7 @@ class Selection:
                 f"--remove-top-k must be 1..{MAX_TOP_K} with a query or --by, got {self.top_k}"
             )
         if self.by is not None:
-            from ..attribution.outliers import RankBy
+            from ..attribution import RankBy
             from ..settings import parse_choice
 
             object.__setattr__(self, "by", parse_choice(RankBy, self.by, "--by").value)
@@ -175,7 +175,7 @@ def _by_query(run, sel: Selection, settings, out: dict, train: pl.DataFrame) -> 
 
 
 def _by_ranking(run, sel: Selection, settings, out: dict, train: pl.DataFrame) -> None:
-    from ..attribution.outliers import RankBy, rank_examples
+    from ..attribution import RankBy, rank_examples
 
     by = RankBy(sel.by)
     ranked = rank_examples(run, by, settings)

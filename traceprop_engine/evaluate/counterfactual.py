@@ -288,7 +288,7 @@ def run_counterfactual(
     Returns:
         The result document (also written to :func:`result_path`).
     """
-    from ..attribution.query import open_run
+    from ..attribution import open_run
     from ..settings import IndexSettings
     from ..training.loop import StopFlag
 

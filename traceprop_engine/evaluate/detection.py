@@ -226,7 +226,7 @@ def run_detection(s: DetectSettings, *, overwrite: bool = False) -> list[dict]:
     """
     import torch
 
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     torch.set_num_threads(1)
     out = Path(s.out)

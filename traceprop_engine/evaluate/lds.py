@@ -287,7 +287,7 @@ def run_lds(
 def _read_main_run(main_dir: Path, eval_dir: Path, s: LdsSettings):
     """From the main tracked run: the subsets (written to subsets.json), the eval example ids,
     their encodings and the raw training records the subset retrains read."""
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     run = open_run(main_dir)
     examples = run.examples()

@@ -114,7 +114,7 @@ class RecordProducts:
 
 def lever_methods(run_dir: Path, eval_ids: list[int], n_train: int, k):
     """Yield the lever rows of one tracked run (see the module docstring)."""
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     run = open_run(run_dir)
     try:
@@ -175,7 +175,7 @@ def trained_parameters(model) -> list:
 
 def final_model_methods(run_dir: Path, eval_ids: list[int], n_train: int):
     """Yield ``full-gradient dot`` and ``full-gradient cosine`` on the run's final model."""
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     run = open_run(run_dir)
     try:

@@ -63,8 +63,7 @@ def _compact_methods(
     preconditioner of the run's persisted index for that kind), so at ``c = min(k_out, k_in)``
     the scores equal the full-sketch scores up to float32 storage round-off.
     """
-    from ..attribution.factor_scores import factor_scores
-    from ..attribution.query import open_run
+    from ..attribution import factor_scores, open_run
     from ..settings import IndexSettings
     from ..store.factor_file import FactorStore
 
@@ -157,7 +156,7 @@ def _guarded(what: str, fn, *args):
 
 def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[int], n_train: int):
     """One tracked run's methods: its eval sketches scored under every preconditioner."""
-    from ..attribution.query import open_run
+    from ..attribution import open_run
     from ..settings import IndexSettings
 
     run = open_run(run_dir)
@@ -196,7 +195,7 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
 
 def _baselines(s: LdsSettings, main: Path, eval_ids: list[int], n_train: int):
     """Methods without a preconditioner, on the main run's final model (and a random floor)."""
-    from ..attribution.query import open_run
+    from ..attribution import open_run
 
     run = open_run(main)
     train_encs = [run.encode(eval_example=i)[0] for i in range(n_train)]

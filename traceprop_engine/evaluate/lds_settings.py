@@ -81,9 +81,9 @@ class LdsSettings:
         damping: preconditioner damping (``None``: the engine's default).
         compact: compact-storage methods, ``(k, preconditioner, c)``: the k run's sketches are
             compacted to rank-``c`` factors (``runs/k{k}/factors-c{c}.h5``, reused on a resume)
-            and scored with :func:`traceprop_engine.attribution.factor_scores.factor_scores` (family
-            ``factored-c``, method ``"{preconditioner} c={c}"``). Entries whose k is not in the
-            sweep are skipped. Scoring only: not part of the settings a resume checks.
+            and scored with :func:`traceprop_engine.attribution.score.factor_scores.factor_scores`
+            (family ``factored-c``, method ``"{preconditioner} c={c}"``). Entries whose k is not in
+            the sweep are skipped. Scoring only: not part of the settings a resume checks.
         exact: also train the exact run (``runs/exact``: ``k_in = k_out = EXACT_K``, clamped to
             every layer's width, i.e. unsketched per-example gradients) and score it with every
             preconditioner (family ``exact``, method ``"exact {preconditioner}"``): the ceiling

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import constants as C
-from ..attribution.query import open_run
+from ..attribution import open_run
 from ..run import read_manifest, relative_paths, write_manifest
 from ..settings import IndexSettings, TrackSettings, TrainSettings
 from ..training.loop import train

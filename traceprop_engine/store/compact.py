@@ -8,7 +8,7 @@ singular values ``σ_{c+1}, …`` of ``Ŝ``; its norms ``‖R‖_* = Σ_{j>c} σ
 ``‖R‖_F = (Σ_{j>c} σ_j²)^{1/2}`` are kept per record, for the error bound of the scores.
 
 Scores straight from the factors (never rebuilding ``Ŝ``) and their bound are in
-:mod:`traceprop_engine.attribution.factor_scores`.
+:mod:`traceprop_engine.attribution.score.factor_scores`.
 
 File ``RUN/factors-c{rank}.h5`` (``format = "traceprop-factors"``, ``version = 1``)::
 

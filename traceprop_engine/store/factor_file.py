@@ -1,5 +1,5 @@
 """The factor file ``RUN/factors-c{rank}.h5`` (layout in :mod:`.compact`): its names and the
-read-only :class:`FactorStore` that attribution (``attribution/factor_scores.py``) and the LDS
+read-only :class:`FactorStore` that attribution (``attribution/score/factor_scores.py``) and the LDS
 evaluation read; :mod:`.compact` writes it."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .reader import Store
 
 FACTORS_FORMAT = "traceprop-factors"
 FACTORS_VERSION = 1
-CHUNK = 4096  # records per streamed chunk (as in attribution.scoring)
+CHUNK = 4096  # records per streamed chunk (as in attribution.score.scoring)
 
 F_U, F_V = "U", "V"
 F_RES_FRO, F_RES_NUC = "residual_fro", "residual_nuc"

@@ -85,7 +85,7 @@ class Covariance:
     Produced by the capture hooks (:meth:`~traceprop_engine.capture.hooks.Capture.covariance_arrays`),
     written as the layer's ``A``/``S`` datasets and ``cov_tokens`` attribute, read back by
     :meth:`Store.covariance <traceprop_engine.store.reader.Store.covariance>` and turned into a
-    preconditioner by :mod:`traceprop_engine.attribution.precondition`.
+    preconditioner by :mod:`traceprop_engine.attribution.precondition.preconditioner`.
 
     Attributes:
         A: (k_in, k_in) float64, ``Σ ã ãᵀ`` over the tokens (projected layer inputs).

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import polars as pl
 
-from .. import constants as C
-from ..run import RunManifest, library_versions
+from ... import constants as C
+from ...run import RunManifest, library_versions
 from .export import rows_for_export
 
 
@@ -39,7 +39,7 @@ def audit_trail(run, result) -> dict:
     rows = rows_for_export(result)
     loaded = getattr(result, "model_fingerprint", None)
     if loaded is None:  # a result ranked from a test side computed without the run's model
-        from ..training.fingerprint import cached_model_fingerprint
+        from ...training.fingerprint import cached_model_fingerprint
 
         model_dir = Path(run.dir) / C.MODEL_DIR
         loaded = cached_model_fingerprint(model_dir)[0] if model_dir.is_dir() else None

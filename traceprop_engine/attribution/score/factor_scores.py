@@ -3,12 +3,14 @@
 Scores never rebuild ``Ŝ`` (:mod:`traceprop_engine.store.compact` writes ``Ŝ ≈ U Vᵀ``). Every
 preconditioner here is a linear map ``P`` on the sketch, so ``⟨P T, P Ŝ⟩ = ⟨T', Ŝ⟩`` with
 ``T' = P*P T`` the test sketch pushed to the training side
-(:meth:`~traceprop_engine.attribution.precondition.LayerPreconditioner.pullback`; K-FAC: ``L² T R²``), and
+(:meth:`~traceprop_engine.attribution.precondition.layer.LayerPreconditioner.pullback`;
+K-FAC: ``L² T R²``), and
 
     ⟨T', U Vᵀ⟩ = Σ_c u_cᵀ T' v_c,
 
 one (k_out×k_in)·(k_in×c) product per record on the query side only. The per-example score is
-the learning-rate-weighted sum over the example's records, as in :mod:`traceprop_engine.attribution.vectors`.
+the learning-rate-weighted sum over the example's records, as in
+:mod:`traceprop_engine.attribution.precondition.vectors`.
 
 Error bound (stored, per record and layer): the residual ``R = Ŝ − U Vᵀ`` has the discarded
 singular values ``σ_{c+1}, …`` of ``Ŝ``, so by von Neumann's trace inequality
@@ -27,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import constants as C
-from ..errors import ConfigError, StoreError
-from ..store.factor_file import CHUNK, FactorStore
-from ..store.reader import Store
-from .precondition import Preconditioner
+from ... import constants as C
+from ...errors import ConfigError, StoreError
+from ...store.factor_file import CHUNK, FactorStore
+from ...store.reader import Store
+from ..precondition.preconditioner import Preconditioner
 
 __all__ = ["LOWRANK_RTOL", "ExampleScores", "factor_scores", "sketch_scores"]
 
@@ -262,7 +264,8 @@ def factor_scores(
         factors: an open :class:`FactorStore`.
         preconditioner: a fitted :class:`Preconditioner` (identity/K-FAC/EK-FAC, from the same
             store), a sequence of per-layer objects with ``name`` and ``pullback`` (e.g.
-            :class:`~traceprop_engine.attribution.woodbury.WoodburyPreconditioner`), or None (identity).
+            :class:`~traceprop_engine.attribution.precondition.woodbury.WoodburyPreconditioner`), or
+            None (identity).
         chunk: records per streamed chunk.
         dtype: arithmetic dtype of the per-record products (float64 for exact checks).
         with_bound: also accumulate the guaranteed error bound.

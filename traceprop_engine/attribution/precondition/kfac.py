@@ -1,14 +1,18 @@
 """Fitting one layer's ``H^{-1/2}`` from its K-FAC statistics: identity, K-FAC, EK-FAC, dense.
 
-The kinds and their formulas are described in :mod:`traceprop_engine.attribution.precondition`;
-:func:`fit_layer` checks the statistics, then dispatches to one named step per kind.
+The kinds and their formulas are described in
+:mod:`traceprop_engine.attribution.precondition.preconditioner`; :func:`fit_layer` checks the
+statistics, then dispatches to one named step per kind.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from traceprop_engine.attribution.precondition import (
+from traceprop_engine.errors import ConfigError, StoreError
+from traceprop_engine.settings import PreconditionerKind
+
+from .layer import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerPreconditioner,
@@ -16,8 +20,6 @@ from traceprop_engine.attribution.precondition import (
     parse_kind,
     symmetrize,
 )
-from traceprop_engine.errors import ConfigError, StoreError
-from traceprop_engine.settings import PreconditionerKind
 
 __all__ = ["fit_layer", "inverse_sqrt_psd"]
 

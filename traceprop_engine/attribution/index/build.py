@@ -1,8 +1,9 @@
-"""Building a :class:`~traceprop_engine.attribution.index.VectorIndex` by streaming vectors.
+"""Building a :class:`~traceprop_engine.attribution.index.vector_index.VectorIndex` by streaming
+vectors.
 
 One pass samples the vectors to train the IVF quantiser (and finds the MIPS-to-L2 radius), a
 second adds them while accumulating the exact answers of the calibration queries, which then
-tune ``nprobe`` (see :mod:`traceprop_engine.attribution.index` for the kinds).
+tune ``nprobe`` (see :mod:`traceprop_engine.attribution.index.vector_index` for the kinds).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from traceprop_engine.attribution.index import (
+from traceprop_engine.attribution.index.vector_index import (
     VectorIndex,
     faiss_threads,
     keeps_caller_threads,

@@ -1,9 +1,9 @@
 """The exact re-rank of a query's candidates, layer by layer, dropping rows that cannot place.
 
 The score of index row ``j`` is a sum over layers, ``τ_j = Σ_l ⟨T'_l, x_{j,l}⟩`` with
-``T'_l = pullback_l(T_l)`` (:mod:`.scoring`), and every preconditioner here is one linear map
-per layer, ``apply_l`` (identity, K-FAC's ``L X R``, EK-FAC's scaled eigenbasis), with
-``⟨T'_l, x⟩ = ⟨apply_l(T_l), apply_l(x)⟩``. So by Cauchy–Schwarz
+``T'_l = pullback_l(T_l)`` (:mod:`~traceprop_engine.attribution.score.scoring`), and every
+preconditioner here is one linear map per layer, ``apply_l`` (identity, K-FAC's ``L X R``, EK-FAC's
+scaled eigenbasis), with ``⟨T'_l, x⟩ = ⟨apply_l(T_l), apply_l(x)⟩``. So by Cauchy–Schwarz
 
     |⟨T'_l, x_{j,l}⟩| ≤ ‖apply_l(T_l)‖ · ‖apply_l(x_{j,l})‖ = q_l · n_{j,l}
 
@@ -54,7 +54,7 @@ def bounded_rerank(
     """Exact per-layer scores of the candidate ``rows`` of one query that can still place.
 
     Args:
-        scorer: the index's :class:`~.scoring.ExactScorer`.
+        scorer: the index's :class:`~traceprop_engine.attribution.score.scoring.ExactScorer`.
         prepared: the query's ``scorer.prepared_lazily(...)`` (one query; each layer factored
             only when many rows need it).
         query_sq: (L,) ``‖apply_l(T_l)‖²`` of the query, per layer.
@@ -113,10 +113,10 @@ def rerank_candidates(
     indexes, s, sketches, cand: np.ndarray, top_k: int, opponents: bool, prepared=None
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`bounded_rerank` of one query's candidates ``cand`` against the index ``s``
-    of ``indexes`` (:class:`~.index_store.RunIndexes`), with its scores as ``exact_scores``
-    gives them (cosine: divided by both norms); None when the index keeps no per-layer norms
-    (built before them, or too large to norm exactly) or for several queries at once.
-    ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it."""
+    of ``indexes`` (:class:`~traceprop_engine.attribution.index.run_indexes.RunIndexes`), with its
+    scores as ``exact_scores`` gives them (cosine: divided by both norms); None when the index keeps
+    no per-layer norms (built before them, or too large to norm exactly) or for several queries at
+    once. ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it."""
     layer_sq = indexes.row_layer_sq_norms(s)
     if layer_sq is None or len(sketches[0]) != 1:
         return None

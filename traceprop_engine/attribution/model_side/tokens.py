@@ -22,13 +22,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..capture.hooks import Capture
-from ..errors import QueryError
-from ..settings import IndexSettings
-from ..training.losses import example_losses
-from ..training.models import Encoded, collate, model_inputs
+from ...capture.hooks import Capture
+from ...errors import QueryError
+from ...settings import IndexSettings
+from ...training.losses import example_losses
+from ...training.models import Encoded, collate, model_inputs
+from ..result import TokenContributions
 from .encode import pad_id
-from .result import TokenContributions
 
 MAX_TOKENS_PER_BATCH = 64  # per-token copies backpropagated at once
 

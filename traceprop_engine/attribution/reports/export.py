@@ -1,7 +1,7 @@
 """Exports: influencer rows as CSV or JSON, with spreadsheet formulas neutralised.
 
-Audit trails are in :mod:`traceprop_engine.attribution.audit`, verification of a run's inputs
-in :mod:`traceprop_engine.verify`.
+Audit trails are in :mod:`traceprop_engine.attribution.reports.audit`, verification of a run's
+inputs in :mod:`traceprop_engine.verify`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """A second candidate search: the dominant layer's own rank-1 records, in lists by output factor.
 
-Why. The index vectors (:mod:`.index_projection`) summarise every layer of an example in 256
-numbers. At 10⁶ examples of a language model the true top 10 are among thousands of rows that
-share the query's answer token (proponents) or a competing one (opponents), and the summary
-does not order them as the exact scores do (benchmarks/README.md §2b: recall@10 0.87 / 0.63).
-On those runs one layer, the LM head, holds ≈ 0.99 of the records' energy, and its records are
-rank 1, ``x = u vᵀ``. Against a query whose pulled-back sketch is ``T' = A Bᵀ`` (rank ≤ its loss
-tokens, :class:`~.factor_scores.LowRankTest`) a record scores exactly
+Why. The index vectors (:mod:`~traceprop_engine.attribution.index.projection`) summarise every layer
+of an example in 256 numbers. At 10⁶ examples of a language model the true top 10 are among
+thousands of rows that share the query's answer token (proponents) or a competing one (opponents),
+and the summary does not order them as the exact scores do (benchmarks/README.md §2b: recall@10 0.87
+/ 0.63). On those runs one layer, the LM head, holds ≈ 0.99 of the records' energy, and its records
+are rank 1, ``x = u vᵀ``. Against a query whose pulled-back sketch is ``T' = A Bᵀ`` (rank ≤ its loss
+tokens, :class:`~traceprop_engine.attribution.score.factor_scores.LowRankTest`) a record
+scores exactly
 
     ``lr · (uᵀA)·(vᵀB) / ‖x_row‖``  (cosine; the query's norm is the same for every row),
 
@@ -26,9 +27,9 @@ Query (:meth:`FactorLists.candidates`). A list's estimate on the proponents' sid
 the opponents' side ``−cᵀT'm + ‖T'ᵀc‖·σ``. The lists with the largest estimates are scanned
 per side until a share of the entries (:data:`SCAN_FRACTION`), every scanned entry is scored
 at that layer (to the reduction's rounding), and the :data:`CANDIDATES` best rows per side
-join FAISS's candidates. The exact re-rank (:mod:`.rerank`) then scores every candidate at
-every layer as before: the lists only propose rows, every returned score is still the exact
-one.
+join FAISS's candidates. The exact re-rank (:mod:`~traceprop_engine.attribution.score.rerank`) then
+scores every candidate at every layer as before: the lists only propose rows, every returned score
+is still the exact one.
 
 The layers: the dominant one and the next by energy (:func:`list_layers`); a query scans a
 layer's lists only where it holds :data:`MIN_QUERY_SHARE` of its norm.
@@ -220,7 +221,7 @@ def list_candidates(scorer, sketches, opponents: bool = True, prepared=None) -> 
 
     ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it (the
     re-rank then reuses the pullbacks and the factored ``T'`` of the lists' layers)."""
-    from .factor_scores import LowRankTest
+    from ..score.factor_scores import LowRankTest
 
     if not scorer.lists or len(sketches[0]) != 1:
         return np.zeros(0, np.int64)

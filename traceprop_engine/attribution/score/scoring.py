@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from .. import constants as C
+from ... import constants as C
+from ..index.projection import transformed_factors
+from ..precondition.preconditioner import Preconditioner
 from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
-from .index_projection import transformed_factors
-from .precondition import Preconditioner
 
 CHUNK = 4096  # records per streamed chunk
 NORM_BUFFER_BYTES = 1 << 30  # exact per-example norms accumulate at most this much in memory
@@ -52,7 +52,7 @@ class ExactScorer:
         # a RecordCache (memory-mapped records of the index) for scattered reads, or None
         self.cache = None
         # the index's FactorLists, one per listed layer (a second candidate search,
-        # index_lists.py), or None
+        # index/lists.py), or None
         self.lists = None
         self.ids = np.asarray(ids)
         rec = store.records()
@@ -205,9 +205,9 @@ class ExactScorer:
     def example_sq_norms(self) -> np.ndarray | None:
         """(n, L) ``‖H_l^{-1/2} Σ_r w_r X_{r,l}‖²`` of every row and layer (summed over the
         layers: self-influence, the cosine denominator; per layer: the re-rank's bounds,
-        :mod:`.rerank`), or None when the per-row accumulation would exceed
-        :data:`NORM_BUFFER_BYTES` (then callers fall back to the index vectors' norms, an
-        estimate). With a record cache, factor-stored layers and a matrix-product preconditioner
+        :mod:`~traceprop_engine.attribution.score.rerank`), or None when the per-row accumulation
+        would exceed :data:`NORM_BUFFER_BYTES` (then callers fall back to the index vectors' norms,
+        an estimate). With a record cache, factor-stored layers and a matrix-product preconditioner
         (identity, K-FAC) they are exact at any size (:meth:`_gram_sq_norms`)."""
         if self.cache is not None and all(
             info.rank and lp.scale is None
@@ -268,8 +268,9 @@ fixed ≈ 0.4 ms a layer (random range, QR, SVD) however few rows it then serves
 
 class PreparedQuery:
     """One query's per-layer product side (:meth:`ExactScorer.prepared`), each layer factored
-    on first use: the bounded re-rank (:mod:`.rerank`) reaches most layers with a few dozen
-    rows, for which :meth:`for_rows` hands out the raw pullback instead (exact too)."""
+    on first use: the bounded re-rank (:mod:`~traceprop_engine.attribution.score.rerank`) reaches
+    most layers with a few dozen rows, for which :meth:`for_rows` hands out the raw pullback instead
+    (exact too)."""
 
     def __init__(self, scorer: ExactScorer, pullbacks: list[np.ndarray], f32: bool) -> None:
         self.scorer, self.raw, self.f32 = scorer, pullbacks, f32

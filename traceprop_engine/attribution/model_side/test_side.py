@@ -2,9 +2,10 @@
 
 :class:`TestSideMixin` gives :class:`~traceprop_engine.attribution.query.AttributionRun` the
 methods that need torch (the model, the query's tokens, its backward with the capture hooks),
-through a :class:`~traceprop_engine.attribution.encode.QueryEncoder` made on first use: opening a
-run, its examples, its index and the ranking of given sketches import no torch, so an app can
-leave the model to another process (:mod:`~traceprop_engine.attribution.worker`) and rank here.
+through a :class:`~traceprop_engine.attribution.model_side.encode.QueryEncoder` made on first use:
+opening a run, its examples, its index and the ranking of given sketches import no torch, so an app
+can leave the model to another process (:mod:`~traceprop_engine.attribution.model_side.worker`) and
+rank here.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .result import TestSide
+from ..query_input import Query
+from ..result import TestSide
 
 if TYPE_CHECKING:
-    from ..capture.layers import TrackedLayer
+    from ...capture.layers import TrackedLayer
     from .encode import QueryEncoder
 
 
@@ -47,32 +49,10 @@ class TestSideMixin:
         """The store's tracked layers on the loaded model (what the query-side hooks capture)."""
         return self.encoder.tracked_layers()
 
-    def encode(
-        self,
-        prompt: str | None = None,
-        completion: str | None = None,
-        *,
-        eval_example: int | None = None,
-        label: str | None = None,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
-    ):
-        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``.
-
-        A query is text (``prompt``/``completion``, through the run's tokenizer), an example of
-        the run (``eval_example``), or token ids (``input_ids``, with ``labels`` -100 where no
-        loss is taken, or a 0/1 ``loss_mask``; neither: the loss on every token after the first).
-        """
-        return self.encoder.encode(
-            prompt,
-            completion,
-            eval_example=eval_example,
-            label=label,
-            input_ids=input_ids,
-            labels=labels,
-            loss_mask=loss_mask,
-        )
+    def encode(self, prompt: Query | str | None = None, completion: str | None = None, **query):
+        """Tokens of a query (a :class:`~traceprop_engine.attribution.query_input.Query`, or its
+        fields) as training saw them; returns ``(Encoded, query description, notes)``."""
+        return self.encoder.encode(Query.of(prompt, completion, **query))
 
     def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
         """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
@@ -83,32 +63,18 @@ class TestSideMixin:
         return self.encoder.representations(encs)
 
     def test_side(
-        self,
-        prompt: str | None = None,
-        completion: str | None = None,
-        *,
-        eval_example: int | None = None,
-        label: str | None = None,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
+        self, prompt: Query | str | None = None, completion: str | None = None, **query
     ) -> TestSide:
-        """The query's sketches and loss on the final model (the torch part of :meth:`query`).
+        """The query's sketches and loss on the final model (the torch part of :meth:`query`);
+        the query as for :meth:`encode`.
 
         Raises:
             QueryError: as for :meth:`query`.
         """
         t0 = time.perf_counter()
-        enc, desc, notes = self.encode(
-            prompt,
-            completion,
-            eval_example=eval_example,
-            label=label,
-            input_ids=input_ids,
-            labels=labels,
-            loss_mask=loss_mask,
-        )
-        if input_ids is not None:
+        q = Query.of(prompt, completion, **query)
+        enc, desc, notes = self.encoder.encode(q)
+        if q.input_ids is not None:
             desc = {
                 "prompt": None,
                 "completion": None,

@@ -8,8 +8,8 @@ from enum import Enum
 import numpy as np
 import polars as pl
 
-from .. import constants as C
-from ..settings import parse_choice
+from ... import constants as C
+from ...settings import parse_choice
 
 
 class RankBy(str, Enum):

@@ -1,4 +1,6 @@
-"""Flags shared by several command groups, their defaults and choices read from the settings.
+"""The settings as command-line flags: the flags shared by several command groups (the CLI's, and
+the ``traceprop train`` command line of :mod:`traceprop_engine.training.command`), their defaults
+and choices read from the settings.
 
 A default lives in one place, the settings dataclass (``TrackSettings``, ``TrainSettings``,
 ``IndexSettings``); the parser reads it from there, so changing it there changes ``--help`` and
@@ -51,7 +53,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def add_track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
-    from ..settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings
+    from .settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings
 
     d = field_defaults(TrackSettings)
     p.add_argument(
@@ -119,7 +121,7 @@ def add_track_flags(p) -> None:
 
 def add_sketch_flag(p, help: str | None = None) -> None:
     """--sketch with TrackSettings' default."""
-    from ..settings import SketchKind, TrackSettings
+    from .settings import SketchKind, TrackSettings
 
     d = field_defaults(TrackSettings)
     p.add_argument("--sketch", default=plain(d["sketch"]), choices=choices(SketchKind), help=help)
@@ -127,7 +129,7 @@ def add_sketch_flag(p, help: str | None = None) -> None:
 
 def add_dense_k_flag(p, help: str | None = None) -> None:
     """--dense-k with TrackSettings' default."""
-    from ..settings import TrackSettings
+    from .settings import TrackSettings
 
     p.add_argument(
         "--dense-k", type=int, default=field_defaults(TrackSettings)["dense_k"], help=help
@@ -136,8 +138,7 @@ def add_dense_k_flag(p, help: str | None = None) -> None:
 
 def add_preconditioner_flag(p, help: str | None = None) -> None:
     """--preconditioner with IndexSettings' default."""
-    from ..attribution.precondition import PreconditionerKind
-    from ..settings import IndexSettings
+    from .settings import IndexSettings, PreconditionerKind
 
     d = field_defaults(IndexSettings)
     p.add_argument(
@@ -150,8 +151,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 
 def add_index_flags(p) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults."""
-    from ..attribution.precondition import DEFAULT_DAMPING
-    from ..settings import IndexKind, IndexSettings
+    from .settings import DEFAULT_DAMPING, IndexKind, IndexSettings
 
     d = field_defaults(IndexSettings)
     add_preconditioner_flag(p, help="H^-1 approximation")
@@ -190,7 +190,7 @@ def add_index_flags(p) -> None:
 
 def index_settings(a):
     """The :class:`IndexSettings` of parsed :func:`add_index_flags` flags."""
-    from ..settings import IndexSettings
+    from .settings import IndexSettings
 
     return IndexSettings(
         preconditioner=a.preconditioner,

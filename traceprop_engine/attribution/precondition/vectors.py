@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from .. import constants as C
-from ..errors import StoreError
-from ..settings import IndexSettings, SketchKind
-from .index_projection import fit_index_projection, fit_reduction
-from .overview import usable_preconditioners
-from .precondition import EkfacMoments, LayerStats, Preconditioner, PreconditionerKind
+from ... import constants as C
+from ...errors import StoreError
+from ...settings import IndexSettings, PreconditionerKind, SketchKind
+from ..index.projection import fit_index_projection, fit_reduction
+from ..overview import usable_preconditioners
+from .layer import EkfacMoments, LayerStats
+from .preconditioner import Preconditioner
 
 CHUNK = 4096
 """Records read from the store at a time (fitting, vectors, gradient norms)."""

@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from .precondition import Preconditioner
+from ..precondition.preconditioner import Preconditioner
 
 SAMPLE_RECORDS = 131_072  # records the moments are estimated from (evenly spaced chunks)
 _CHUNK = 8192

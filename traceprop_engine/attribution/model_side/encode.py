@@ -15,16 +15,16 @@ import numpy as np
 import polars as pl
 import torch
 
-from .. import constants as C
-from ..capture.hooks import Capture
-from ..capture.layers import TrackedLayer
-from ..errors import ModelMismatchError, QueryError, RunError
-from ..run import RunManifest
-from ..settings import SketchKind
-from ..training.examples import Example
-from ..training.fingerprint import cached_model_fingerprint, model_files_key
-from ..training.losses import example_losses
-from ..training.models import (
+from ... import constants as C
+from ...capture.hooks import Capture
+from ...capture.layers import TrackedLayer
+from ...errors import ModelMismatchError, QueryError, RunError
+from ...run import RunManifest
+from ...settings import SketchKind
+from ...training.examples import Example
+from ...training.fingerprint import cached_model_fingerprint, model_files_key
+from ...training.losses import example_losses
+from ...training.models import (
     Encoded,
     collate,
     encode_example,
@@ -32,6 +32,7 @@ from ..training.models import (
     model_inputs,
     quiet_hf,
 )
+from ..query_input import Query
 
 
 class QueryEncoder:
@@ -87,7 +88,7 @@ class QueryEncoder:
         model_dir = self.run_dir / C.MODEL_DIR
         if model_dir.exists():
             return model_dir, self.manifest.model.fingerprint
-        from ..training import checkpoint
+        from ...training import checkpoint
 
         ckpt = None if self.manifest.completed else checkpoint.load(self.run_dir)
         saved = ckpt is not None and (ckpt.folder / checkpoint.MODEL_SUBDIR).is_dir()
@@ -157,38 +158,24 @@ class QueryEncoder:
         )
 
     # -- tokens ---------------------------------------------------------------------------------
-    def encode(
-        self,
-        prompt: str | None = None,
-        completion: str | None = None,
-        *,
-        eval_example: int | None = None,
-        label: str | None = None,
-        input_ids=None,
-        labels=None,
-        loss_mask=None,
-    ):
-        """Tokens of a query as training saw them; returns ``(Encoded, query description, notes)``.
+    def encode(self, query: Query):
+        """Tokens of ``query`` as training saw them.
 
-        A query is text (``prompt``/``completion``, through the run's tokenizer), an example of
-        the run (``eval_example``), or token ids (``input_ids``, with ``labels`` -100 where no
-        loss is taken, or a 0/1 ``loss_mask``; neither: the loss on every token after the first).
+        Returns:
+            ``(Encoded, query description, notes)``.
         """
         loaded = self.model()
-        if input_ids is not None:
-            if prompt is not None or completion is not None or eval_example is not None:
-                raise QueryError(
-                    "give the query either as input_ids (+ labels or loss_mask), or as "
-                    "prompt/completion, or as eval_example, not several"
-                )
-            return self._encode_ids(loaded, input_ids, labels, loss_mask, label), {}, []
-        if labels is not None or loss_mask is not None:
-            raise QueryError("labels/loss_mask go with input_ids: pass input_ids=... as well")
-        if loaded.tokenizer is None and eval_example is None:
+        if query.input_ids is not None:
+            enc = self._encode_ids(
+                loaded, query.input_ids, query.labels, query.loss_mask, query.label
+            )
+            return enc, {}, []
+        if loaded.tokenizer is None and query.eval_example is None:
             raise QueryError(
                 "this run has no tokenizer (it was finished without one): query it by token ids, "
                 "run.query(input_ids=..., labels=...)"
             )
+        label = query.label
         ignored = (
             [
                 f"the label {label!r} was not used: this run is {self.task}, where the "
@@ -198,10 +185,10 @@ class QueryEncoder:
             if label is not None and self.task != "classification"
             else []
         )
-        if eval_example is not None:
-            enc, desc = self._encode_example(loaded, eval_example)
+        if query.eval_example is not None:
+            enc, desc = self._encode_example(loaded, query.eval_example)
             return enc, desc, ignored
-        enc, desc, notes = self._encode_text(loaded, prompt, completion, label)
+        enc, desc, notes = self._encode_text(loaded, query.prompt, query.completion, label)
         return enc, desc, ignored + notes
 
     def _encode_example(self, loaded, eval_example: int) -> tuple[Encoded, dict]:
@@ -396,50 +383,3 @@ def _as_1d_ints(x, what: str) -> np.ndarray:
             f"{what} must be a 1-D sequence of integers, got {a.dtype} of shape {a.shape}"
         )
     return a.astype(np.int64)
-
-
-def _is_batch(x) -> bool:
-    if x is None or isinstance(x, str):
-        return False
-    if isinstance(x, torch.Tensor | np.ndarray):
-        return x.ndim == 2
-    return isinstance(x, list | tuple) and len(x) > 0 and not np.isscalar(x[0])
-
-
-def query_batch(prompt, completion, input_ids, labels, loss_mask, eval_example, label):
-    """The keyword sets of :meth:`QueryEncoder.encode` for each query, and whether it was a batch."""
-    if input_ids is not None:
-        batched = _is_batch(input_ids)
-        if not batched:
-            return [
-                dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, label=label)
-            ], False
-        n = len(input_ids)
-        for name, v in (("labels", labels), ("loss_mask", loss_mask)):
-            if v is not None and len(v) != n:
-                raise QueryError(f"{name} holds {len(v)} rows for {n} queries in input_ids")
-        lab = label if isinstance(label, list | tuple) else [label] * n
-        return [
-            dict(
-                input_ids=input_ids[i],
-                labels=None if labels is None else labels[i],
-                loss_mask=None if loss_mask is None else loss_mask[i],
-                label=lab[i],
-            )
-            for i in range(n)
-        ], True
-    if isinstance(eval_example, list | tuple):
-        return [dict(eval_example=int(e), label=label) for e in eval_example], True
-    if isinstance(prompt, list | tuple):
-        n = len(prompt)
-        comp = completion if isinstance(completion, list | tuple) else [completion] * n
-        lab = label if isinstance(label, list | tuple) else [label] * n
-        if len(comp) != n or len(lab) != n:
-            raise QueryError(f"completion/label must give one entry per prompt ({n})")
-        return [
-            dict(prompt=p, completion=c, label=la)
-            for p, c, la in zip(prompt, comp, lab, strict=True)
-        ], True
-    return [
-        dict(prompt=prompt, completion=completion, eval_example=eval_example, label=label)
-    ], False

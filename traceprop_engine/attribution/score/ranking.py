@@ -12,8 +12,8 @@ import json
 import numpy as np
 import polars as pl
 
-from .. import constants as C
-from .precondition import Preconditioner
+from ... import constants as C
+from ..precondition.preconditioner import Preconditioner
 
 SIGN_NOTE = (
     "score > 0: proponent (the example pushed the model toward this output; up-weighting it "
@@ -49,7 +49,7 @@ _EMPTY_ROWS = {
 def n_candidates(top_k: int, n: int, lists: bool = False) -> int:
     """How many rows per side FAISS proposes for the exact re-rank of ``top_k`` (of ``n``).
 
-    With factor lists (``index_lists.py``) beside it, FAISS proposes no more than
+    With factor lists (``index/lists.py``) beside it, FAISS proposes no more than
     ``MIN_CANDIDATES``: on the real run of 10⁶ examples the lists found what more FAISS
     candidates would, for less time (benchmarks/README.md §2b)."""
     grow = 0 if lists else min(n // CANDIDATE_FRACTION, MAX_CANDIDATES)

@@ -2,7 +2,8 @@
 
 Kinds (all ``METRIC_INNER_PRODUCT``):
 
-- ``flat``: exact ``IndexFlatIP``. The default below :data:`~traceprop_engine.attribution.index_build.AUTO_FLAT_MAX` vectors.
+- ``flat``: exact ``IndexFlatIP``. The default below
+  :data:`~traceprop_engine.attribution.index.build.AUTO_FLAT_MAX` vectors.
 - ``ivf``: ``IndexIVFFlat`` over the *MIPS-to-L2 transform* (Bachrach et al. 2014): every
   stored vector gets one extra coordinate ``sqrt(M² - ‖x‖²)`` (``M`` = the largest norm, found in
   the sampling pass) and queries get a 0, so all stored vectors lie on one sphere, k-means and
@@ -18,7 +19,8 @@ Kinds (all ``METRIC_INNER_PRODUCT``):
   ``rerank`` top candidates are re-scored exactly from the full vectors, read through a callback
   ``fetch(ids) -> (len(ids), dim)`` (e.g. rows of an HDF5 dataset).
 - ``hnsw``: ``IndexHNSWFlat`` (graph; fast queries, slow build — optional).
-- ``auto``: flat up to :data:`~traceprop_engine.attribution.index_build.AUTO_FLAT_MAX` vectors, ivf above.
+- ``auto``: flat up to :data:`~traceprop_engine.attribution.index.build.AUTO_FLAT_MAX` vectors, ivf
+  above.
 
 Sign convention (DESIGN §1): positive score = proponent (up-weighting the example lowers the
 test loss); :meth:`VectorIndex.search_both` returns proponents and opponents (most negative).
@@ -39,7 +41,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from traceprop_engine.attribution.index_files import check_files, file_digest
+from traceprop_engine.attribution.index.files import check_files, file_digest
 from traceprop_engine.errors import ConfigError, IndexBuildError, IndexStaleError, StoreError
 from traceprop_engine.settings import IndexKind
 
@@ -108,7 +110,8 @@ class SearchResult:
 
 
 class VectorIndex:
-    """A built or loaded index. Use :func:`~traceprop_engine.attribution.index_build.build_index` or :meth:`load` to get one."""
+    """A built or loaded index. Use :func:`~traceprop_engine.attribution.index.build.build_index` or
+    :meth:`load` to get one."""
 
     def __init__(
         self,
@@ -307,7 +310,7 @@ class VectorIndex:
 
         Args:
             directory: target folder (the run's index folder, or the temporary folder it is
-                built in; see :func:`~traceprop_engine.attribution.index_files.publish_dir`).
+                built in; see :func:`~traceprop_engine.attribution.index.files.publish_dir`).
             fingerprint: identifies the store contents the vectors came from (and the
                 preconditioner); :meth:`load` refuses another one.
             files: other files of ``directory`` that belong to the index (already written);

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import constants as C
-from ..store.format import FACTOR_STORAGE, decode_factors
+from ... import constants as C
+from ...store.format import FACTOR_STORAGE, decode_factors
 
 CHUNK = 65_536  # records copied at a time
 MIN_RECORDS = 16_384

@@ -1,12 +1,13 @@
 """The persisted indexes of one run: build, load, staleness, and what each query reuses.
 
 An index lives in ``<run>/index/<settings name>/``: the fitted preconditioner, the vectors
-(:mod:`traceprop_engine.attribution.vectors`), their example ids, the exact row norms, a
-memory-mapped copy of the records for the re-rank (:mod:`.record_cache`), on large runs the
-factor lists of the layers holding most of the energy (:mod:`.index_lists`), the FAISS index and
-``index.json``, which records the digest of every file. Its fingerprint (the
-store's fingerprint + the settings) makes an index built from other records stale; a stale,
-half-written or damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index_files`).
+(:mod:`traceprop_engine.attribution.precondition.vectors`), their example ids, the exact row norms,
+a memory-mapped copy of the records for the re-rank
+(:mod:`~traceprop_engine.attribution.score.record_cache`), on large runs the factor lists of the
+layers holding most of the energy (:mod:`~traceprop_engine.attribution.index.lists`), the FAISS
+index and ``index.json``, which records the digest of every file. Its fingerprint (the store's
+fingerprint + the settings) makes an index built from other records stale; a stale, half-written or
+damaged index is rebuilt, never used (:mod:`traceprop_engine.attribution.index.files`).
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import constants as C
-from ..errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
-from ..permissions import make_temp_dir
-from ..run import is_bundled
-from ..settings import IndexSettings
-from . import record_cache
-from .index import INDEX_META_FILE, VectorIndex
-from .index_build import build_index
-from .index_files import index_lock, publish_dir
-from .index_lists import FactorLists, build_lists, list_layers, open_lists, wants_lists
-from .precondition import Preconditioner
-from .record_cache import RecordCache, write_record_cache
-from .rerank import as_bounds
-from .scoring import ExactScorer
-from .vectors import fit_preconditioner, write_vectors
+from ... import constants as C
+from ...errors import IndexBuildError, IndexStaleError, RunError, StoreError, TracepropError
+from ...permissions import make_temp_dir
+from ...run import is_bundled
+from ...settings import IndexSettings
+from ..precondition.preconditioner import Preconditioner
+from ..precondition.vectors import fit_preconditioner, write_vectors
+from ..score import record_cache
+from ..score.record_cache import RecordCache, write_record_cache
+from ..score.rerank import as_bounds
+from ..score.scoring import ExactScorer
+from .build import build_index
+from .files import index_lock, publish_dir
+from .lists import FactorLists, build_lists, list_layers, open_lists, wants_lists
+from .vector_index import INDEX_META_FILE, VectorIndex
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,11 @@ LAYER_NORMS_FILE = "layer_norms.npy"  # the same per row and layer, float32 roun
 BUILD_FILE = "build.json"
 BUILD_FORMAT = 3
 """What a build writes, recorded in ``build.json`` (absent: 1). 2: the rows' per-layer norms
-(the layer-by-layer re-rank, :mod:`.rerank`) and the index projection split by energy. 3: the
-factor lists of large runs (:mod:`.index_lists`). An index of an older format still answers
-exactly (its vectors only pick candidates) and is reused; its queries get
-:data:`OLD_BUILD_NOTE` (a format-2 index only where this release would have built lists)."""
+(the layer-by-layer re-rank, :mod:`~traceprop_engine.attribution.score.rerank`) and the index
+projection split by energy. 3: the factor lists of large runs
+(:mod:`~traceprop_engine.attribution.index.lists`). An index of an older format still answers
+exactly (its vectors only pick candidates) and is reused; its queries get :data:`OLD_BUILD_NOTE` (a
+format-2 index only where this release would have built lists)."""
 OLD_BUILD_NOTE = (
     "this index was built by an earlier version of Traceprop: every score is still exact, but "
     "rebuilding it (`traceprop index RUN --rebuild` with the same settings) makes queries "
@@ -287,8 +289,9 @@ class RunIndexes:
         return index
 
     def _build_lists(self, s: IndexSettings, scorer, layer_norms, out: Path, progress) -> tuple:
-        """The factor lists of a build (:mod:`.index_lists`), when ``s`` and the run want them:
-        written into ``out`` and given to ``scorer``; returns their file names."""
+        """The factor lists of a build (:mod:`~traceprop_engine.attribution.index.lists`), when
+        ``s`` and the run want them: written into ``out`` and given to ``scorer``; returns their
+        file names."""
         layers = list_layers(layer_norms, [i.rank == 1 for i in self.store.layers])
         if not layers or not wants_lists(s.lists, scorer.n_rows):
             return ()
@@ -380,7 +383,8 @@ class RunIndexes:
     def row_layer_sq_norms(self, s: IndexSettings) -> np.ndarray | None:
         """Exact ``‖H_l^{-1/2} x_{i,l}‖²`` per index row and layer, float32 rounded up
         (memory-mapped), or None for an index built without them (too large to compute exactly,
-        or built before they were kept): the bounds of :mod:`.rerank`."""
+        or built before they were kept): the bounds of
+        :mod:`~traceprop_engine.attribution.score.rerank`."""
         scorer = self.scorer(s)
         if scorer.layer_sq_norms is None:
             path = self.dir(s) / LAYER_NORMS_FILE

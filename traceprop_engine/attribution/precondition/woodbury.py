@@ -1,8 +1,9 @@
 """The Woodbury (LoRIF) preconditioner: ``H^{-1/2}`` of one layer from a rank-r truncated SVD.
 
-An alternative to the K-FAC family of :mod:`traceprop_engine.attribution.precondition` for
-stores of rank-c factors (:mod:`traceprop_engine.store.compact`): fitted from a sample of a
-layer's flattened sketches, applied in O(D r) without a D×D matrix.
+An alternative to the K-FAC family of
+:mod:`traceprop_engine.attribution.precondition.preconditioner` for stores of rank-c factors
+(:mod:`traceprop_engine.store.compact`): fitted from a sample of a layer's flattened sketches,
+applied in O(D r) without a D×D matrix.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from traceprop_engine.attribution.precondition import DEFAULT_DAMPING, check_damping
 from traceprop_engine.errors import ConfigError, StoreError
+
+from .layer import DEFAULT_DAMPING, check_damping
 
 __all__ = ["WoodburyPreconditioner", "fit_woodbury", "truncated_svd"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..training.losses import example_losses
-from ..training.models import collate, model_inputs
+from ...training.losses import example_losses
+from ...training.models import collate, model_inputs
+from ..result import ModelAnswer
 from .encode import pad_id
-from .result import ModelAnswer
 
 __all__ = ["ModelAnswer", "model_answer"]
 
