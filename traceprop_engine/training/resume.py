@@ -60,7 +60,10 @@ def resume_settings(run_dir: Path) -> TrainSettings:
             f"{run_dir} is not a Traceprop run (no {C.MANIFEST_FILE}); --resume takes the "
             "directory of a run made by 'traceprop train'"
         )
-    manifest = _reopen(run_dir).manifest
+    try:
+        manifest = RunManifest.load(run_dir, as_written=True)
+    except RunError as e:
+        raise RunError(f"{e}; the run cannot be resumed") from None
     settings = settings_from_config(manifest.raw.get("config"), run_dir)
     _check_world(run_dir, manifest, distributed.env_world_size())
     return settings
@@ -133,16 +136,12 @@ def open_resume(
     return job
 
 
-def _reopen(run_dir: Path) -> RunRecord:
-    """The run's record as written (a killed run still says running)."""
+def _check_resumable(run_dir: Path, world: int) -> tuple[RunRecord, checkpoint.Checkpoint]:
+    """The run's record (as written: a killed run still says running) and its checkpoint."""
     try:
-        return RunRecord.reopen(run_dir)
+        record = RunRecord.reopen(run_dir)
     except RunError as e:
         raise RunError(f"{e}; the run cannot be resumed") from None
-
-
-def _check_resumable(run_dir: Path, world: int) -> tuple[RunRecord, checkpoint.Checkpoint]:
-    record = _reopen(run_dir)
     manifest = record.manifest
     status = manifest.status
     if status == C.STATUS_COMPLETED:
