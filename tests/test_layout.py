@@ -282,3 +282,106 @@ def test_app_services_lists_its_modules():
     assert listed == modules, (
         f"app/services/__init__.py: list {modules - listed}, drop {listed - modules}"
     )
+
+
+# -- run.json has one owner (run_record.RunRecord) ------------------------------------------------
+MANIFEST_OWNER = REPO / "traceprop_engine" / "run_record.py"
+DICT_MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "append", "extend", "insert"}
+
+
+def _mentions_manifest(node: ast.AST) -> bool:
+    return any(
+        (isinstance(n, ast.Name) and "manifest" in n.id.lower())
+        or (isinstance(n, ast.Attribute) and "manifest" in n.attr.lower())
+        for n in ast.walk(node)
+    )
+
+
+def _manifest_mutations(text: str, name: str) -> list[str]:
+    """``manifest[...] = / += / del``, and ``manifest....setdefault/update/pop/append(...)``,
+    on anything whose expression names a manifest."""
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Subscript) and _mentions_manifest(t.value):
+                out.append(f"{name}:{node.lineno}")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in DICT_MUTATORS
+            and _mentions_manifest(node.func.value)
+        ):
+            out.append(f"{name}:{node.lineno} .{node.func.attr}()")
+    return out
+
+
+def test_nothing_but_the_run_record_mutates_a_manifest():
+    found = [
+        m
+        for p in SOURCES
+        if p != MANIFEST_OWNER
+        for m in _manifest_mutations(p.read_text(), str(p.relative_to(REPO)))
+    ]
+    assert found == [], f"change run.json through run_record.RunRecord's methods: {found}"
+
+
+def test_the_mutation_rule_sees_a_mutation():
+    probe = (
+        "job.manifest['error'] = 'x'\nmanifest['model']['saved'] = 1\n"
+        "job.manifest.setdefault('notes', []).append('n')\ndel run.manifest['pid']\n"
+        "m = RunManifest.load(d)\nprint(manifest['status'])\n"
+    )
+    assert len(_manifest_mutations(probe, "probe")) == 5
+
+
+def test_only_the_run_record_writes_run_json():
+    """``write_manifest`` is called from ``RunRecord.save`` only."""
+    callers = []
+    for p in SOURCES:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name == "write_manifest" and p != MANIFEST_OWNER:
+                    callers.append(f"{p.relative_to(REPO)}:{node.lineno}")
+    assert callers == [], f"write run.json through RunRecord.save: {callers}"
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports (at the top or inside a function), relative ones resolved."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            out += [(node.lineno, mod)]
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def test_the_capture_imports_nothing_from_training():
+    """The capture is below the training loop: making a run (saving the model, run.json) lives
+    with the run (``run_record.make_run``), not in ``capture/``."""
+    up = [
+        f"{p.relative_to(REPO)}:{line} {mod}"
+        for p in sorted((REPO / "traceprop_engine" / "capture").glob("*.py"))
+        for line, mod in _imported_modules(p)
+        if mod == "traceprop_engine.training" or mod.startswith("traceprop_engine.training.")
+    ]
+    assert up == [], f"capture/ imports training: {up}"
+    assert any(
+        mod == "traceprop_engine.store.writer.StoreWriter"
+        for _, mod in _imported_modules(REPO / "traceprop_engine" / "capture" / "tracker.py")
+    ), "the import rule resolves relative imports"

@@ -94,7 +94,8 @@ def now() -> str:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    """Atomic write: a reader never sees half a run.json."""
+    """Atomic write: a reader never sees half a run.json. Called by
+    :meth:`~traceprop_engine.run_record.RunRecord.save` only (run.json's one writer)."""
     tmp = run_dir / (C.MANIFEST_FILE + ".tmp")
     try:
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
@@ -119,8 +120,9 @@ def relative_paths(obj, run_dir: Path, root: Path):
     return obj
 
 
-def read_manifest(run_dir: str | os.PathLike) -> dict:
-    """The run's manifest; a run still marked 'running' whose process is gone reads as 'failed'."""
+def read_manifest(run_dir: str | os.PathLike, *, as_written: bool = False) -> dict:
+    """The run's manifest; a run still marked 'running' whose process is gone reads as 'failed'
+    (unless ``as_written``: what the file says, for the resume that tells killed from failed)."""
     run_dir = Path(run_dir)
     p = run_dir / C.MANIFEST_FILE
     if not p.exists():
@@ -138,7 +140,7 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
             f"{p} holds a JSON {type(m).__name__}, not a run manifest (an object); "
             "the file is damaged or not written by Traceprop"
         )
-    if process_gone(m):
+    if not as_written and process_gone(m):
         m["status"] = C.STATUS_FAILED
         m.setdefault("error", "the training process ended without updating its status (killed?)")
     return m
@@ -305,7 +307,7 @@ class RunManifest:
     Built by :meth:`load` (through :func:`read_manifest`, so a run whose process died reads as
     failed) or :meth:`from_dict`. Tolerant of older manifests: a missing or malformed section
     reads as empty. :attr:`raw` keeps the whole dict (``traceprop info --json``, sections no
-    reader types). The writers (training loop, ``Tracker.finish``) still build a dict.
+    reader types). Written only through :class:`~traceprop_engine.run_record.RunRecord`.
     """
 
     raw: dict = field(repr=False, compare=False)
@@ -325,18 +327,20 @@ class RunManifest:
     timings: Timings = field(default_factory=Timings)
     store: StoreInfo = field(default_factory=StoreInfo)
     shards: list = field(default_factory=list)  # DDP runs: one store file per rank
+    distributed: dict = field(default_factory=dict)  # world_size, backend (parallel: fsdp)
+    resumed: list = field(default_factory=list)  # one entry per train --resume
     notes: list = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, run_dir: str | os.PathLike) -> RunManifest:
-        """The manifest of ``run_dir``.
+    def load(cls, run_dir: str | os.PathLike, *, as_written: bool = False) -> RunManifest:
+        """The manifest of ``run_dir`` (``as_written``: see :func:`read_manifest`).
 
         Raises:
             RunError: no run.json, or not a readable JSON object.
         """
-        return cls.from_dict(read_manifest(run_dir))
+        return cls.from_dict(read_manifest(run_dir, as_written=as_written))
 
     @classmethod
     def from_dict(cls, raw: dict) -> RunManifest:
@@ -359,6 +363,8 @@ class RunManifest:
             timings=_pick(Timings, _section(raw, "timings")),
             store=_pick(StoreInfo, _section(raw, "store")),
             shards=list(raw.get("shards") or []),
+            distributed=_section(raw, "distributed"),
+            resumed=list(raw.get("resumed") or []),
             notes=list(raw.get("notes") or []),
             metrics=_section(raw, "metrics"),
             versions=_section(raw, "versions"),

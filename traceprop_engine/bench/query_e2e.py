@@ -33,6 +33,7 @@ import numpy as np
 import psutil
 
 from .. import constants as C
+from ..run import RunManifest
 from ..settings import IndexSettings
 
 _CHUNK = 50_000
@@ -53,8 +54,7 @@ def write_synthetic_run(
     base_dir, out = Path(base_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(base_dir / C.MANIFEST_FILE, out / C.MANIFEST_FILE)
-    manifest = json.loads((base_dir / C.MANIFEST_FILE).read_text())
-    base = open_run_store(base_dir, manifest.get("shards") or [])
+    base = open_run_store(base_dir, RunManifest.load(base_dir).shards)
     try:
         layers = [
             SimpleNamespace(

@@ -46,10 +46,10 @@ from torch import nn
 
 from .. import constants as C
 from ..errors import ConfigError, RunError
+from ..run_record import make_run
 from ..settings import TrackSettings
 from ..store.writer import StoreWriter
 from .buffer import BackgroundSink, SketchBuffer
-from .finish import make_run
 from .hooks import Capture
 from .layers import build_layers
 from .optimizer_scale import (
@@ -394,14 +394,12 @@ class Tracker:
             status=self.status,
             data=data,
             config={"trainer": "traceprop_engine.Tracker", **(config or {})},
-            extra={
-                "tracking": self.tracking_manifest(),
-                "timings": {
-                    "n_steps": len(self.step_ms),
-                    "median_step_ms": float(np.median(self.step_ms)) if self.step_ms else None,
-                },
-                "store": {"file": C.STORE_FILE, "n_records": self.n_records},
+            tracking=self.tracking_manifest(),
+            timings={
+                "n_steps": len(self.step_ms),
+                "median_step_ms": float(np.median(self.step_ms)) if self.step_ms else None,
             },
+            store={"file": C.STORE_FILE, "n_records": self.n_records},
         )
 
     def tracking_manifest(self) -> dict:

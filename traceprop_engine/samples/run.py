@@ -17,7 +17,7 @@ import torch
 
 from .. import constants as C
 from ..attribution import open_run
-from ..run import read_manifest, relative_paths, write_manifest
+from ..run_record import RunRecord
 from ..settings import IndexSettings, TrackSettings, TrainSettings
 from ..training.loop import train
 from .data import generate_sample_data
@@ -66,7 +66,9 @@ def build_sample_run(root: Path | None = None, seed: int = 0) -> Path:
     finally:
         torch.set_num_threads(threads)
     # committed beside its data: keep no absolute path of the machine that built it
-    write_manifest(run_dir, relative_paths(read_manifest(run_dir), run_dir, root.resolve()))
+    record = RunRecord.reopen(run_dir)
+    record.relative_to(root)
+    record.save()
     run = open_run(run_dir)
     for pc in SAMPLE_PRECONDITIONERS:
         run.index(IndexSettings(preconditioner=pc), rebuild=True)

@@ -142,7 +142,7 @@ def finish_sharded(
     """
     import torch.distributed as dist
 
-    from ..capture.finish import make_run
+    from ..run_record import make_run
 
     if not tracker._closed:
         tracker.close(C.STATUS_COMPLETED)
@@ -167,18 +167,11 @@ def finish_sharded(
             **kwargs,
             "config": {"trainer": "traceprop_engine.Tracker", **(kwargs.get("config") or {})},
         },
-        extra={
-            "tracking": tracker.tracking_manifest(),
-            "distributed": {"world_size": world, "backend": dist.get_backend()},
-            "timings": {
-                "n_steps": len(tracker.step_ms),
-                "median_step_ms": float(np.median(tracker.step_ms)) if tracker.step_ms else None,
-            },
-            "store": {
-                "file": None,
-                "shards": names,
-                "n_records": sum(n),
-                "n_records_per_shard": n,
-            },
+        tracking=tracker.tracking_manifest(),
+        distributed={"world_size": world, "backend": dist.get_backend()},
+        timings={
+            "n_steps": len(tracker.step_ms),
+            "median_step_ms": float(np.median(tracker.step_ms)) if tracker.step_ms else None,
         },
+        store={"file": None, "shards": names, "n_records": sum(n), "n_records_per_shard": n},
     )

@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 
-from ..capture.finish import make_run
 from ..capture.tracker import Tracker
 from ..errors import ConfigError
+from ..run_record import make_run
 from .losses import example_losses
 from .models import Encoded, collate
 

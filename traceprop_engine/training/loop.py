@@ -26,10 +26,10 @@ import torch
 
 from .. import constants as C
 from ..errors import ConfigError, RunError, TracepropError
-from ..run import now
+from ..run_record import RunRecord
 from ..settings import TrainSettings
 from . import checkpoint, distributed, fsdp
-from .prepare import Job, Prepared, load_data, new_manifest, prepare_model, start_tracker
+from .prepare import Job, Prepared, load_data, prepare_model, start_tracker
 from .resume import check_same_data, open_resume, resume_settings
 from .run_dir import disk_full, lock_run_dir, prepare_dir, save_model_atomically
 from .steps import eval_loss, train_steps
@@ -110,7 +110,9 @@ def train(
     # WORLD_SIZE > 1 (torchrun): join the process group; rank 0 owns the run directory
     dist_ctx, dist_device = distributed.setup(resolve_device(settings.device), settings.parallel)
     lock_fd = _open_run_dir(run_dir, overwrite, dist_ctx)
-    job = Job(settings, run_dir, dist_ctx, new_manifest(settings, dist_ctx), lock_fd)
+    job = Job(
+        settings, run_dir, dist_ctx, RunRecord.new_training(run_dir, settings, dist_ctx), lock_fd
+    )
     return _run(job, dist_device, on_progress, stop)
 
 
@@ -168,7 +170,7 @@ def _run(job: Job, device: torch.device, on_progress: ProgressFn | None, stop: S
             last_loss = train_steps(job, prep, stop, progress_file, on_progress)
             status = C.STATUS_CANCELLED if stop.requested else C.STATUS_COMPLETED
             if stop.requested:
-                job.manifest["cancel_reason"] = stop.reason
+                job.record.cancelled(stop.reason)
             if job.tracker is not None:  # the last records on disk before the model is saved:
                 job.tracker.sync()  # a full disk stops the run here, not after the save
             # a sharded (FSDP) model's forward and state dict are collectives: every rank joins
@@ -176,15 +178,15 @@ def _run(job: Job, device: torch.device, on_progress: ProgressFn | None, stop: S
                 _save_results(job, prep, last_loss)
     except KeyboardInterrupt:
         status = C.STATUS_CANCELLED
-        job.manifest["cancel_reason"] = "KeyboardInterrupt"
+        job.record.cancelled("KeyboardInterrupt")
         raise
     except BaseException as e:
         status = C.STATUS_FAILED
         full = disk_full(e, run_dir)
         if full is not None:
-            job.manifest["error"] = f"disk full: {full}"
+            job.record.failed(f"disk full: {full}")
             raise _failure(run_dir, full) from None
-        job.manifest["error"] = f"{type(e).__name__}: {e}"
+        job.record.failed(f"{type(e).__name__}: {e}")
         if isinstance(e, OSError) and not isinstance(e, TracepropError):
             raise RunError(f"reading or writing the run {run_dir} failed: {e}") from e
         raise
@@ -232,11 +234,10 @@ def _save_results(job: Job, prep: Prepared, last_loss: float) -> None:
     full_state = fsdp.full_state_dict(prep.model) if job.dist.fsdp else None
     if not job.dist.is_main:
         return
-    job.manifest["metrics"] = {"last_train_loss": last_loss, "eval_loss": loss}
+    job.record.set_metrics(last_train_loss=last_loss, eval_loss=loss)
     prep.model.eval()
     info = save_model_atomically(prep.loaded, job.run_dir, full_state)
-    job.manifest["model"]["fingerprint"] = info["fingerprint"]
-    job.manifest["model"]["saved"] = C.MODEL_DIR
+    job.record.set_model_saved(info["fingerprint"])
 
 
 def _close_run(job: Job, status: str) -> None:
@@ -245,18 +246,18 @@ def _close_run(job: Job, status: str) -> None:
     Runs on every path out of :func:`train`; a failure here is logged, never raised over the
     error that ended the run.
     """
-    manifest, dist_ctx, tracker = job.manifest, job.dist, job.tracker
+    record, dist_ctx, tracker = job.record, job.dist, job.tracker
     close_error = None  # raised at the end when nothing else ended the run
     if tracker is not None:
         try:
-            tracker.writer.set_attrs(manifest=manifest)
+            tracker.writer.set_attrs(manifest=record.as_dict())
             tracker.close(status)
-            manifest["store"] = {"file": dist_ctx.store_file, "n_records": tracker.n_records}
+            record.set_store(dist_ctx.store_file, tracker.n_records)
         except Exception as e:  # never hide the original error behind a store error
             log.error("closing the store failed: %s", e)
             full = disk_full(e, job.run_dir)
-            manifest.setdefault(
-                "error", f"disk full: {full}" if full else f"closing the store failed: {e}"
+            record.failed(
+                f"disk full: {full}" if full else f"closing the store failed: {e}", replace=False
             )
             if status == C.STATUS_COMPLETED:
                 close_error = (
@@ -266,7 +267,7 @@ def _close_run(job: Job, status: str) -> None:
                         f"closing the store of {job.run_dir} failed ({e}); the run is marked failed"
                     )
                 )
-            manifest["store"] = {"file": dist_ctx.store_file, "n_records": tracker.writer.n_records}
+            record.set_store(dist_ctx.store_file, tracker.writer.n_records)
             status = C.STATUS_FAILED
     if dist_ctx.enabled and status != C.STATUS_FAILED:
         # every shard is closed before rank 0 marks the run finished (a failed rank is torn
@@ -276,17 +277,10 @@ def _close_run(job: Job, status: str) -> None:
 
         tdist.all_gather_object(counts, tracker.n_records if tracker is not None else 0)
         if tracker is not None:
-            manifest["store"] = {
-                "file": None,
-                "shards": dist_ctx.shard_files,
-                "n_records": int(sum(counts)),
-                "n_records_per_shard": counts,
-            }
+            record.set_store_shards(dist_ctx.shard_files, counts)
     if status == C.STATUS_COMPLETED and dist_ctx.is_main:
         checkpoint.remove(job.run_dir)  # a completed run is not resumed
-    manifest["status"] = status
-    manifest["updated"] = now()
-    manifest["pid"] = None
+    record.finished(status)
     try:
         job.write_run_json()
     except OSError as e:  # e.g. the disk is still full: the original error matters more

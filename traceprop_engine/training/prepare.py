@@ -1,16 +1,14 @@
 """Building a training run: its first run.json, the data, the model and the tracker.
 
 The steps :func:`~.loop.train` runs before the first optimiser step. Each records what it did
-in the run's manifest (``data``, ``model``, ``tracking``), so run.json says what was trained on
-what even when the run fails later.
+in the run's :class:`~traceprop_engine.run_record.RunRecord` (``data``, ``model``,
+``tracking``), so run.json says what was trained on what even when the run fails later.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 from .. import constants as C
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
-from ..run import library_versions, new_run_id, now, write_manifest
+from ..run_record import RunRecord
 from ..settings import TrainSettings
 from ..store.writer import StoreWriter
 from . import distributed
@@ -38,7 +36,7 @@ class Job:
     settings: TrainSettings
     run_dir: Path
     dist: distributed.DistContext
-    manifest: dict
+    record: RunRecord  # run.json
     lock_fd: int | None = None  # held by rank 0 for the whole run
     tracker: Tracker | None = None
     checkpoint: Checkpoint | None = None  # the checkpoint a resumed run continues from
@@ -46,7 +44,7 @@ class Job:
 
     def write_run_json(self) -> None:
         if self.dist.is_main:
-            write_manifest(self.run_dir, self.manifest)
+            self.record.save()
 
 
 @dataclass
@@ -76,32 +74,9 @@ def _example_table(examples: list[Example], splits: list[str]) -> dict:
     }
 
 
-def new_manifest(settings: TrainSettings, dist_ctx: distributed.DistContext) -> dict:
-    """The first run.json of a run: status running, the settings, this process and versions."""
-    manifest = {
-        "run_id": new_run_id(),
-        "status": C.STATUS_RUNNING,
-        "created": now(),
-        "updated": now(),
-        "pid": os.getpid(),
-        "host": platform.node(),
-        "config": settings.to_dict(),
-        "tracked": settings.track is not None,
-        "versions": library_versions(),
-        "loss_definition": C.LOSS_DEFINITION,
-    }
-    if dist_ctx.enabled:
-        manifest["distributed"] = {"world_size": dist_ctx.world_size, "backend": dist_ctx.backend}
-        if dist_ctx.fsdp:
-            manifest["distributed"]["parallel"] = "fsdp"
-        if settings.track is not None:
-            manifest["shards"] = dist_ctx.shard_files
-    return manifest
-
-
 def load_data(job: Job) -> tuple[list[Example], list[Example], list[str] | None]:
     """Train and eval examples (and the class labels), recorded in run.json's ``data``."""
-    settings, run_dir = job.settings, job.run_dir
+    settings = job.settings
     task = settings.task.value
     examples, data_root = load_examples(settings.data, task=task)
     if settings.eval_data:
@@ -110,17 +85,14 @@ def load_data(job: Job) -> tuple[list[Example], list[Example], list[str] | None]
     else:
         train_ex, eval_ex = split_eval(examples, settings.eval_fraction, settings.seed)
         eval_root = data_root
-    eval_root = Path(eval_root)
-    job.manifest["data"] = {
-        "root": str(Path(data_root).resolve()),
-        "root_relative": os.path.relpath(Path(data_root).resolve(), run_dir.resolve()),
-        "eval_root_relative": os.path.relpath(eval_root.resolve(), run_dir.resolve()),
-        "files": hash_files(Path(data_root), sorted({e.source for e in train_ex})),
-        "eval_root": str(Path(eval_root).resolve()),
-        "eval_files": hash_files(Path(eval_root), sorted({e.source for e in eval_ex})),
-        "n_train": len(train_ex),
-        "n_eval": len(eval_ex),
-    }
+    job.record.set_data(
+        data_root,
+        eval_root,
+        files=hash_files(Path(data_root), sorted({e.source for e in train_ex})),
+        eval_files=hash_files(Path(eval_root), sorted({e.source for e in eval_ex})),
+        n_train=len(train_ex),
+        n_eval=len(eval_ex),
+    )
     labels = sorted({e.label for e in train_ex + eval_ex}) if task == "classification" else None
     if labels is not None and len(labels) < 2:
         raise ConfigError(f"classification needs at least two labels; the data has {labels}")
@@ -135,7 +107,7 @@ def prepare_model(
     device: torch.device,
 ) -> Prepared:
     """Build (and LoRA-wrap) the model on ``device`` and encode every example for it."""
-    settings, manifest = job.settings, job.manifest
+    settings = job.settings
     task = settings.task.value
     loaded = build_model(
         settings.model,
@@ -169,16 +141,16 @@ def prepare_model(
             f"{settings.max_length} tokens and were truncated"
         )
         log.warning("%s", note)
-        manifest.setdefault("notes", []).append(note)
+        job.record.add_note(note)
     total, trainable = count_parameters(model)
-    manifest["model"] = {
-        "source": loaded.source,
-        "task": task,
-        "parameters": total,
-        "trainable": trainable,
-        "lora_rank": settings.lora_rank,
-        "labels": labels,
-    }
+    job.record.set_model(
+        source=loaded.source,
+        task=task,
+        parameters=total,
+        trainable=trainable,
+        lora_rank=settings.lora_rank,
+        labels=labels,
+    )
     pad_id = loaded.tokenizer.pad_token_id
     return Prepared(task, loaded, model, device, all_ex, len(train_ex), encoded, pad_id)
 
@@ -195,7 +167,9 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         mine = ckpt.rank_meta(dist_ctx.rank)
         writer = StoreWriter.reopen(path, int(mine["n_records"]), mine["sq_norm"])
     # hooks on the underlying module (not the DDP wrapper): the same layer names
-    tracker = Tracker(prep.model, path, settings.track, manifest=job.manifest, writer=writer)
+    tracker = Tracker(
+        prep.model, path, settings.track, manifest=job.record.as_dict(), writer=writer
+    )
     job.tracker = tracker
     if ckpt is not None:
         tracker.buffer.n_flushed = writer.n_records  # the records already in the store
@@ -208,7 +182,7 @@ def start_tracker(job: Job, prep: Prepared) -> None:
             [e.loss_mask for e in prep.encoded],
         )
     tracker.capture.attach()
-    job.manifest["tracking"] = tracker.tracking_manifest()
+    job.record.set_tracking(tracker.tracking_manifest())
 
 
 def _check_projections(tracker: Tracker) -> None:

@@ -26,7 +26,8 @@ import h5py
 
 from .. import constants as C
 from ..errors import ConfigError, RunError
-from ..run import library_versions, now, write_manifest
+from ..run import RunManifest
+from ..run_record import RunRecord
 from ..settings import TrackSettings, TrainSettings
 from . import checkpoint, distributed
 from .prepare import Job
@@ -59,15 +60,18 @@ def resume_settings(run_dir: Path) -> TrainSettings:
             f"{run_dir} is not a Traceprop run (no {C.MANIFEST_FILE}); --resume takes the "
             "directory of a run made by 'traceprop train'"
         )
-    manifest = _read_manifest(path)
-    settings = settings_from_config(manifest.get("config"), run_dir)
+    try:
+        manifest = RunManifest.load(run_dir, as_written=True)
+    except RunError as e:
+        raise RunError(f"{e}; the run cannot be resumed") from None
+    settings = settings_from_config(manifest.raw.get("config"), run_dir)
     _check_world(run_dir, manifest, distributed.env_world_size())
     return settings
 
 
-def _check_world(run_dir: Path, manifest: dict, world: int) -> None:
-    dist_info = manifest.get("distributed") or {}
-    recorded = int(dist_info.get("world_size", 1)) if isinstance(dist_info, dict) else 1
+def _check_world(run_dir: Path, manifest: RunManifest, world: int) -> None:
+    dist_info = manifest.distributed
+    recorded = int(dist_info.get("world_size", 1))
     if recorded > 1 and dist_info.get("parallel") == "fsdp":
         raise RunError(
             f"{run_dir} was trained with --parallel fsdp: resuming FSDP runs is not supported yet "
@@ -103,10 +107,11 @@ def open_resume(
     if dist_ctx.is_main:
         try:
             lock_fd = lock_run_dir(run_dir)
-            manifest, ckpt = _check_resumable(run_dir, dist_ctx.world_size)
-            _mark_resumed(manifest, ckpt)
+            record, ckpt = _check_resumable(run_dir, dist_ctx.world_size)
+            record.resumed(ckpt.step, _kept(ckpt))
             _truncate_progress(run_dir, ckpt.step)
-            write_manifest(run_dir, manifest)
+            record.save()
+            manifest = record.as_dict()
         except BaseException as e:
             error = e
             if lock_fd is not None:
@@ -125,38 +130,34 @@ def open_resume(
     ckpt = checkpoint.load(run_dir)  # rank 0 checked it; nothing writes it until the first step
     if ckpt is None:  # removed between rank 0's check and here: not by Traceprop
         raise RunError(f"{run_dir}: the checkpoint disappeared while resuming")
-    job = Job(settings, run_dir, dist_ctx, manifest, lock_fd, checkpoint=ckpt)
-    job.previous_data = manifest.get("data")
+    record = RunRecord(run_dir, manifest)
+    job = Job(settings, run_dir, dist_ctx, record, lock_fd, checkpoint=ckpt)
+    job.previous_data = record.manifest.raw.get("data")
     return job
 
 
-def _read_manifest(path: Path) -> dict:
+def _check_resumable(run_dir: Path, world: int) -> tuple[RunRecord, checkpoint.Checkpoint]:
+    """The run's record (as written: a killed run still says running) and its checkpoint."""
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RunError(f"cannot read {path} ({e}); the run cannot be resumed") from None
-    if not isinstance(manifest, dict):
-        raise RunError(f"{path} is not a run manifest; the run cannot be resumed")
-    return manifest
-
-
-def _check_resumable(run_dir: Path, world: int) -> tuple[dict, checkpoint.Checkpoint]:
-    manifest = _read_manifest(run_dir / C.MANIFEST_FILE)
-    status = manifest.get("status")
+        record = RunRecord.reopen(run_dir)
+    except RunError as e:
+        raise RunError(f"{e}; the run cannot be resumed") from None
+    manifest = record.manifest
+    status = manifest.status
     if status == C.STATUS_COMPLETED:
         raise RunError(f"{run_dir} holds a completed run: there is nothing to resume")
     # on this host the lock we hold says no process trains it; another host's run may still be
     # alive (a lock on a network filesystem proves nothing there)
-    host = manifest.get("host")
+    host = manifest.host
     if status == C.STATUS_RUNNING and host and host != platform.node():
         raise RunError(
-            f"{run_dir} says it is being trained on {host} (process {manifest.get('pid')}); "
+            f"{run_dir} says it is being trained on {host} (process {manifest.pid}); "
             "resume it there once that process has ended"
         )
     _check_world(run_dir, manifest, world)  # again, under the lock
     ckpt = checkpoint.load(run_dir)
     if ckpt is None:
-        every = (manifest.get("config") or {}).get("checkpoint_every")
+        every = manifest.config.get("checkpoint_every")
         raise RunError(
             f"{run_dir} has no checkpoint to resume from (checkpoint_every={every}; it stopped "
             "before its first checkpoint, or checkpoints were off): train it again with "
@@ -167,7 +168,7 @@ def _check_resumable(run_dir: Path, world: int) -> tuple[dict, checkpoint.Checkp
             f"{ckpt.folder} was written by {ckpt.world_size} process(es), the run has {world}: "
             "it is not this run's checkpoint"
         )
-    if manifest.get("tracked", True) and (manifest.get("config") or {}).get("track"):
+    if manifest.tracked and manifest.config.get("track"):
         if world > 1:
             check_shards(run_dir, manifest, ckpt)
         else:
@@ -176,13 +177,13 @@ def _check_resumable(run_dir: Path, world: int) -> tuple[dict, checkpoint.Checkp
                 raise RunError(
                     f"{run_dir}: the checkpoint or {C.STORE_FILE} is missing the records"
                 )
-    return manifest, ckpt
+    return record, ckpt
 
 
-def check_shards(run_dir: Path, manifest: dict, ckpt: checkpoint.Checkpoint) -> None:
+def check_shards(run_dir: Path, manifest: RunManifest, ckpt: checkpoint.Checkpoint) -> None:
     """Every rank's store shard is there and holds at least the records its checkpoint counts."""
     ranks = ckpt.meta.get("ranks") or []
-    shards = manifest.get("shards") or [distributed.shard_file(r) for r in range(len(ranks))]
+    shards = manifest.shards or [distributed.shard_file(r) for r in range(len(ranks))]
     if len(ranks) != len(shards):
         raise RunError(
             f"{run_dir}: the checkpoint has {len(ranks)} ranks, run.json lists {len(shards)} "
@@ -206,31 +207,6 @@ def check_shards(run_dir: Path, manifest: dict, ckpt: checkpoint.Checkpoint) -> 
                 f"{path} holds {have} complete records, the checkpoint counts {need} for rank "
                 f"{r}: the shard lost records the checkpoint relies on; the run cannot be resumed"
             )
-
-
-def _mark_resumed(m: dict, ckpt: checkpoint.Checkpoint) -> None:
-    m.setdefault("resumed", []).append(
-        {
-            "time": now(),
-            "from_step": ckpt.step,
-            "n_records_kept": _kept(ckpt),
-            # a run still marked running here was killed (its process is gone)
-            "previous_status": "killed" if m.get("status") == C.STATUS_RUNNING else m.get("status"),
-            "previous_error": m.get("error") or m.get("cancel_reason"),
-        }
-    )
-    for key in ("error", "cancel_reason", "metrics", "timings"):
-        m.pop(key, None)
-    m["model"] = {
-        k: v for k, v in (m.get("model") or {}).items() if k not in ("fingerprint", "saved")
-    }
-    m.update(
-        status=C.STATUS_RUNNING,
-        updated=now(),
-        pid=os.getpid(),
-        host=platform.node(),
-        versions=library_versions(),
-    )
 
 
 def _kept(ckpt: checkpoint.Checkpoint) -> int | None:
@@ -261,7 +237,7 @@ def _truncate_progress(run_dir: Path, step: int) -> None:
 def check_same_data(job: Job) -> None:
     """Refuse to resume on data files that changed since the run began (the records would mix
     two data sets)."""
-    before, now_ = job.previous_data or {}, job.manifest.get("data") or {}
+    before, now_ = job.previous_data or {}, job.record.manifest.raw.get("data") or {}
     for key in ("files", "eval_files"):
         if before.get(key) is not None and before.get(key) != now_.get(key):
             changed = sorted(
@@ -269,7 +245,7 @@ def check_same_data(job: Job) -> None:
                 for k in set(before[key]) | set(now_.get(key) or {})
                 if before[key].get(k) != (now_.get(key) or {}).get(k)
             )
-            job.manifest["data"] = before  # run.json keeps what the run was trained on
+            job.record.restore_data(before)  # run.json keeps what the run was trained on
             raise RunError(
                 f"the data changed since this run began ({', '.join(changed[:5])}): a resumed "
                 "run must train on the same files; train a new run instead"

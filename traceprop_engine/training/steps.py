@@ -126,11 +126,11 @@ def train_steps(
         checkpoint.save(job.run_dir, prep.model, opt, job.tracker, step, epoch, dist_ctx, saved)
     if step > start:
         _check_finite(float(losses.detach().mean()), step, lr)
-    job.manifest["timings"] = {
-        "n_steps": step,
-        "total_s": round(time.perf_counter() - t_start, 3),
-        "median_step_ms": float(np.median(step_ms)) if step_ms else None,
-    }
+    job.record.set_timings(
+        n_steps=step,
+        total_s=round(time.perf_counter() - t_start, 3),
+        median_step_ms=float(np.median(step_ms)) if step_ms else None,
+    )
     return last_loss
 
 
