@@ -266,3 +266,27 @@ def test_every_settings_field_has_one_help_text_and_the_docstring_lists_it():
             text = field_help(cls, f.name)
             assert len(text) > 10 and not text.endswith("."), (cls.__name__, f.name)
             assert f"        {f.name}: {text}" in cls.__doc__
+
+
+def test_the_cli_shows_each_settings_field_s_own_help():
+    """Issue 28 item 3: ``traceprop train``/``index`` flags named like a settings field show
+    that field's help text (written once, in the dataclass)."""
+    import argparse
+
+    from traceprop_engine.cli.main import build_parser
+    from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings, field_help
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for command, classes in (
+        ("train", (TrainSettings, TrackSettings)),
+        ("index", (IndexSettings,)),
+    ):
+        for action in sub.choices[command]._actions:
+            dest = {"index_kind": "kind"}.get(action.dest, action.dest)
+            cls = next((c for c in classes if dest in c.__dataclass_fields__), None)
+            if cls is None or action.dest in ("no_covariance",):
+                continue
+            assert field_help(cls, dest) in action.help.replace("%%", "%"), (command, dest)
+            checked += 1
+    assert checked >= 30

@@ -21,6 +21,14 @@ def field_defaults(cls) -> dict:
     }
 
 
+def help_of(cls, name: str, suffix: str = "") -> str:
+    """The field's one help text (``settings.field_help``), escaped for argparse, plus ``suffix``
+    (what only the command line adds)."""
+    from .settings import field_help
+
+    return (field_help(cls, name) + suffix).replace("%", "%%")
+
+
 def plain(value):
     """An enum member's value (what argparse shows and parses), anything else as is."""
     return value.value if isinstance(value, Enum) else value
@@ -60,62 +68,57 @@ def add_track_flags(p) -> None:
         "--k-in",
         type=int,
         default=d["k_in"],
-        help="input-side projection size per layer (clamped to the layer width)",
+        help=help_of(TrackSettings, "k_in"),
     )
-    p.add_argument(
-        "--k-out", type=int, default=d["k_out"], help="output-side projection size per layer"
-    )
+    p.add_argument("--k-out", type=int, default=d["k_out"], help=help_of(TrackSettings, "k_out"))
     p.add_argument(
         "--projection",
         default=plain(d["projection"]),
         choices=choices(ProjectionKind),
-        help="random projection per side: orthogonal rows (lower variance) or i.i.d. Gaussian",
+        help=help_of(TrackSettings, "projection"),
     )
     p.add_argument(
         "--no-share-k",
         dest="share_k",
         action="store_false",
         default=d["share_k"],
-        help="keep each side's k clamped to its width (by default, with factor records, a side "
-        "narrower than its k gives the rows it cannot use to the other side: same bytes)",
+        help="turn off share_k: " + help_of(TrackSettings, "share_k"),
     )
     p.add_argument(
         "--rank",
         type=int,
         default=d["rank"],
-        help="store each record as rank-r factors computed inline (0 = the full k_out x k_in "
-        "sketch); see benchmarks/EVAL.md for the quality per byte",
+        help=help_of(TrackSettings, "rank"),
     )
     p.add_argument(
         "--factor-dtype",
         default=plain(d["factor_dtype"]),
         choices=choices(FactorDtype),
-        help="storage type of the factors",
+        help=help_of(TrackSettings, "factor_dtype"),
     )
     p.add_argument(
         "--factor-space",
         default=plain(d["factor_space"]),
         choices=choices(FactorSpace),
-        help="full: factors of the full per-example gradient by power iteration (per-token "
-        "cost independent of k); sketch: project every token, factor the k x k sketch",
+        help=help_of(TrackSettings, "factor_space"),
     )
     p.add_argument(
-        "--power-iters", type=int, default=d["power_iters"], help="power iterations (full space)"
+        "--power-iters",
+        type=int,
+        default=d["power_iters"],
+        help=help_of(TrackSettings, "power_iters"),
     )
     p.add_argument(
         "--covariance-stride",
         type=int,
         default=d["covariance_stride"],
-        help="K-FAC statistics from all tokens of every n-th batch, the first included "
-        "(full-space factors; such a batch costs about a sixth of a step on the default tiny "
-        "model: benchmarks/README.md section 1)",
+        help=help_of(TrackSettings, "covariance_stride"),
     )
     p.add_argument(
         "--covariance-tokens",
         type=int,
         default=d["covariance_tokens"],
-        help="at most about this many token rows of a K-FAC statistics batch, evenly spaced "
-        "from a rotating offset (full-space factors); 0 = every token",
+        help=help_of(TrackSettings, "covariance_tokens"),
     )
 
 
@@ -154,37 +157,35 @@ def add_index_flags(p) -> None:
     from .settings import DEFAULT_DAMPING, IndexKind, IndexSettings
 
     d = field_defaults(IndexSettings)
-    add_preconditioner_flag(p, help="H^-1 approximation")
+    add_preconditioner_flag(p, help=help_of(IndexSettings, "preconditioner"))
     p.add_argument(
         "--damping",
         type=float,
         default=d["damping"],
-        help=f"damping as a fraction of each factor's mean eigenvalue (default {DEFAULT_DAMPING:g})",
+        help=help_of(IndexSettings, "damping", f" = {DEFAULT_DAMPING:g}"),
     )
     p.add_argument(
         "--cosine",
         action=argparse.BooleanOptionalAction,
         default=d["cosine"],
-        help="cosine scores (normalised vectors; the default) or raw inner products",
+        help=help_of(IndexSettings, "cosine"),
     )
     p.add_argument(
         "--per-record",
         action="store_true",
-        help="one vector per record (example x epoch) instead of per example",
+        help=help_of(IndexSettings, "per_record"),
     )
     p.add_argument(
         "--index-kind",
         default=plain(d["kind"]),
         choices=choices(IndexKind),
-        help="FAISS index (auto: exact up to 200k vectors)",
+        help=help_of(IndexSettings, "kind"),
     )
     p.add_argument(
         "--lists",
         action=argparse.BooleanOptionalAction,
         default=d["lists"],
-        help="factor lists: a second candidate search over the records of the layers holding "
-        "most of the gradient energy (default: from 200k examples on, where FAISS is an IVF "
-        "index)",
+        help=help_of(IndexSettings, "lists"),
     )
 
 

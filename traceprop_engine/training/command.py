@@ -19,6 +19,7 @@ from ..flags import (
     add_track_flags,
     choices,
     field_defaults,
+    help_of,
     plain,
 )
 
@@ -32,59 +33,58 @@ def add_train_arguments(p) -> None:
 
     d = field_defaults(TrainSettings)
     t = field_defaults(TrackSettings)
-    p.add_argument("--data", help="training data file or directory (required unless --resume)")
-    p.add_argument("--out", help="run directory to create (required unless --resume)")
-    p.add_argument(
-        "--eval-data", help="separate eval data (otherwise --eval-fraction of --data is held out)"
-    )
+    tr, tk = TrainSettings, TrackSettings
+    p.add_argument("--data", help=help_of(tr, "data", " (required unless --resume)"))
+    p.add_argument("--out", help=help_of(tr, "out", " (required unless --resume)"))
+    p.add_argument("--eval-data", help=help_of(tr, "eval_data"))
     p.add_argument(
         "--eval-fraction",
         type=float,
         default=d["eval_fraction"],
-        help="held-out fraction when no --eval-data",
+        help=help_of(tr, "eval_fraction"),
     )
     p.add_argument(
         "--model",
         default=d["model"],
-        help="'tiny' (GPT-NeoX built from a config), 'minilm' (packaged encoder), or a local Hugging Face directory",
+        help=help_of(tr, "model"),
     )
     p.add_argument(
-        "--task", default=plain(d["task"]), choices=choices(Task), help="training objective"
+        "--task", default=plain(d["task"]), choices=choices(Task), help=help_of(tr, "task")
     )
-    p.add_argument("--epochs", type=int, default=d["epochs"], help="passes over the training data")
+    p.add_argument("--epochs", type=int, default=d["epochs"], help=help_of(tr, "epochs"))
+    p.add_argument("--lr", type=float, default=d["lr"], help=help_of(tr, "lr"))
     p.add_argument(
-        "--lr", type=float, default=d["lr"], help="peak learning rate (AdamW, linear decay to 10%%)"
+        "--batch-size", type=int, default=d["batch_size"], help=help_of(tr, "batch_size")
     )
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="examples per step")
     p.add_argument(
         "--max-length",
         type=int,
         default=d["max_length"],
-        help="tokens per example (longer ones are truncated)",
+        help=help_of(tr, "max_length"),
     )
     p.add_argument(
         "--lora-rank",
         type=int,
         default=d["lora_rank"],
-        help="LoRA rank via peft (0 = full fine-tune); the LoRA layers are tracked",
+        help=help_of(tr, "lora_rank"),
     )
     p.add_argument(
         "--lora-targets",
         default=d["lora_targets"],
-        help="peft target modules: 'all-linear' or comma-separated names",
+        help=help_of(tr, "lora_targets"),
     )
     p.add_argument(
         "--scope",
         default=t["scope"],
-        help="tracked layers: 'all', 'last-block', or a regex on module names",
+        help=help_of(tk, "scope"),
     )
     add_track_flags(p)
-    add_sketch_flag(p, "factored (P_out g)(P_in a)^T or dense sparse-JL of the full gradient")
-    add_dense_k_flag(p, "dense sketch size")
+    add_sketch_flag(p, help_of(tk, "sketch"))
+    add_dense_k_flag(p, help_of(tk, "dense_k"))
     p.add_argument(
         "--no-covariance",
         action="store_true",
-        help="do not accumulate K-FAC statistics (identity preconditioning only)",
+        help="turn off covariance (identity preconditioning only): " + help_of(tk, "covariance"),
     )
     p.add_argument(
         "--no-track", action="store_true", help="the same loop with nothing recorded (baseline)"
@@ -93,45 +93,40 @@ def add_train_arguments(p) -> None:
         "--buffer-records",
         type=int,
         default=t["buffer_records"],
-        help="records held on the device between host transfers",
+        help=help_of(tk, "buffer_records"),
     )
-    p.add_argument(
-        "--seed", type=int, default=d["seed"], help="seed of data order, model init and projections"
-    )
-    p.add_argument(
-        "--threads", type=int, default=d["threads"], help="torch CPU threads (0 = torch default)"
-    )
-    p.add_argument("--device", default=d["device"], help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--seed", type=int, default=d["seed"], help=help_of(tr, "seed"))
+    p.add_argument("--threads", type=int, default=d["threads"], help=help_of(tr, "threads"))
+    p.add_argument("--device", default=d["device"], help=help_of(tr, "device"))
     p.add_argument(
         "--max-steps",
         type=int,
         default=d["max_steps"],
-        help="stop after this many steps (0 = all epochs)",
+        help=help_of(tr, "max_steps"),
     )
     p.add_argument(
-        "--tiny-layers", type=int, default=d["tiny_layers"], help="layers of the tiny model"
+        "--tiny-layers", type=int, default=d["tiny_layers"], help=help_of(tr, "tiny_layers")
     )
     p.add_argument(
-        "--tiny-width", type=int, default=d["tiny_width"], help="width of the tiny model"
+        "--tiny-width", type=int, default=d["tiny_width"], help=help_of(tr, "tiny_width")
     )
     p.add_argument(
         "--tiny-vocab",
         type=int,
         default=d["tiny_vocab"],
-        help="tokenizer vocabulary of the tiny model",
+        help=help_of(tr, "tiny_vocab"),
     )
     p.add_argument(
         "--parallel",
         choices=("ddp", "fsdp"),
         default=d["parallel"],
-        help="under torchrun: DistributedDataParallel, or FSDP2 fully_shard (docs/scaling.md)",
+        help=help_of(tr, "parallel"),
     )
     p.add_argument(
         "--checkpoint-every",
         type=int,
         default=d["checkpoint_every"],
-        help="steps between checkpoints that --resume continues from (also on SIGTERM/Ctrl-C; "
-        "0 = none; one-process and DDP runs, not FSDP)",
+        help=help_of(tr, "checkpoint_every"),
     )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing (finished) run in --out"
