@@ -3,8 +3,7 @@
 Why. The index vectors (:mod:`~traceprop_engine.attribution.index.projection`) summarise every layer
 of an example in 256 numbers. At 10⁶ examples of a language model the true top 10 are among
 thousands of rows that share the query's answer token (proponents) or a competing one (opponents),
-and the summary does not order them as the exact scores do (benchmarks/README.md §2b: recall@10 0.87
-/ 0.63). On those runs one layer, the LM head, holds ≈ 0.99 of the records' energy, and its records
+and the summary does not order them as the exact scores do. On those runs one layer, the LM head, holds ≈ 0.99 of the records' energy, and its records
 are rank 1, ``x = u vᵀ``. Against a query whose pulled-back sketch is ``T' = A Bᵀ`` (rank ≤ its loss
 tokens, :class:`~traceprop_engine.attribution.score.factor_scores.LowRankTest`) a record
 scores exactly
@@ -34,13 +33,8 @@ is still the exact one.
 The layers: the dominant one and the next by energy (:func:`list_layers`); a query scans a
 layer's lists only where it holds :data:`MIN_QUERY_SHARE` of its norm.
 
-Measured on a real run of 10⁶ examples (``benchmarks/query_real_run.py``, 96 held-out
-questions, AMD EPYC, benchmarks/README.md §2b): recall@10 of the proponents / opponents
-0.826 / 0.791 (FAISS alone, 4000 candidates a side) → 0.985 / 0.972 (the lists of the LM
-head and the first layer + 1000 FAISS candidates), ``rank`` p50 15.3 → 15.9 ms in the same
-process. The LM head's lists alone gave 0.978 / 0.925: the opponents they missed score at the
-first layers (queries whose head holds ≈ 0.6 of their norm, rows whose head holds ≈ 5 % of
-their score), which neither they nor the summary (dominated by the head) rank.
+What the lists add to FAISS's candidates at 10⁶ examples: benchmarks/README.md §2b
+(``benchmarks/query_real_run.py``).
 """
 
 from __future__ import annotations

@@ -3,15 +3,11 @@
 The FAISS index holds an ``m × m`` Kronecker projection ``P_L X P_Rᵀ`` of each (preconditioned)
 record ``X`` per layer (``index_side``, default m = 16: 256 numbers a layer), reduced to the top
 ``index_dims`` (256) principal directions over all layers (:func:`fit_reduction`), and only
-proposes candidates for the exact re-rank. With random Gaussian ``P_L, P_R`` (a JL sketch) the projected cosine of a
-real run's records correlated 0.2-0.47 with the exact one (sample run resampled to 10⁴
-examples, int8 rank-1 k = 126), and 200 candidates per side held 0.74 of the true top 10.
-Gradients of one model concentrate in few directions, so ``P_L`` and ``P_R`` are taken as the
-top-m eigenvectors of the records' left and right second moments ``Σ X̂ X̂ᵀ``, ``Σ X̂ᵀ X̂`` (``X̂``
-the record normalised to unit norm, as cosine scoring weighs them): correlation 0.77, 0.93 of
-the top 10 in 200 candidates, 0.98 in 400 (m = 8). On a real run of 10⁵ distinct examples,
-m = 8 → 16 (then 256 dims) raised recall@10 of the whole query from 0.98 / 0.93 to 1.00 / 0.98
-(proponents / opponents; benchmarks/README.md §2b).
+proposes candidates for the exact re-rank. Gradients of one model concentrate in few
+directions, so ``P_L`` and ``P_R`` are not random (a JL sketch ranks real records poorly) but
+the top-m eigenvectors of the records' left and right second moments ``Σ X̂ X̂ᵀ``, ``Σ X̂ᵀ X̂``
+(``X̂`` the record normalised to unit norm, as cosine scoring weighs them). The recall each
+choice gives: benchmarks/README.md §2b.
 
 The ``m²`` numbers of a layer may be split unevenly between its sides (:func:`split_sides`):
 the side whose records spread over more directions (on the models measured: the output side)
@@ -97,13 +93,9 @@ def split_sides(e_out: np.ndarray, e_in: np.ndarray, m: int) -> tuple[int, int]:
     product of each side's captured share (``e_*``: the side's second-moment eigenvalues,
     largest first; exact for rank-1 records whose sides are independent).
 
-    Why: a layer's two sides are not alike. On a real run of 10⁵ examples (the sample's tiny
-    model, benchmarks/README.md §2b) 16 directions held 0.91-0.98 of every input side's energy
-    but 0.50-0.65 of most output sides' (the LM head's: 0.50, where the answer token's identity
-    lives). Splitting by this rule (7 of its 9 layers took 32 output × 8 input directions), the
-    same 256 numbers a layer and 256 dims raised recall@10 of the whole query with 1000
-    candidates per side from 0.871 / 0.737 to 0.973 / 0.794 (proponents / opponents) at 10⁵
-    examples and from 0.744 / 0.335 to 0.802 / 0.583 on a real run of 10⁶.
+    Why: a layer's two sides are not alike: a few directions hold most of an input side's
+    energy but much less of an output side's (the LM head's, where the answer token's identity
+    lives), so the same m² numbers go further split this way (benchmarks/README.md §2b).
     """
     c_out = np.cumsum(np.maximum(e_out, 0.0))
     c_in = np.cumsum(np.maximum(e_in, 0.0))
@@ -154,9 +146,7 @@ def fit_reduction(store, pre: Preconditioner, dims: int, cosine: bool, vectors) 
     full index vectors of records ``a:b``), each normalised to unit length when ``cosine``.
 
     The m × m projections keep each layer's principal directions; this keeps the directions
-    that all layers' vectors share (a query and its candidates differ along few of them):
-    measured on a real run of 10⁵ examples (benchmarks/README.md §2b), 256 of 2304 dims held
-    99.7 % of the energy and the same recall@10 as all of them.
+    that all layers' vectors share (a query and its candidates differ along few of them).
     """
     n = store.n_records
     size = min(REDUCE_SAMPLE, n)

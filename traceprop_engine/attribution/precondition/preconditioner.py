@@ -31,7 +31,7 @@ Kinds:
   (for K-FAC exactly ``Σ_ab Λ_ab / ((σ_a+λ_S)(α_b+λ_A))`` from the moments in its factors'
   eigenbases): each layer keeps identity's share of the score, only directions inside it are
   reweighted, heavy damping gives identity. Without it every whitened layer weighs about the
-  same (facts24: the LM head's 86 % of the energy diluted, LDS 0.826 → 0.629; EVAL.md §1e).
+  same, and the layer holding most of the score (often the LM head) is diluted.
 - dense sketches (``x ∈ R^k``, no covariance): ``identity`` is ``v = x``; ``ekfac`` the diagonal
   Fisher in the coordinate basis, ``v_j = f x_j / sqrt(Λ_j + λ)``, ``Λ_j = mean_i x_ij²``,
   ``λ = damping × mean(Λ)``; ``kfac`` the isotropic Fisher, which the trace normalisation makes

@@ -2,12 +2,10 @@
 
 numpy's OpenBLAS splits even small products over every core, and its threads busy-wait for each
 other. When another process holds one of the cores (a training job started from the app, a test
-suite, another query process), every split product waits for a thread that cannot run: on the
-project's 2-core CPU, with a one-thread training job beside it, one ``rank`` on a real run of
-10⁵ examples (1000 candidates per side, exact re-rank) took 1.27 s instead of 0.06 s, and the
-brute-force scores of 48 queries 60 s instead of 9 s (benchmarks/README.md §2b). The re-rank's
-products are small (a few thousand candidates, k ≤ 126 per layer): on an idle machine one
-thread was faster too (50.8 vs 61.7 ms p50, ``benchmarks/query_threads.py``).
+suite, another query process), every split product waits for a thread that cannot run, and a
+query takes many times longer. The re-rank's products are small (a few thousand candidates,
+k ≤ 126 per layer), so one thread is no slower on an idle machine either
+(``benchmarks/query_threads.py`` measures both).
 
 Process-wide (BLAS has one thread setting): the first caller sets it, the last one to leave
 restores it, so concurrent queries (the app's sessions) never leave it at one thread.

@@ -24,11 +24,8 @@ CANDIDATES = 4
 MIN_CANDIDATES = 1000
 """... and at least this many, and ``n / CANDIDATE_FRACTION`` on large indexes (up to
 ``MAX_CANDIDATES``): the index holds a compressed projection of each example's vector, so the
-true top 10 can rank far down its list. Measured with ``traceprop bench query --end-to-end``'s
-store (the sample run's records resampled with noise, 24 real queries, recall@10 of the
-returned proponents / opponents against brute-force exact scores): at 10⁴ examples 200
-candidates found 0.92 / 0.78, 1000 found 1.00 / 0.98; at 10⁵ 200 → 0.80 / 0.43, 1000 →
-0.91 / 0.72, 3000 → 0.95 / 0.85 (benchmarks/README.md §2b)."""
+true top 10 can rank far down its list (recall per candidate count: ``traceprop bench query
+--end-to-end``, benchmarks/README.md §2b)."""
 CANDIDATE_FRACTION = 30
 MAX_CANDIDATES = 4000
 
@@ -50,8 +47,7 @@ def n_candidates(top_k: int, n: int, lists: bool = False) -> int:
     """How many rows per side FAISS proposes for the exact re-rank of ``top_k`` (of ``n``).
 
     With factor lists (``index/lists.py``) beside it, FAISS proposes no more than
-    ``MIN_CANDIDATES``: on the real run of 10⁶ examples the lists found what more FAISS
-    candidates would, for less time (benchmarks/README.md §2b)."""
+    ``MIN_CANDIDATES``: the lists find what more FAISS candidates would, for less time."""
     grow = 0 if lists else min(n // CANDIDATE_FRACTION, MAX_CANDIDATES)
     want = max(CANDIDATES * top_k, MIN_CANDIDATES, grow)
     return min(want, n)

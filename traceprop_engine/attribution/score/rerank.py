@@ -16,9 +16,8 @@ its lower bound above the ``k``-th smallest upper bound (nor an opponent), or wh
 rule out the sign. Rows dropped this way cannot change the result: the ranking of the rows
 left is the full re-rank's, with every score and every per-layer share exact.
 
-A query whose score sits in one layer (on the runs measured, the LM head's share is above
-0.99 for half the questions) then scores its thousands of candidates at that layer only and
-the few dozen left at the others (benchmarks/README.md §2b).
+A query whose score sits in one layer (often the LM head) then scores its thousands of
+candidates at that layer only and the few dozen left at the others.
 """
 
 from __future__ import annotations
