@@ -290,3 +290,32 @@ def test_the_cli_shows_each_settings_field_s_own_help():
             assert field_help(cls, dest) in action.help.replace("%%", "%"), (command, dest)
             checked += 1
     assert checked >= 30
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        TrainSettings(data="d", out="o"),
+        TrainSettings(
+            data="d",
+            out="o",
+            lr=0.01,
+            epochs=3,
+            seed=7,
+            tiny_layers=1,
+            eval_data="e",
+            track=TrackSettings(k_in=8, rank=0, covariance=False, seed=7, projection="gaussian"),
+        ),
+        TrainSettings(data="d", out="o", track=None, model="minilm", task="classification"),
+    ],
+)
+def test_train_settings_survive_the_command_line(settings):
+    """Issue 28 item 3: ``traceprop train``'s settings are read from its flags by field name (no
+    field-by-field copy): the argv written for settings parses back to the same settings."""
+    from traceprop_engine.cli.main import build_parser
+    from traceprop_engine.cli.train import train_settings
+    from traceprop_engine.training.command import train_argv
+
+    argv = train_argv(settings)
+    args = build_parser().parse_args(argv[argv.index("train") :])
+    assert train_settings(args) == settings

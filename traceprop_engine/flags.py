@@ -29,6 +29,15 @@ def help_of(cls, name: str, suffix: str = "") -> str:
     return (field_help(cls, name) + suffix).replace("%", "%%")
 
 
+def from_namespace(cls, a, **given):
+    """A settings dataclass from parsed flags: every field whose name is a flag's ``dest`` takes
+    that value, ``given`` overrides (fields the flags spell otherwise, e.g. ``--no-covariance``),
+    the rest keep their defaults. No field-by-field copy to keep in step with the dataclass."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {n: getattr(a, n) for n in names if hasattr(a, n) and n not in given}
+    return cls(**values, **given)
+
+
 def plain(value):
     """An enum member's value (what argparse shows and parses), anything else as is."""
     return value.value if isinstance(value, Enum) else value

@@ -73,13 +73,15 @@ class LaunchSpec:
             rank=self.rank,
             sketch=self.sketch,
             covariance=self.covariance,
+            seed=self.seed,  # traceprop train seeds the projections with --seed
         )
 
-    def _train_settings(self) -> TrainSettings:
+    def _train_settings(self, out: str | Path = "", track: TrackSettings | None = None):
         # out is chosen at start (new_run_dir); the tracking settings are checked on their own
+        tiny = {"tiny_layers": self.tiny_layers, "tiny_width": self.tiny_width}
         return TrainSettings(
             data=str(self.data),
-            out="",
+            out=str(out),
             model=self.model,
             task=self.task,
             eval_data=None if self.eval_data is None else str(self.eval_data),
@@ -89,37 +91,16 @@ class LaunchSpec:
             max_length=self.max_length,
             lora_rank=self.lora_rank,
             seed=self.seed,
-            track=None,
-            tiny_layers=self.tiny_layers,
-            tiny_width=self.tiny_width,
+            track=track,
+            **(tiny if self.model == "tiny" else {}),
         )
 
     def command(self, run_dir: Path) -> list[str]:
+        """The ``traceprop train`` command line of this spec (written from its settings)."""
         from traceprop_engine.training.command import train_argv
 
-        tiny = self.model == "tiny"
-        flags = {
-            "data": self.data,
-            "out": run_dir,
-            "model": self.model,
-            "task": self.task,
-            "epochs": self.epochs,
-            "lr": self.lr,
-            "batch_size": self.batch_size,
-            "max_length": self.max_length,
-            "lora_rank": self.lora_rank,
-            "scope": self.scope,
-            "k_in": self.k_in,
-            "k_out": self.k_out,
-            "rank": self.rank,
-            "sketch": self.sketch,
-            "seed": self.seed,
-            "eval_data": self.eval_data,
-            "no_covariance": not self.covariance,
-            "tiny_layers": self.tiny_layers if tiny else None,
-            "tiny_width": self.tiny_width if tiny else None,
-        }
-        return train_argv(flags) + list(self.extra)
+        settings = self._train_settings(run_dir, self._track_settings())
+        return train_argv(settings) + list(self.extra)
 
 
 def measured_configurations() -> pl.DataFrame:

@@ -30,53 +30,13 @@ def add_train(sub) -> None:
 
 
 def train_settings(a):
-    """The :class:`TrainSettings` of parsed ``traceprop train`` flags."""
+    """The :class:`TrainSettings` of parsed ``traceprop train`` flags (each flag's ``dest`` is
+    its field's name; ``--no-track`` and ``--no-covariance`` are the two spelled otherwise)."""
+    from ..flags import from_namespace
     from ..settings import TrackSettings, TrainSettings
 
-    track = None
-    if not a.no_track:
-        track = TrackSettings(
-            scope=a.scope,
-            k_in=a.k_in,
-            k_out=a.k_out,
-            share_k=a.share_k,
-            projection=a.projection,
-            rank=a.rank,
-            factor_dtype=a.factor_dtype,
-            factor_space=a.factor_space,
-            power_iters=a.power_iters,
-            covariance_stride=a.covariance_stride,
-            covariance_tokens=a.covariance_tokens,
-            sketch=a.sketch,
-            dense_k=a.dense_k,
-            covariance=not a.no_covariance,
-            seed=a.seed,
-            buffer_records=a.buffer_records,
-        )
-    return TrainSettings(
-        data=a.data,
-        out=a.out,
-        model=a.model,
-        task=a.task,
-        eval_data=a.eval_data,
-        eval_fraction=a.eval_fraction,
-        epochs=a.epochs,
-        lr=a.lr,
-        batch_size=a.batch_size,
-        max_length=a.max_length,
-        lora_rank=a.lora_rank,
-        lora_targets=a.lora_targets,
-        seed=a.seed,
-        track=track,
-        threads=a.threads,
-        device=a.device,
-        max_steps=a.max_steps,
-        tiny_layers=a.tiny_layers,
-        tiny_width=a.tiny_width,
-        tiny_vocab=a.tiny_vocab,
-        parallel=a.parallel,
-        checkpoint_every=a.checkpoint_every,
-    )
+    track = None if a.no_track else from_namespace(TrackSettings, a, covariance=not a.no_covariance)
+    return from_namespace(TrainSettings, a, track=track)
 
 
 def _cmd_train(a) -> int:
