@@ -22,7 +22,7 @@ from test_resume import assert_same_model, assert_same_store
 
 from traceprop_engine import Store
 from traceprop_engine.errors import RunError
-from traceprop_engine.run import read_manifest, read_progress
+from traceprop_engine.run import RunManifest, read_manifest, read_progress
 from traceprop_engine.training import checkpoint
 from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import resume
@@ -227,7 +227,7 @@ def killed_copy(runs):
 def test_resume_refuses_a_missing_or_short_shard(runs, killed_copy, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(killed_copy, run)
-    m, ckpt = read_manifest(run), checkpoint.load(run)
+    m, ckpt = RunManifest.load(run, as_written=True), checkpoint.load(run)
     check_shards(run, m, ckpt)  # whole: fine
     need = int(ckpt.meta["ranks"][1]["n_records"])
     with h5py.File(run / SHARDS[1], "r+", locking=False) as f:  # a shard that lost records
