@@ -183,7 +183,9 @@ for kind, title in (
             "score": st.column_config.NumberColumn(format="%.4g"),
             "location": st.column_config.TextColumn("source file:row"),
             "both": st.column_config.CheckboxColumn("both", help="in both estimators' top k"),
-            "second_rank": st.column_config.NumberColumn(f"rank under {second}"),
+            "second_rank": st.column_config.NumberColumn(
+                f"rank under {second}", help=f"its rank in {second}'s top k (None: not in it)"
+            ),
         },
     )
 
