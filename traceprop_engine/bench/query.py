@@ -27,9 +27,9 @@ import psutil
 
 from ..attribution.index.build import build_index
 from ..errors import ConfigError
-from ..settings import IndexKind
+from ..settings import INDEX_DIMS, IndexKind
 
-__all__ = ["SketchGenerator", "run_base_vectors", "run_query_bench"]
+__all__ = ["ReducedGenerator", "SketchGenerator", "run_base_vectors", "run_query_bench"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,31 @@ class SketchGenerator:
         if self.norm_sigma > 0:
             x *= np.exp(self.norm_sigma * rng.standard_normal((n, 1), dtype=np.float32))
         return x
+
+
+@dataclass(frozen=True, eq=False)
+class ReducedGenerator:
+    """Another generator's vectors projected on ``basis`` (``(dim, d)`` orthonormal columns): the
+    index's reduction to its top ``IndexSettings.index_dims`` principal directions, which every
+    run with more examples than its vectors have dimensions gets (``precondition/vectors.py``),
+    so the bench indexes the vectors such a run's FAISS index holds."""
+
+    inner: SketchGenerator
+    basis: np.ndarray
+
+    @classmethod
+    def fit(cls, gen: SketchGenerator, dims: int, seed: int) -> ReducedGenerator:
+        from ..attribution.index.projection import REDUCE_SAMPLE, principal_basis
+
+        x = gen.sample(REDUCE_SAMPLE, np.random.default_rng([seed, 777_777]))
+        return cls(gen, principal_basis(x, dims, seed=seed))
+
+    @property
+    def dim(self) -> int:
+        return int(self.basis.shape[1])
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.ascontiguousarray(self.inner.sample(n, rng) @ self.basis)
 
 
 def _data(gen: SketchGenerator, n: int, seed: int) -> Callable[[], Iterator[np.ndarray]]:
@@ -249,6 +274,7 @@ def run_query_bench(
     nlist: int | None = None,
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
+    index_dims: int = INDEX_DIMS,
 ) -> list[dict]:
     """Build each kind at each size and time single queries.
 
@@ -264,12 +290,15 @@ def run_query_bench(
         nlist: IVF lists (default: the index module's rule).
         threads: FAISS threads (default: all available cores).
         progress: called with a one-line status before each measurement.
+        index_dims: reduce the generated vectors to their top this many principal directions
+            when they are wider (what the index of a run of that size holds:
+            ``IndexSettings.index_dims``); 0 indexes them at full width.
 
     Returns:
         One dict per (size, kind): ``n, dim, kind, build_s, p50_ms, p99_ms, recall_at_10``
         (vs. exact search, on ``min(100, n_queries)`` queries), ``peak_rss_mb`` (process peak so
         far, monotone), ``rss_mb`` (resident after the measurement), ``nlist``, ``nprobe``,
-        ``generator`` ("fitted" or "synthetic").
+        ``generator`` ("fitted" or "synthetic", plus ", reduced to D" when reduced).
     """
     if base_vectors is not None:
         gen = SketchGenerator.fit(base_vectors, seed=seed)
@@ -277,6 +306,9 @@ def run_query_bench(
     else:
         gen = SketchGenerator.synthetic(dim, seed=seed)
         gen_name = "synthetic"
+    if index_dims and gen.dim > index_dims:
+        gen = ReducedGenerator.fit(gen, index_dims, seed)
+        gen_name += f", reduced to {gen.dim}"
     dim = gen.dim
     queries = gen.sample(n_queries, np.random.default_rng([seed, 999_999]))  # held out
     rows: list[dict] = []

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..flags import add_dense_k_flag, add_sketch_flag, add_track_flags, field_defaults
+from ..settings import INDEX_DIMS
 
 
 def add_bench(sub) -> None:
@@ -55,7 +56,16 @@ def add_bench(sub) -> None:
     )
     q.add_argument("--json", help="write the result rows here")
     q.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated N")
-    q.add_argument("--dim", type=int, default=1024)
+    q.add_argument(
+        "--dim", type=int, default=1024, help="width of the fallback generator (no --run)"
+    )
+    q.add_argument(
+        "--index-dims",
+        type=int,
+        default=INDEX_DIMS,
+        help="index the vectors reduced to their top this many principal directions, as the "
+        "index of a run with more examples than dimensions holds them (0: full width)",
+    )
     q.add_argument("--queries", type=int, default=200)
     q.add_argument(
         "--run",
@@ -151,7 +161,13 @@ def _cmd_bench_query(a) -> int:
             )
     else:
         base = run_base_vectors(a.run or default_root() / "facts")
-        rows = run_query_bench(sizes=sizes, dim=a.dim, n_queries=a.queries, base_vectors=base)
+        rows = run_query_bench(
+            sizes=sizes,
+            dim=a.dim,
+            n_queries=a.queries,
+            base_vectors=base,
+            index_dims=a.index_dims,
+        )
     for r in rows:
         print(json.dumps(r))
     if a.json:
