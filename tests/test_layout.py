@@ -385,3 +385,10 @@ def test_the_capture_imports_nothing_from_training():
         mod == "traceprop_engine.store.writer.StoreWriter"
         for _, mod in _imported_modules(REPO / "traceprop_engine" / "capture" / "tracker.py")
     ), "the import rule resolves relative imports"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by basename (the tests folders are not packages): two files
+    of one name stop the whole run at collection."""
+    names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
