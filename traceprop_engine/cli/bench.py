@@ -46,6 +46,10 @@ def add_bench(sub) -> None:
         help="also compare peak RSS of 'traceprop train' tracked vs --no-track on this data",
     )
     o.set_defaults(func=_cmd_bench_overhead)
+    _add_bench_query(bs)
+
+
+def _add_bench_query(bs) -> None:
     q = bs.add_parser(
         "query",
         help="index build time, query latency and recall at several N",
