@@ -68,134 +68,85 @@ def int_list(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def add_field_flag(p, cls, name: str, *flags: str, **kw) -> None:
+    """One flag of field ``name`` of a settings dataclass: ``--name-with-dashes`` (or
+    ``flags``), its default, its choices (an enum) or type (an int or float default) and its
+    help text, all read from the field; ``kw`` adds to or overrides them."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = None if f.default is dataclasses.MISSING else f.default
+    kw.setdefault("default", plain(default))
+    if isinstance(default, Enum):
+        kw.setdefault("choices", choices(type(default)))
+    elif type(default) in (int, float) and "action" not in kw:
+        kw.setdefault("type", type(default))
+    kw.setdefault("help", help_of(cls, name))
+    p.add_argument(*(flags or ("--" + name.replace("_", "-"),)), **kw)
+
+
+def add_field_flags(p, cls, *names: str) -> None:
+    """:func:`add_field_flag` for each of ``names``, in order."""
+    for name in names:
+        add_field_flag(p, cls, name)
+
+
 def add_track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
-    from .settings import FactorDtype, FactorSpace, ProjectionKind, TrackSettings
+    from .settings import TrackSettings as T
 
-    d = field_defaults(TrackSettings)
-    p.add_argument(
-        "--k-in",
-        type=int,
-        default=d["k_in"],
-        help=help_of(TrackSettings, "k_in"),
-    )
-    p.add_argument("--k-out", type=int, default=d["k_out"], help=help_of(TrackSettings, "k_out"))
-    p.add_argument(
-        "--projection",
-        default=plain(d["projection"]),
-        choices=choices(ProjectionKind),
-        help=help_of(TrackSettings, "projection"),
-    )
-    p.add_argument(
+    add_field_flags(p, T, "k_in", "k_out", "projection")
+    add_field_flag(
+        p,
+        T,
+        "share_k",
         "--no-share-k",
         dest="share_k",
         action="store_false",
-        default=d["share_k"],
-        help="turn off share_k: " + help_of(TrackSettings, "share_k"),
+        help="turn off share_k: " + help_of(T, "share_k"),
     )
-    p.add_argument(
-        "--rank",
-        type=int,
-        default=d["rank"],
-        help=help_of(TrackSettings, "rank"),
+    add_field_flags(
+        p, T, "rank", "factor_dtype", "factor_space", "power_iters", "covariance_stride"
     )
-    p.add_argument(
-        "--factor-dtype",
-        default=plain(d["factor_dtype"]),
-        choices=choices(FactorDtype),
-        help=help_of(TrackSettings, "factor_dtype"),
-    )
-    p.add_argument(
-        "--factor-space",
-        default=plain(d["factor_space"]),
-        choices=choices(FactorSpace),
-        help=help_of(TrackSettings, "factor_space"),
-    )
-    p.add_argument(
-        "--power-iters",
-        type=int,
-        default=d["power_iters"],
-        help=help_of(TrackSettings, "power_iters"),
-    )
-    p.add_argument(
-        "--covariance-stride",
-        type=int,
-        default=d["covariance_stride"],
-        help=help_of(TrackSettings, "covariance_stride"),
-    )
-    p.add_argument(
-        "--covariance-tokens",
-        type=int,
-        default=d["covariance_tokens"],
-        help=help_of(TrackSettings, "covariance_tokens"),
-    )
+    add_field_flag(p, T, "covariance_tokens")
+
+
+def _given_help(help: str | None) -> dict:
+    return {} if help is None else {"help": help}
 
 
 def add_sketch_flag(p, help: str | None = None) -> None:
-    """--sketch with TrackSettings' default."""
-    from .settings import SketchKind, TrackSettings
+    """--sketch with TrackSettings' default (and its help unless ``help`` is given)."""
+    from .settings import TrackSettings
 
-    d = field_defaults(TrackSettings)
-    p.add_argument("--sketch", default=plain(d["sketch"]), choices=choices(SketchKind), help=help)
+    add_field_flag(p, TrackSettings, "sketch", **_given_help(help))
 
 
 def add_dense_k_flag(p, help: str | None = None) -> None:
-    """--dense-k with TrackSettings' default."""
+    """--dense-k with TrackSettings' default (and its help unless ``help`` is given)."""
     from .settings import TrackSettings
 
-    p.add_argument(
-        "--dense-k", type=int, default=field_defaults(TrackSettings)["dense_k"], help=help
-    )
+    add_field_flag(p, TrackSettings, "dense_k", **_given_help(help))
 
 
 def add_preconditioner_flag(p, help: str | None = None) -> None:
-    """--preconditioner with IndexSettings' default."""
-    from .settings import IndexSettings, PreconditionerKind
+    """--preconditioner with IndexSettings' default (and its help unless ``help`` is given)."""
+    from .settings import IndexSettings
 
-    d = field_defaults(IndexSettings)
-    p.add_argument(
-        "--preconditioner",
-        default=plain(d["preconditioner"]),
-        choices=choices(PreconditionerKind),
-        help=help,
-    )
+    add_field_flag(p, IndexSettings, "preconditioner", **_given_help(help))
 
 
 def add_index_flags(p) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults."""
-    from .settings import DEFAULT_DAMPING, IndexKind, IndexSettings
+    from .settings import DEFAULT_DAMPING
+    from .settings import IndexSettings as S
 
-    d = field_defaults(IndexSettings)
-    add_preconditioner_flag(p, help=help_of(IndexSettings, "preconditioner"))
-    p.add_argument(
-        "--damping",
-        type=float,
-        default=d["damping"],
-        help=help_of(IndexSettings, "damping", f" = {DEFAULT_DAMPING:g}"),
+    add_preconditioner_flag(p)
+    add_field_flag(
+        p, S, "damping", type=float, help=help_of(S, "damping", f" = {DEFAULT_DAMPING:g}")
     )
-    p.add_argument(
-        "--cosine",
-        action=argparse.BooleanOptionalAction,
-        default=d["cosine"],
-        help=help_of(IndexSettings, "cosine"),
-    )
-    p.add_argument(
-        "--per-record",
-        action="store_true",
-        help=help_of(IndexSettings, "per_record"),
-    )
-    p.add_argument(
-        "--index-kind",
-        default=plain(d["kind"]),
-        choices=choices(IndexKind),
-        help=help_of(IndexSettings, "kind"),
-    )
-    p.add_argument(
-        "--lists",
-        action=argparse.BooleanOptionalAction,
-        default=d["lists"],
-        help=help_of(IndexSettings, "lists"),
-    )
+    add_field_flag(p, S, "cosine", action=argparse.BooleanOptionalAction)
+    add_field_flag(p, S, "per_record", action="store_true")
+    add_field_flag(p, S, "kind", "--index-kind")
+    add_field_flag(p, S, "lists", action=argparse.BooleanOptionalAction)
 
 
 def index_settings(a):

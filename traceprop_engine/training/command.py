@@ -15,9 +15,10 @@ from enum import Enum
 
 from ..flags import (
     add_dense_k_flag,
+    add_field_flag,
+    add_field_flags,
     add_sketch_flag,
     add_track_flags,
-    choices,
     field_defaults,
     help_of,
     plain,
@@ -26,61 +27,20 @@ from ..flags import (
 __all__ = ["add_train_arguments", "settings_flags", "train_argv", "train_flags"]
 
 
-# long: one add_argument per flag of traceprop train; a flat list reads best
 def add_train_arguments(p) -> None:
-    """Every flag of ``traceprop train``, defaults from TrainSettings and TrackSettings."""
-    from ..settings import Task, TrackSettings, TrainSettings
+    """Every flag of ``traceprop train``: one per settings field (default, type or choices and
+    help from the field), the switches ``--no-covariance``, ``--no-track``, ``--overwrite``."""
+    from ..settings import TrackSettings as tk
+    from ..settings import TrainSettings as tr
 
-    d = field_defaults(TrainSettings)
-    t = field_defaults(TrackSettings)
-    tr, tk = TrainSettings, TrackSettings
-    p.add_argument("--data", help=help_of(tr, "data", " (required unless --resume)"))
-    p.add_argument("--out", help=help_of(tr, "out", " (required unless --resume)"))
-    p.add_argument("--eval-data", help=help_of(tr, "eval_data"))
-    p.add_argument(
-        "--eval-fraction",
-        type=float,
-        default=d["eval_fraction"],
-        help=help_of(tr, "eval_fraction"),
-    )
-    p.add_argument(
-        "--model",
-        default=d["model"],
-        help=help_of(tr, "model"),
-    )
-    p.add_argument(
-        "--task", default=plain(d["task"]), choices=choices(Task), help=help_of(tr, "task")
-    )
-    p.add_argument("--epochs", type=int, default=d["epochs"], help=help_of(tr, "epochs"))
-    p.add_argument("--lr", type=float, default=d["lr"], help=help_of(tr, "lr"))
-    p.add_argument(
-        "--batch-size", type=int, default=d["batch_size"], help=help_of(tr, "batch_size")
-    )
-    p.add_argument(
-        "--max-length",
-        type=int,
-        default=d["max_length"],
-        help=help_of(tr, "max_length"),
-    )
-    p.add_argument(
-        "--lora-rank",
-        type=int,
-        default=d["lora_rank"],
-        help=help_of(tr, "lora_rank"),
-    )
-    p.add_argument(
-        "--lora-targets",
-        default=d["lora_targets"],
-        help=help_of(tr, "lora_targets"),
-    )
-    p.add_argument(
-        "--scope",
-        default=t["scope"],
-        help=help_of(tk, "scope"),
-    )
+    for name in ("data", "out"):
+        add_field_flag(p, tr, name, help=help_of(tr, name, " (required unless --resume)"))
+    add_field_flags(p, tr, "eval_data", "eval_fraction", "model", "task", "epochs", "lr")
+    add_field_flags(p, tr, "batch_size", "max_length", "lora_rank", "lora_targets")
+    add_field_flag(p, tk, "scope")
     add_track_flags(p)
-    add_sketch_flag(p, help_of(tk, "sketch"))
-    add_dense_k_flag(p, help_of(tk, "dense_k"))
+    add_sketch_flag(p)
+    add_dense_k_flag(p)
     p.add_argument(
         "--no-covariance",
         action="store_true",
@@ -89,45 +49,11 @@ def add_train_arguments(p) -> None:
     p.add_argument(
         "--no-track", action="store_true", help="the same loop with nothing recorded (baseline)"
     )
-    p.add_argument(
-        "--buffer-records",
-        type=int,
-        default=t["buffer_records"],
-        help=help_of(tk, "buffer_records"),
-    )
-    p.add_argument("--seed", type=int, default=d["seed"], help=help_of(tr, "seed"))
-    p.add_argument("--threads", type=int, default=d["threads"], help=help_of(tr, "threads"))
-    p.add_argument("--device", default=d["device"], help=help_of(tr, "device"))
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=d["max_steps"],
-        help=help_of(tr, "max_steps"),
-    )
-    p.add_argument(
-        "--tiny-layers", type=int, default=d["tiny_layers"], help=help_of(tr, "tiny_layers")
-    )
-    p.add_argument(
-        "--tiny-width", type=int, default=d["tiny_width"], help=help_of(tr, "tiny_width")
-    )
-    p.add_argument(
-        "--tiny-vocab",
-        type=int,
-        default=d["tiny_vocab"],
-        help=help_of(tr, "tiny_vocab"),
-    )
-    p.add_argument(
-        "--parallel",
-        choices=("ddp", "fsdp"),
-        default=d["parallel"],
-        help=help_of(tr, "parallel"),
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=d["checkpoint_every"],
-        help=help_of(tr, "checkpoint_every"),
-    )
+    add_field_flag(p, tk, "buffer_records")
+    add_field_flags(p, tr, "seed", "threads", "device", "max_steps")
+    add_field_flags(p, tr, "tiny_layers", "tiny_width", "tiny_vocab")
+    add_field_flag(p, tr, "parallel", choices=("ddp", "fsdp"))
+    add_field_flag(p, tr, "checkpoint_every")
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing (finished) run in --out"
     )
