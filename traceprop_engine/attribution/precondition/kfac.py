@@ -150,9 +150,7 @@ def _fit_dense(
             info={"mean_sq_norm": float(mean_sq_norm), "damping": damping},
         )
     lam_diag = _moments_for(kind, moments, shape, name)
-    lam = damping * float(lam_diag.mean())
-    inv = 1.0 / _positive(lam_diag + lam, name)
-    f = _layer_scale(float(lam_diag.sum()), float((lam_diag * inv).sum()), name)
+    lam, inv, f = _damped_inverse(lam_diag, damping, name)
     return LayerPreconditioner(
         name,
         kind,
@@ -234,9 +232,7 @@ def _fit_ekfac(
     """EK-FAC: the K-FAC eigenbases with the streamed eigenvalue correction ``Λ``."""
     kind = PreconditionerKind.EKFAC
     lam_ab = _moments_for(kind, moments, shape, name)
-    lam = damping * float(lam_ab.mean())
-    inv = 1.0 / _positive(lam_ab + lam, name)
-    f = _layer_scale(float(lam_ab.sum()), float((lam_ab * inv).sum()), name)
+    lam, inv, f = _damped_inverse(lam_ab, damping, name)
     return LayerPreconditioner(
         name,
         kind,
@@ -260,6 +256,14 @@ def _moments_for(kind, moments: EkfacMoments | None, shape, name) -> np.ndarray:
             "they were accumulated for another layer"
         )
     return moments.mean
+
+
+def _damped_inverse(eig: np.ndarray, damping: float, name: str) -> tuple[float, np.ndarray, float]:
+    """``(λ, 1/(Λ + λ), f)`` for eigenvalues ``Λ`` in a fixed basis: ``λ = damping · mean(Λ)``
+    and the trace normalisation ``f`` that keeps the layer's mean squared norm."""
+    lam = damping * float(eig.mean())
+    inv = 1.0 / _positive(eig + lam, name)
+    return lam, inv, _layer_scale(float(eig.sum()), float((eig * inv).sum()), name)
 
 
 def _positive(x: np.ndarray, name: str) -> np.ndarray:
