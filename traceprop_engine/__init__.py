@@ -12,6 +12,7 @@ from .errors import (
     StoreError,
     TracepropError,
 )
+from .lazy import lazy_getattr
 from .settings import SketchKind, Task, TrackSettings, TrainSettings
 
 __version__ = "0.1.0"
@@ -21,14 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {"Tracker": ".capture.tracker", "Store": ".store.reader", "open_run": ".attribution"}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [

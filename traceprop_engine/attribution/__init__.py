@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_getattr
+
 # name -> the module (relative to this package) that owns it
 _LAZY = {
     # the facade: open a run, query it, what a query returns
@@ -108,14 +110,7 @@ if TYPE_CHECKING:
     from .score.ranking import source_influence
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:
