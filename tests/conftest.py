@@ -114,3 +114,24 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device("cuda")
+
+
+# -- the synthetic store of the compact-storage and Woodbury tests (one per test module: those
+# tests write factor files beside it) --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def synthetic_store(tmp_path_factory) -> Path:
+    from helpers import write_synthetic_store
+
+    from traceprop_engine import constants as C
+
+    return write_synthetic_store(tmp_path_factory.mktemp("run") / C.STORE_FILE)
+
+
+@pytest.fixture(scope="module")
+def synthetic_queries() -> list:
+    """3 query sketches per layer of the synthetic store."""
+    import numpy as np
+    from helpers import SYNTHETIC_SHAPES
+
+    rng = np.random.default_rng(7)
+    return [rng.normal(size=(3, ko, ki)) for ko, ki in SYNTHETIC_SHAPES]

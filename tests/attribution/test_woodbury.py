@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import SYNTHETIC_SHAPES, write_synthetic_store
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.precondition.woodbury import fit_woodbury, truncated_svd
@@ -14,17 +13,6 @@ from traceprop_engine.errors import ConfigError
 from traceprop_engine.store.compact import compact_store
 from traceprop_engine.store.factor_file import FactorStore
 from traceprop_engine.store.reader import Store
-
-
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return write_synthetic_store(tmp_path_factory.mktemp("run") / C.STORE_FILE)
-
-
-@pytest.fixture(scope="module")
-def tests_q():
-    rng = np.random.default_rng(7)
-    return [rng.normal(size=(3, ko, ki)) for ko, ki in SYNTHETIC_SHAPES]  # 3 queries
 
 
 def _explicit_inv_sqrt(g, rank, damping):
@@ -78,14 +66,14 @@ def test_randomized_svd_recovers_the_top_subspace():
         fit_woodbury(np.zeros((4, 3)), 2)
 
 
-def test_woodbury_preconditioner_in_factor_scores(store_path, tests_q, tmp_path):
-    path = compact_store(store_path, 99, out=tmp_path / "f.h5")
-    with Store(store_path) as store, FactorStore(path) as fs:
+def test_woodbury_preconditioner_in_factor_scores(synthetic_store, synthetic_queries, tmp_path):
+    path = compact_store(synthetic_store, 99, out=tmp_path / "f.h5")
+    with Store(synthetic_store) as store, FactorStore(path) as fs:
         wps = [
             fit_woodbury(store.sketches(li), 4, 0.1, name=la.name)
             for li, la in enumerate(store.layers)
         ]
-        got = factor_scores(tests_q, fs, wps, dtype=np.float64).scores
+        got = factor_scores(synthetic_queries, fs, wps, dtype=np.float64).scores
         # reference: explicit H^{-1/2} on both sides, per record, lr-weighted per example
         rec = store.records()
         ids = np.unique(rec[C.REC_EXAMPLE])
@@ -93,7 +81,7 @@ def test_woodbury_preconditioner_in_factor_scores(store_path, tests_q, tmp_path)
         for li, wp in enumerate(wps):
             m = wp.dense_inverse_sqrt()
             x = store.sketches(li).astype(np.float64).reshape(store.n_records, -1) @ m
-            t = tests_q[li].reshape(3, -1) @ m
+            t = synthetic_queries[li].reshape(3, -1) @ m
             r = t @ x.T * rec[C.REC_LR].astype(np.float64)
             for qi in range(3):
                 ref[qi] += np.bincount(

@@ -57,17 +57,6 @@ def _naive_scores(store, pre, tests):
     return ids, pre.apply(tests, dtype=np.float64) @ per_ex.T  # (q, n_ex)
 
 
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return write_synthetic_store(tmp_path_factory.mktemp("run") / C.STORE_FILE)
-
-
-@pytest.fixture(scope="module")
-def tests_q():
-    rng = np.random.default_rng(7)
-    return [rng.normal(size=(3, ko, ki)) for ko, ki in SHAPES]  # 3 queries
-
-
 # -- factorisation -----------------------------------------------------------------------------
 
 
@@ -92,11 +81,11 @@ def test_factorize_chunk_is_the_truncated_svd():
         factorize_chunk(x.reshape(9, -1), 2)
 
 
-def test_compact_store_round_trip_and_metadata(store_path, tmp_path):
-    with Store(store_path) as store:
-        full = compact_store(store_path.parent, 99)  # lossless
+def test_compact_store_round_trip_and_metadata(synthetic_store, tmp_path):
+    with Store(synthetic_store) as store:
+        full = compact_store(synthetic_store.parent, 99)  # lossless
         assert full.name == "factors-c99.h5"
-        with FactorStore(store_path.parent, rank=99) as fs:
+        with FactorStore(synthetic_store.parent, rank=99) as fs:
             assert (
                 fs.lossless
                 and fs.n_records == store.n_records
@@ -119,7 +108,7 @@ def test_compact_store_round_trip_and_metadata(store_path, tmp_path):
                 assert fs.layers[li].relative_residual == 0.0
 
         # rank 2, streamed in chunks of 7 records: factors of each record are its own truncated SVD
-        path = compact_store(store_path, 2, out=tmp_path / "f2.h5", chunk=7)
+        path = compact_store(synthetic_store, 2, out=tmp_path / "f2.h5", chunk=7)
         with FactorStore(path) as fs:
             assert not fs.lossless and [la.rank for la in fs.layers] == [2, 2, 2]
             assert fs.nbytes_per_record() == 4 * 2 * sum(ko + ki for ko, ki in SHAPES)
@@ -135,23 +124,23 @@ def test_compact_store_round_trip_and_metadata(store_path, tmp_path):
                 assert fs.layers[li].relative_residual == pytest.approx(rel, rel=1e-4)
 
 
-def test_factor_file_errors(store_path, tmp_path):
+def test_factor_file_errors(synthetic_store, tmp_path):
     dense = write_synthetic_store(tmp_path / "dense" / C.STORE_FILE, sketch="dense")
     with pytest.raises(ConfigError, match="dense sketches"):
         compact_store(dense, 2)
     with pytest.raises(StoreError, match="compact_store"):
         FactorStore(tmp_path, rank=3)
     with pytest.raises(StoreError, match="not a Traceprop factor file"):
-        FactorStore(store_path)
+        FactorStore(synthetic_store)
     with pytest.raises(ConfigError, match="positive integer"):
-        compact_store(store_path, 0)
-    path = compact_store(store_path, 1, out=tmp_path / "f1.h5")
+        compact_store(synthetic_store, 0)
+    path = compact_store(synthetic_store, 1, out=tmp_path / "f1.h5")
     with h5py.File(path, "a") as f:
         f.attrs["status"] = C.STATUS_RUNNING
     with pytest.raises(StoreError, match="unfinished"):
         FactorStore(path)
     other = write_synthetic_store(tmp_path / "other" / C.STORE_FILE, seed=1)
-    f2 = compact_store(store_path, 2, out=tmp_path / "f2.h5")
+    f2 = compact_store(synthetic_store, 2, out=tmp_path / "f2.h5")
     with Store(other) as st, FactorStore(f2) as fs, pytest.raises(IndexStaleError, match="rebuild"):
         fs.check_source(st)
 
@@ -160,23 +149,25 @@ def test_factor_file_errors(store_path, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["identity", "kfac", "ekfac"])
-def test_lossless_factor_scores_equal_full_sketch_scores(store_path, tests_q, tmp_path, kind):
-    path = compact_store(store_path, 99, out=tmp_path / "f.h5", chunk=11)
-    with Store(store_path) as store, FactorStore(path) as fs:
+def test_lossless_factor_scores_equal_full_sketch_scores(
+    synthetic_store, synthetic_queries, tmp_path, kind
+):
+    path = compact_store(synthetic_store, 99, out=tmp_path / "f.h5", chunk=11)
+    with Store(synthetic_store) as store, FactorStore(path) as fs:
         pre = _fit(store, kind)
-        ids, ref = _naive_scores(store, pre, tests_q)
-        got = factor_scores(tests_q, fs, pre, chunk=13, dtype=np.float64)
-        full = sketch_scores(tests_q, store, pre, chunk=13, dtype=np.float64)
+        ids, ref = _naive_scores(store, pre, synthetic_queries)
+        got = factor_scores(synthetic_queries, fs, pre, chunk=13, dtype=np.float64)
+        full = sketch_scores(synthetic_queries, store, pre, chunk=13, dtype=np.float64)
         np.testing.assert_array_equal(got.example_ids, ids)
         scale = np.abs(ref).max()
         # float32-stored factors of float32 sketches: agreement to float32 round-off of Ŝ
         np.testing.assert_allclose(got.scores, ref, rtol=0, atol=1e-6 * scale)
         np.testing.assert_allclose(full.scores, ref, rtol=RTOL_F64, atol=RTOL_F64 * scale)
         assert np.abs(got.bound).max() < 1e-5 * scale  # lossless: the bound is round-off only
-        f32 = factor_scores(tests_q, fs, pre)  # default float32 products
+        f32 = factor_scores(synthetic_queries, fs, pre)  # default float32 products
         np.testing.assert_allclose(f32.scores, ref, rtol=0, atol=RTOL_F32 * scale)
         one = factor_scores(
-            [t[0] for t in tests_q], fs, pre, dtype=np.float64
+            [t[0] for t in synthetic_queries], fs, pre, dtype=np.float64
         )  # a single (k_out, k_in) query
         np.testing.assert_allclose(one.scores[0], got.scores[0], rtol=1e-12, atol=1e-12 * scale)
         # low-rank queries (a test gradient has rank ≤ its target tokens): the O((k_out+k_in)c t) route
@@ -192,14 +183,16 @@ def test_lossless_factor_scores_equal_full_sketch_scores(store_path, tests_q, tm
         )
 
 
-def test_truncated_factor_scores_stay_within_the_stored_bound(store_path, tests_q, tmp_path):
-    with Store(store_path) as store:
+def test_truncated_factor_scores_stay_within_the_stored_bound(
+    synthetic_store, synthetic_queries, tmp_path
+):
+    with Store(synthetic_store) as store:
         pre = _fit(store, "kfac")
-        full = sketch_scores(tests_q, store, pre, dtype=np.float64).scores
+        full = sketch_scores(synthetic_queries, store, pre, dtype=np.float64).scores
         prev_bound = None
         for c in (1, 2, 3):
-            with FactorStore(compact_store(store_path, c, out=tmp_path / f"f{c}.h5")) as fs:
-                got = factor_scores(tests_q, fs, pre, dtype=np.float64)
+            with FactorStore(compact_store(synthetic_store, c, out=tmp_path / f"f{c}.h5")) as fs:
+                got = factor_scores(synthetic_queries, fs, pre, dtype=np.float64)
             err = np.abs(got.scores - full)
             assert err.max() > 1e-6 * np.abs(full).max()  # truncation really changes the scores
             assert np.all(err <= got.bound * (1 + 1e-6) + 1e-9 * np.abs(full).max())
@@ -208,16 +201,16 @@ def test_truncated_factor_scores_stay_within_the_stored_bound(store_path, tests_
             prev_bound = got.bound
 
 
-def test_factor_scores_reject_mismatched_inputs(store_path, tests_q, tmp_path):
-    path = compact_store(store_path, 2, out=tmp_path / "f.h5")
-    with Store(store_path) as store, FactorStore(path) as fs:
+def test_factor_scores_reject_mismatched_inputs(synthetic_store, synthetic_queries, tmp_path):
+    path = compact_store(synthetic_store, 2, out=tmp_path / "f.h5")
+    with Store(synthetic_store) as store, FactorStore(path) as fs:
         pre = _fit(store, "kfac")
         with pytest.raises(ConfigError, match="for 2 layers, the store has 3"):
-            factor_scores(tests_q[:2], fs, pre)
+            factor_scores(synthetic_queries[:2], fs, pre)
         with pytest.raises(StoreError, match="blk.0"):
-            factor_scores([np.zeros((2, 2))] + tests_q[1:], fs, pre)
+            factor_scores([np.zeros((2, 2))] + synthetic_queries[1:], fs, pre)
         with pytest.raises(ConfigError, match="no layer"):
-            factor_scores(tests_q, fs, pre.layers[:2])
+            factor_scores(synthetic_queries, fs, pre.layers[:2])
 
 
 # -- end to end on a trained run ------------------------------------------------------------------
