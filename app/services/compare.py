@@ -45,18 +45,17 @@ def query_text(run_dir: str | os.PathLike, eval_example: int) -> dict:
     return {"prompt": r["text"]}
 
 
-def side_query(run_dir, preconditioner: str, top_k: int, query: dict):
-    """One side's :class:`QueryResult` (its model half from the query worker, when there is one;
-    ranked under the run's lock)."""
+def query_side(run_dir, query: dict):
+    """The query's model half (``TestSide``) on a run: from the query worker, when there is one."""
+    keys = ("prompt", "completion", "eval_example", "label")
+    return test_side(run_dir, **{k: query.get(k) for k in keys})
+
+
+def side_query(run_dir, preconditioner: str, top_k: int, ts):
+    """One side's :class:`QueryResult` of the query whose model half is ``ts`` (from
+    :func:`query_side`), ranked under the run's lock."""
     from traceprop_engine.settings import IndexSettings
 
-    ts = test_side(
-        run_dir,
-        prompt=query.get("prompt"),
-        completion=query.get("completion"),
-        eval_example=query.get("eval_example"),
-        label=query.get("label"),
-    )
     run, lock = open_cached(run_dir)
     with lock:
         return run.query(
@@ -79,8 +78,11 @@ def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) ->
         side_b[0]
     ):
         raise ValueError("two runs share no example ids: ask them by the example's text")
-    a = side_query(side_a[0], side_a[1], top_k, query)
-    b = side_query(side_b[0], side_b[1], top_k, query)
+    ts_a = query_side(side_a[0], query)
+    same = os.path.realpath(side_a[0]) == os.path.realpath(side_b[0])
+    ts_b = ts_a if same else query_side(side_b[0], query)  # one run: one model half
+    a = side_query(side_a[0], side_a[1], top_k, ts_a)
+    b = side_query(side_b[0], side_b[1], top_k, ts_b)
     return Comparison(
         a, b, attribution.overlap(a.rows, b.rows, top_k), attribution.rank_changes(a.rows, b.rows)
     )
@@ -95,9 +97,10 @@ def second_choice(preconditioners, first: str) -> str | None:
     return None
 
 
-def second_opinion(run_dir, result, preconditioner: str, query: dict):
-    """Triangulate an answer: ask the same query of ``preconditioner`` for as many examples per
-    kind as ``result`` has, and mark the examples both estimators rank high.
+def second_opinion(run_dir, result, preconditioner: str, ts):
+    """Triangulate an answer: rank the same query (its model half ``ts``, the one ``result``
+    was ranked from) under ``preconditioner`` for as many examples per kind as ``result`` has,
+    and mark the examples both estimators rank high.
 
     Returns:
         ``(marks, overlap)``: ``marks`` has ``kind, example_id, second_rank`` for each example
@@ -109,7 +112,7 @@ def second_opinion(run_dir, result, preconditioner: str, query: dict):
         TracepropError: the run cannot be queried with ``preconditioner``.
     """
     k = max(1, int(result.query.get("top_k") or result.rows.height))
-    other = side_query(run_dir, preconditioner, k, query)
+    other = side_query(run_dir, preconditioner, k, ts)
     marks = other.rows.select(
         "kind", pl.col("example_id").cast(pl.Int64), pl.col("rank").alias("second_rank")
     )

@@ -135,7 +135,7 @@ def token_pieces(run_dir: str | os.PathLike, ids) -> list[str] | None:
 def run_query(run_dir: str | os.PathLike, **query):
     """``(QueryResult, influence by source)`` of one query on a cached run (serialised per run);
     ``query``: the keywords of :func:`run_query_and_scores`."""
-    res, by_source, _ = run_query_and_scores(run_dir, **query)
+    res, by_source, _, _ = run_query_and_scores(run_dir, **query)
     return res, by_source
 
 
@@ -149,8 +149,9 @@ def run_query_and_scores(
     top_k: int = 10,
     preconditioner: str = C.DEFAULT_PRECONDITIONER,
 ):
-    """``(QueryResult, influence by source, every example's score)`` of one query: the by-source
-    totals and the score histogram come from one pass over the store, made here once."""
+    """``(QueryResult, influence by source, every example's score, TestSide)`` of one query: the
+    by-source totals and the score histogram come from one pass over the store, made here once;
+    the ``TestSide`` (the query's model half) ranks the same query under another estimator."""
     from traceprop_engine.attribution import source_influence
     from traceprop_engine.settings import IndexSettings
 
@@ -163,7 +164,7 @@ def run_query_and_scores(
         res = run.query(top_k=top_k, settings=s, test_side=ts)
         table = run.example_scores(res, s)
     by_source = source_influence(table["score"].to_numpy(), table["source"].to_numpy())
-    return res, by_source, table
+    return res, by_source, table, ts
 
 
 def layer_scores_table(layer_scores: str) -> pl.DataFrame:

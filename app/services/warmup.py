@@ -100,7 +100,7 @@ def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
         evals = ex.filter(ex["split"] == "eval")["example_id"].to_list()
         if evals:
             _step()
-            _, by_source, _ = run_query_and_scores(run_dir, eval_example=int(evals[0]))
+            _, by_source, _, _ = run_query_and_scores(run_dir, eval_example=int(evals[0]))
             _step()
             answers.model_answer(run_dir, eval_example=int(evals[0]))
             charts.by_source_figure(by_source)

@@ -102,7 +102,7 @@ if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's
     warmup.page_query_started()
     try:
         with st.spinner("Scoring every training example…"):
-            res, by_source, scores = queries.run_query_and_scores(
+            res, by_source, scores, ts = queries.run_query_and_scores(
                 active,
                 prompt=prompt,
                 completion=completion,
@@ -127,12 +127,7 @@ if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's
             "by_source": by_source,
             "scores": scores,
             "answer": ans,
-            "query": {
-                "prompt": prompt,
-                "completion": completion,
-                "eval_example": eval_id,
-                "label": label,
-            },
+            "test_side": ts,  # the second opinion ranks the same model half again
         }
 
 saved = st.session_state.get("infl_result")

@@ -38,7 +38,7 @@ def render(active, preconditioners, saved: dict, rows: pl.DataFrame) -> tuple[pl
     if choice not in cache:
         try:
             with st.spinner(f"Asking {choice} the same question…"):
-                cache[choice] = compare.second_opinion(active, res, choice, saved["query"])
+                cache[choice] = compare.second_opinion(active, res, choice, saved["test_side"])
         except TracepropError as e:
             st.error(text.md_escape(f"second opinion from {choice}: {e}"))
             return rows, OFF

@@ -220,7 +220,7 @@ assert model_worker._worker is w
 assert warmup.join()
 ex = queries.cached_examples({str(run)!r}, queries.manifest_mtime({str(run)!r}), "eval")
 eid = int(ex["example_id"][0])
-res, by_source, table = queries.run_query_and_scores({str(run)!r}, eval_example=eid)
+res, by_source, table, _ = queries.run_query_and_scores({str(run)!r}, eval_example=eid)
 ans = answers.model_answer({str(run)!r}, eval_example=eid)
 top = int(res.proponents["example_id"][0])
 text = queries.example_tokens_text({str(run)!r}, top)
@@ -245,7 +245,7 @@ with open({str(tmp_path / "out.pkl")!r}, "wb") as f:
     # the same answers in one process (the path the app takes without a worker)
     from services import answers, counterfactual, queries
 
-    res, _, table_here = queries.run_query_and_scores(run, eval_example=eid)
+    res, _, table_here, _ = queries.run_query_and_scores(run, eval_example=eid)
     _assert_frames_close(rows, res.rows)
     _assert_frames_close(table, table_here)
     ans_here = answers.model_answer(run, eval_example=eid)

@@ -132,17 +132,7 @@ class AttributionRun(TestSideMixin):
         *,
         reuse: bool = False,
     ) -> VectorIndex:
-        """Fit the preconditioner, write the vectors, build and persist the FAISS index
-        (atomically, under the index's lock: see :meth:`RunIndexes.build`).
-
-        Args:
-            reuse: once the lock is held, use a fresh index another process finished meanwhile
-                instead of building again.
-
-        Raises:
-            IndexBuildError: a write failed (disk full, permissions...); the previous index, if
-                any, is untouched.
-        """
+        """Build and persist the index for ``s`` (default settings): :meth:`RunIndexes.build`."""
         return self.indexes.build(s or IndexSettings(), progress, reuse=reuse)
 
     def index(
