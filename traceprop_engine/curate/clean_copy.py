@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import constants as C
 from ..errors import ConfigError, DataError, RunError
-from ..run import RunManifest
+from ..run import RunManifest, bundled_roots
 from ..training.data import sha256_file
 from .files import read_records, rebuilt_bytes, write_only, write_without
 from .select import Removal
@@ -44,12 +44,6 @@ def data_root(run_dir: Path, m: RunManifest, which: str = "root") -> Path:
     return _data_root(run_dir, m.data, which)
 
 
-def _bundled_roots() -> list[Path]:
-    from ..run import bundled_roots
-
-    return bundled_roots()
-
-
 def check_out(out: Path, run_dir: Path, source_root: Path, overwrite: bool) -> None:
     """Refuse an ``--out`` that is bundled, inside a run or the source data, read-only, or a
     non-empty folder (without ``overwrite``; and never one that is not a curated copy).
@@ -58,7 +52,7 @@ def check_out(out: Path, run_dir: Path, source_root: Path, overwrite: bool) -> N
         ConfigError: what is wrong with ``out`` and what to do.
     """
     out = out.resolve()
-    for root, what in [(r, "the bundled sample runs") for r in _bundled_roots()] + [
+    for root, what in [(r, "the bundled sample runs") for r in bundled_roots()] + [
         (run_dir.resolve(), "the run"),
         (source_root, "the run's data"),
     ]:
