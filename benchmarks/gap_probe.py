@@ -1,7 +1,7 @@
 """Where does the default's distance to full-gradient cosine come from? (EVAL.md §1f)
 
 Reads finished ``traceprop eval lds`` folders (their main run ``runs/k126``, ``subsets.json`` and
-subset losses, replicates averaged) and prints the LDS of one similarity at a time, each one step
+``losses.npy``) and prints the LDS of one similarity at a time, each one step
 away from the next, so the difference between two rows is what one stage costs:
 
 - the exact final-model gradient over all parameters, without the input embedding, the embedding
@@ -22,48 +22,42 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import open_run
-from traceprop_engine.evaluate.lds_levers import RecordProducts, record_weights, trained_parameters
+from traceprop_engine.evaluate.lds_levers import (
+    RecordProducts,
+    final_gradients,
+    record_weights,
+    trained_parameters,
+)
 from traceprop_engine.evaluate.lds_report import lds_scores
-from traceprop_engine.training.losses import example_losses
-from traceprop_engine.training.models import collate, load_saved_model, model_inputs
+from traceprop_engine.training.models import load_saved_model
 
 
 def subset_data(ev: Path) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(masks (m, n_train), losses (m, n_eval), n_train)``; replicate losses averaged."""
+    """``(masks (m, n_train), losses (m, n_eval), n_train)``: the evaluation's own
+    ``subsets.json`` and ``losses.npy`` (the replicates' mean it wrote)."""
     sub = json.loads((ev / "subsets.json").read_text())
     n_train = sub["n_train"]
-    members = [s["members"] for s in sub["subsets"]]
-    masks = np.zeros((len(members), n_train), bool)
-    for j, mm in enumerate(members):
-        masks[j, mm] = True
-    losses = np.stack(
-        [
-            np.mean([np.load(f) for f in sorted((ev / "losses").glob(f"subset_{j:03d}*.npy"))], 0)
-            for j in range(len(members))
-        ]
-    )
-    return masks, losses, n_train
+    masks = np.zeros((len(sub["subsets"]), n_train), bool)
+    for j, s in enumerate(sub["subsets"]):
+        masks[j, s["members"]] = True
+    return masks, np.load(ev / "losses.npy"), n_train
 
 
-def named_gradients(model_dir: Path, encs: list, task: str, pad: int) -> dict:
-    """Per trained parameter name, the ``(n, *shape)`` float64 per-example gradients."""
-    loaded = load_saved_model(model_dir, "cpu")
-    model = loaded.model
-    model.eval()
-    params = trained_parameters(model)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    out = {n: [] for n in names}
-    for enc in encs:
-        b = collate([enc], pad, task, "cpu")
-        loss = example_losses(model(**model_inputs(b)), b, task).sum()
-        gs = torch.autograd.grad(loss, params, allow_unused=True)
-        for n, g, p in zip(names, gs, params, strict=True):
-            out[n].append((g if g is not None else torch.zeros_like(p)).detach().double())
-    return {n: torch.stack(v).numpy() for n, v in out.items()}
+def named_gradients(model_dir: Path, encs: list, task: str) -> dict:
+    """Per trained parameter name, the ``(n, *shape)`` per-example gradients: the columns of
+    :func:`~traceprop_engine.evaluate.lds_levers.final_gradients`, split by parameter."""
+    model = load_saved_model(model_dir, "cpu").model
+    params = trained_parameters(model)  # the order final_gradients concatenates in
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = final_gradients(model_dir, encs, task).astype(np.float64)
+    out, at = {}, 0
+    for p in params:
+        out[names[id(p)]] = flat[:, at : at + p.numel()].reshape(len(encs), *p.shape)
+        at += p.numel()
+    return out
 
 
 def cosine(qs: list[np.ndarray], fs: list[np.ndarray]) -> np.ndarray:
@@ -83,17 +77,13 @@ def low_rank(x: np.ndarray, r: int) -> np.ndarray:
     return (u[:, :, :r] * s[:, None, :r]) @ vh[:, :r, :]
 
 
-def exact_rows(ev: Path, run, eval_ids: list[int], n_train: int, lds) -> dict:
+def exact_rows(model_dir: Path, task: str, enc_ev: list, enc_tr: list, lds) -> dict:
     """LDS of exact final-model gradient similarities over parameter groups."""
-    enc_tr = [run.encode(eval_example=i)[0] for i in range(n_train)]
-    enc_ev = [run.encode(eval_example=e)[0] for e in eval_ids]
-    pad = run.model().tokenizer.pad_token_id or 0
-    gt = named_gradients(ev / "runs" / "k126" / C.MODEL_DIR, enc_tr, run.task, pad)
-    ge = named_gradients(ev / "runs" / "k126" / C.MODEL_DIR, enc_ev, run.task, pad)
+    gt = named_gradients(model_dir, enc_tr, task)
+    ge = named_gradients(model_dir, enc_ev, task)
     names = list(gt)
     emb = [n for n in names if "embed_in" in n or "word_embeddings" in n]
-    lin = [n for n in names if n.endswith(".weight") and gt[n].ndim == 3 and n not in emb]
-    lin = [n for n in lin if "norm" not in n]
+    lin = [n for n in names if gt[n].ndim == 3 and n not in emb and "norm" not in n]
 
     def row(sel, r=0):
         tr = [low_rank(gt[n], r) if r else gt[n] for n in sel]
@@ -109,14 +99,14 @@ def exact_rows(ev: Path, run, eval_ids: list[int], n_train: int, lds) -> dict:
     }
 
 
-def sketch_rows(run, eval_ids: list[int], n_train: int, lds) -> tuple[dict, dict]:
+def sketch_rows(run, enc_ev: list, enc_tr: list, n_train: int, lds) -> tuple[dict, dict]:
     """LDS of the final model through the run's projections, the stored records, ensembles."""
 
-    def sketches(ids):
-        s = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in ids]
+    def sketches(encs):
+        s = [run.query_sketches(enc)[0] for enc in encs]
         return [np.concatenate([x[li] for x in s]).astype(np.float64) for li in range(len(s[0]))]
 
-    q, f = sketches(eval_ids), sketches(range(n_train))
+    q, f = sketches(enc_ev), sketches(enc_tr)
     s_final = cosine(q, f)
     prods = RecordProducts(run.store, [x.astype(np.float32) for x in q], n_train)
     s_traj = prods.scores(record_weights(prods.records, "lr"), "cosine")
@@ -144,8 +134,10 @@ def probe(ev: Path) -> dict:
     try:
         ex = run.examples()
         eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-        rows = exact_rows(ev, run, eval_ids, n_train, lds)
-        sk, layers = sketch_rows(run, eval_ids, n_train, lds)
+        enc_ev = [run.encode(eval_example=e)[0] for e in eval_ids]
+        enc_tr = [run.encode(eval_example=i)[0] for i in range(n_train)]
+        rows = exact_rows(run.dir / C.MODEL_DIR, run.task, enc_ev, enc_tr, lds)
+        sk, layers = sketch_rows(run, enc_ev, enc_tr, n_train, lds)
     finally:
         run.close()
     return {**rows, **sk, "layers (final model, projected, alone)": layers}
