@@ -52,11 +52,10 @@ RECORDED_BEFORE_KEYS = {
     "share_k": False,
     "projection": ProjectionKind.GAUSSIAN.value,
     "covariance_tokens": 0,
+    "vocab_rows": False,
 }
-"""How a run recorded before ``share_k``, ``projection`` or ``covariance_tokens`` existed was
-tracked: its run.json lacks the key (:meth:`TrackSettings.from_dict`,
-``evaluate.pareto.assess``); before ``covariance_tokens`` every token of a statistics batch was
-used."""
+"""How a run recorded before one of these fields existed was tracked (its run.json lacks the
+key: :meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
 
 
 class Task(str, Enum):
@@ -103,6 +102,12 @@ class TrackSettings:
         help="orthogonal: k orthonormal rows of a random subspace, scaled by sqrt(d/k); "
         "gaussian: i.i.d. N(0, 1/k) entries. Both keep inner products unbiased, orthogonal "
         "rows with a lower variance at the same cost. Runs recorded before it read as gaussian",
+    )
+    vocab_rows: bool = knob(
+        True,
+        help="an LM head's projected output side keeps exact rows for the training data's most "
+        "frequent target tokens (up to 3/4 of k_out; needs the targets: traceprop train passes "
+        "them, an own loop Tracker(..., targets=...)). Runs recorded before it read as false",
     )
     sketch: SketchKind = knob(
         SketchKind.FACTORED,
@@ -170,11 +175,7 @@ class TrackSettings:
         object.__setattr__(
             self, "factor_space", parse_choice(FactorSpace, self.factor_space, "factor_space")
         )
-        if (
-            isinstance(self.power_iters, bool)
-            or not isinstance(self.power_iters, int)
-            or self.power_iters < 0
-        ):
+        if isinstance(self.power_iters, bool) or not isinstance(self.power_iters, int) or self.power_iters < 0:  # fmt: skip
             raise ConfigError(
                 f"power_iters must be a non-negative integer (0 = half a step), got {self.power_iters!r}"
             )
@@ -182,8 +183,9 @@ class TrackSettings:
             raise ConfigError(
                 f"optimizer_aware must be true or false, got {self.optimizer_aware!r}"
             )
-        if not isinstance(self.share_k, bool):
-            raise ConfigError(f"share_k must be true or false, got {self.share_k!r}")
+        for name in ("share_k", "vocab_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(
                 f"rank must be a non-negative integer (0 = store full sketches), got {self.rank!r}"

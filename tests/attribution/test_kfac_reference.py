@@ -20,7 +20,7 @@ from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.settings import IndexSettings
 from traceprop_engine.training.losses import causal_lm_losses
 
-LAYERS = r"layers\.0\.mlp\.dense_4h_to_h|embed_out"  # 64 -> 32 and 32 -> 97
+LAYERS = r"layers\.0\.mlp\.dense_4h_to_h|lm_head|embed_out"  # 64 -> 32 and the head 32 -> 97
 LRS = (0.5, 0.25)  # the two steps' learning rates (records are weighted by them)
 RTOL_STATS = 1e-4  # fp32 sums of a few dozen token products against float64
 RTOL_SCORE = 1e-3  # fp32 records and statistics through a damped inverse, against float64
@@ -123,9 +123,11 @@ def _kron_scores(G_test, X, A, S, n, records, damping):
 @pytest.mark.parametrize("damping", [0.1, 10.0])
 def test_unprojected_kfac_scores_equal_the_explicit_kronecker_inverse(tmp_path, damping):
     """k = every width (no projection): the engine's K-FAC score of a test gradient against the
-    lr-weighted training vectors is the explicit Kronecker inverse of the hand-made factors."""
+    lr-weighted training vectors is the explicit Kronecker inverse of the hand-made factors; the
+    LM head (the model's output embedding) is left unwhitened: its score is the plain product."""
     store, layers, ref, grads = _track(tmp_path, rank=0, k_in=1 << 20, k_out=1 << 20)
     assert all(layer.P_in is None and layer.P_out is None for layer in layers)
+    assert [layer.output_head for layer in layers] == [False, True]
     pre = fit_preconditioner(
         store,
         IndexSettings(
@@ -136,7 +138,10 @@ def test_unprojected_kfac_scores_equal_the_explicit_kronecker_inverse(tmp_path, 
     for li, (lp, r) in enumerate(zip(pre.layers, ref, strict=True)):
         G = np.stack([g[li] for g in grads])  # (6, d_out, d_in) autograd
         X = G * lr[:, None, None]
-        want = _kron_scores(G[:2], X, r["A"], r["S"], r["n"], G, damping)
+        if layers[li].output_head:
+            want = G[:2].reshape(2, -1) @ X.reshape(len(X), -1).T
+        else:
+            want = _kron_scores(G[:2], X, r["A"], r["S"], r["n"], G, damping)
         got = np.einsum(
             "qoi,noi->qn",
             lp.pullback(G[:2]),

@@ -50,14 +50,15 @@ def inv_damped(m, lam):
 
 
 def reference_scores(store, test, kind, damping=0.1):
-    """Σ_layers ⟨Ŝ_test, H⁻¹ Ŝ_i⟩ with H⁻¹ built explicitly (Kronecker / eigenbasis) per layer."""
+    """Σ_layers ⟨Ŝ_test, H⁻¹ Ŝ_i⟩ with H⁻¹ built explicitly (Kronecker / eigenbasis) per layer;
+    the LM head (``output_head``) is left unwhitened by every kind."""
     ids, per_ex = per_example_sketches(store)
     total = np.zeros(len(ids))
     n_rec = store.n_records
     for li in range(len(store.layers)):
         t = test[li][0].astype(np.float64)  # (k_out, k_in)
         X = per_ex[li]
-        if kind == "identity":
+        if kind == "identity" or store.layers[li].output_head:
             total += np.einsum("ab,nab->n", t, X)
             continue
         cov = store.covariance(li)

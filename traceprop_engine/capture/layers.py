@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..settings import FactorSpace, SketchKind, TrackSettings
-from .sketch import layer_seed, random_projection, sparse_jl
+from .sketch import layer_seed, random_projection, sparse_jl, vocab_projection
 
 try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
     from transformers.pytorch_utils import Conv1D
@@ -45,6 +45,8 @@ class TrackedLayer:
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
     P_out: torch.Tensor | None = None  # (k_out, d_out)
     dense_k: int = 0
+    output_head: bool = False  # the model's output embedding (an LM head over the vocabulary)
+    vocab_ids: np.ndarray | None = None  # target token ids kept exact by P_out's first rows
     dense_index: torch.Tensor | None = None  # (nnz, d_out*d_in)
     dense_sign: torch.Tensor | None = None
     # device-side working state
@@ -145,8 +147,43 @@ def find_layers(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modu
     return chosen
 
 
-def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer]:
-    """Tracked layers with their seeded projections (k per side: :meth:`TrackSettings.layer_k`)."""
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's output embedding (a causal LM's head over the vocabulary), or None: Hugging
+    Face's ``get_output_embeddings()`` (through a peft wrapper too); classifiers have none."""
+    get = getattr(model, "get_output_embeddings", None)
+    if not callable(get):
+        return None
+    try:
+        out = get()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return out if isinstance(out, nn.Module) else None
+
+
+def target_counts(targets, vocab: int | None = None) -> np.ndarray:
+    """``(V,)`` how often each token id is a training target, from an iterable of per-example
+    target id arrays (each example's loss-masked token ids)."""
+    ids = [np.asarray(t, dtype=np.int64).ravel() for t in targets]
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    if flat.size and flat.min() < 0:
+        raise ConfigError("target token ids must be >= 0 (drop the -100 of unlabelled positions)")
+    n = max(int(flat.max()) + 1 if flat.size else 0, vocab or 0)
+    return np.bincount(flat, minlength=n).astype(np.float64)
+
+
+def build_layers(
+    model: nn.Module, settings: TrackSettings, targets: np.ndarray | None = None
+) -> list[TrackedLayer]:
+    """Tracked layers with their seeded projections (k per side: :meth:`TrackSettings.layer_k`).
+
+    Args:
+        model: the model.
+        settings: what to record.
+        targets: ``(V,)`` counts of each token id as a training target (:func:`target_counts`);
+            with ``settings.vocab_rows`` the LM head's output projection keeps the most frequent
+            ones exact (:func:`~.sketch.vocab_projection`). None: a plain projection.
+    """
+    head = output_embedding(model)
     layers = []
     for name, module in find_layers(model, settings.scope):
         kind, d_in, d_out = _widths(module)
@@ -160,6 +197,7 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
             k_in=k_in,
             k_out=k_out,
             sketch=settings.sketch,
+            output_head=head is not None and module is head,
         )
         if settings.sketch is SketchKind.DENSE:
             layer.k_in, layer.k_out = d_in, d_out
@@ -175,9 +213,13 @@ def build_layers(model: nn.Module, settings: TrackSettings) -> list[TrackedLayer
             layer.P_in = random_projection(
                 kind, layer.k_in, d_in, layer_seed(settings.seed, name, "in")
             )
-            layer.P_out = random_projection(
-                kind, layer.k_out, d_out, layer_seed(settings.seed, name, "out")
-            )
+            out_seed = layer_seed(settings.seed, name, "out")
+            if layer.output_head and settings.vocab_rows and targets is not None:
+                layer.P_out, layer.vocab_ids = vocab_projection(
+                    kind, layer.k_out, d_out, out_seed, targets
+                )
+            else:
+                layer.P_out = random_projection(kind, layer.k_out, d_out, out_seed)
             if settings.rank:
                 layer.rank = min(settings.rank, layer.k_out, layer.k_in)
                 layer.factor_dtype = settings.factor_dtype.value

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from ..store.bf16 import bf16_bits, from_bf16_bits  # noqa: F401 - re-exported
@@ -57,6 +58,50 @@ def orthogonal_projection(k: int, d: int, seed: int) -> torch.Tensor | None:
 def random_projection(kind: str, k: int, d: int, seed: int) -> torch.Tensor | None:
     """The projection of ``TrackSettings.projection`` (``"orthogonal"`` or ``"gaussian"``)."""
     return (orthogonal_projection if kind == "orthogonal" else gaussian_projection)(k, d, seed)
+
+
+VOCAB_ROWS_SHARE = 0.75
+"""At most this share of a vocabulary side's ``k`` rows are exact target-token coordinates
+(:func:`vocab_projection`); the rest project every other token."""
+
+
+def vocab_projection(
+    kind: str, k: int, d: int, seed: int, target_counts: np.ndarray
+) -> tuple[torch.Tensor | None, np.ndarray]:
+    """A ``(k, d)`` projection of an LM head's output (vocabulary) side that keeps the most
+    frequent target tokens exact.
+
+    An example's output-side factor is ``Σ_t (p_t − e_{y_t})`` (normalised): mass on its
+    target tokens and on the tokens the model predicts, which are mostly other examples'
+    targets. Its first ``m = min(#targets seen, ⌊VOCAB_ROWS_SHARE·k⌋)`` rows are the unit
+    coordinates of the ``m`` most frequent target ids (ties: the smaller id), so inner
+    products there are exact; the other ``k − m`` rows are ``random_projection(kind)`` of the
+    remaining ``d − m`` coordinates. ``E[PᵀP] = I`` as for a plain projection.
+
+    Args:
+        kind: ``orthogonal`` or ``gaussian`` (the rest's projection).
+        k, d: rows and vocabulary width; ``k >= d`` means no projection (``None``).
+        seed: seed of the rest's projection.
+        target_counts: ``(d,)`` how often each token id is a training target.
+
+    Returns:
+        ``(P or None, ids)``: the projection and the ``m`` exact token ids in row order.
+    """
+    if k >= d:
+        return None, np.zeros(0, np.int64)
+    counts = np.asarray(target_counts, dtype=np.float64)[:d]
+    if counts.shape != (d,):
+        counts = np.pad(counts, (0, d - counts.size))
+    m = min(int((counts > 0).sum()), int(VOCAB_ROWS_SHARE * k))
+    ids = np.lexsort((np.arange(d), -counts))[:m]  # most frequent first, then by id
+    rest = np.setdiff1d(np.arange(d), ids)
+    p = torch.zeros(k, d, dtype=torch.float32)
+    p[torch.arange(m), torch.from_numpy(ids)] = 1.0
+    r = random_projection(kind, k - m, d - m, seed)
+    if r is None:  # cannot happen for m ≤ k - 1 and k < d, kept for clarity
+        r = torch.eye(d - m)
+    p[m:, torch.from_numpy(rest)] = r
+    return p.contiguous(), ids.astype(np.int64)
 
 
 def sparse_jl(d: int, k: int, nnz: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

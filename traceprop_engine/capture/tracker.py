@@ -51,7 +51,7 @@ from ..settings import TrackSettings
 from ..store.writer import StoreWriter
 from .buffer import BackgroundSink, SketchBuffer
 from .hooks import Capture
-from .layers import build_layers
+from .layers import build_layers, target_counts
 from .optimizer_scale import (
     adam_row_scales,
     check_optimizer_aware,
@@ -83,6 +83,12 @@ class Tracker:
         writer: append to this (reopened) store instead of creating ``store_path``.
         overwrite: replace a file already at ``store_path`` (without it, an existing file, such
             as the store of a finished run, is refused rather than wiped).
+        optimizer: the optimizer (``settings.optimizer_aware``).
+        targets: the training examples' target token ids (one array each: the token ids whose
+            loss is taken, e.g. ``ids[loss_mask == 1]``). With ``settings.vocab_rows`` the LM
+            head's output projection keeps the most frequent ones exact, which makes the head's
+            scores nearly exact (benchmarks/EVAL.md §1g); without them the head's output side
+            is a plain random projection.
 
     A record is ``lr × raw per-example gradient`` (sketched): gradient clipping and the
     optimizer's own preconditioning (Adam's moments, momentum, weight decay) are not reflected.
@@ -103,6 +109,7 @@ class Tracker:
         writer: StoreWriter | None = None,
         overwrite: bool = False,
         optimizer=None,
+        targets: Sequence[np.ndarray] | None = None,
     ) -> None:
         if Path(store_path).is_dir():
             raise ConfigError(
@@ -118,7 +125,8 @@ class Tracker:
         self.model = model
         self.store_path = Path(store_path)
         self.settings = settings or TrackSettings()
-        self.layers = build_layers(model, self.settings)
+        counts = None if targets is None else target_counts(targets)
+        self.layers = build_layers(model, self.settings, counts)
         self.capture = Capture(model, self.layers, covariance=self.settings.covariance)
         # ``writer``: an existing store reopened to append to (a resumed run)
         self.writer = writer or StoreWriter(
@@ -414,6 +422,8 @@ class Tracker:
                     "d_out": t.d_out,
                     "k_in": t.k_in,
                     "k_out": t.k_out,
+                    # exact target-token rows of an LM head's output projection (vocab_rows)
+                    **({"vocab_rows": len(t.vocab_ids)} if t.vocab_ids is not None else {}),
                 }
                 for t in self.layers
             ],

@@ -93,7 +93,9 @@ _TRAIN_DEFAULTS = {
 }
 
 
-_TRACK_DEFAULTS = json.loads(json.dumps(TrackSettings().to_dict()))
+def _as_recorded(track: dict) -> dict:
+    """A run's recorded tracking settings with the fields added since filled in as it ran."""
+    return json.loads(json.dumps(TrackSettings.from_dict(track).to_dict()))
 
 
 def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> None:
@@ -198,8 +200,9 @@ def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval
     sidecar = run_dir / RUN_TRACK_FILE
     want = json.loads(json.dumps(track.to_dict()))
     if is_completed(run_dir):
-        # a tracking field added since that run was made counts as its default
-        if not sidecar.exists() or {**_TRACK_DEFAULTS, **json.loads(sidecar.read_text())} == want:
+        # a tracking field added since that run was made counts as what it recorded then
+        # (TrackSettings.from_dict: RECORDED_BEFORE_KEYS, else the field's default)
+        if not sidecar.exists() or _as_recorded(json.loads(sidecar.read_text())) == want:
             return run_dir  # (no sidecar: a run of an older evaluation, trusted as before)
         log.warning("%s was tracked with other settings; training it again", run_dir)
     log.info("training the tracked run %s", name)

@@ -6,6 +6,8 @@ Each set writes ``train/`` and ``eval/`` under a folder beside the evaluation di
 - ``facts24``: :func:`~traceprop_engine.samples.data.generate_sample_data`, 24 entities (data
   seed 0 for every evaluation seed, as in EVAL.md §1).
 - ``hard60``: :func:`~.hard_data.generate_hard_facts`, 60 entities (data seed = seed).
+- ``hard160``: the same generator with 160 entities (480 training rows, 160 questions): a
+  larger, noisier set of the same kind.
 - ``lexical48``: the same, ``variant="lexical"``, 48 entities (5 rows each; data seed = seed).
 - ``docs8``: :func:`~.prose_data.generate_docstring_classes`, 20 training and 6 eval docstrings
   of each of 8 standard-library families (classification; data seed = seed).
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SETS = ("facts24", "hard60", "lexical48", "docs8")
+SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8")
 CLASSIFICATION_SETS = ("docs8",)
 
 
@@ -33,14 +35,14 @@ def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
         from ..samples.data import generate_sample_data
 
         generate_sample_data(d, seed=0, n_entities=24)
-    elif name in ("hard60", "lexical48"):
+    elif name in ("hard60", "hard160", "lexical48"):
         from .hard_data import generate_hard_facts
 
         lexical = name == "lexical48"
         generate_hard_facts(
             d,
             seed=seed,
-            n_entities=48 if lexical else 60,
+            n_entities=48 if lexical else 160 if name == "hard160" else 60,
             variant="lexical" if lexical else "basic",
         )
     elif name == "docs8":

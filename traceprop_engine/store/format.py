@@ -36,6 +36,7 @@ class LayerInfo:
     dense_k: int
     rank: int = 0  # > 0: records stored as rank-r factors U (k_out, r), V (k_in, r)
     factor_dtype: str = ""
+    output_head: bool = False  # the model's output embedding (stores before it: False)
 
     @property
     def record_shape(self) -> tuple[int, ...]:
@@ -75,6 +76,7 @@ class LayerInfo:
             dense_k=int(at["dense_k"]),
             rank=int(at.get(C.L_RANK, 0)),
             factor_dtype=str(at.get(C.L_FACTOR_DTYPE, "")),
+            output_head=bool(at.get(C.L_OUTPUT_HEAD, 0)),
         )
 
 
@@ -222,7 +224,7 @@ def full_content_digest(f: h5py.File, records_digest: str | None = None) -> str:
     for k in sorted(f[C.G_LAYERS]):
         g = f[f"{C.G_LAYERS}/{k}"]
         h.update(_attrs_json(g))
-        for name in (C.L_P_IN, C.L_P_OUT, C.L_DENSE_INDEX, C.L_DENSE_SIGN):
+        for name in (C.L_P_IN, C.L_P_OUT, C.L_DENSE_INDEX, C.L_DENSE_SIGN, C.L_VOCAB_IDS):
             if name in g:
                 _feed(h, g[name])
     if C.G_EXAMPLES in f:

@@ -178,6 +178,8 @@ class StoreWriter:
             k_out=layer.k_out,
             dense_k=getattr(layer, "dense_k", 0),
         )
+        if getattr(layer, "output_head", False):
+            g.attrs[C.L_OUTPUT_HEAD] = 1
         rank = int(getattr(layer, "rank", 0))
         if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
             fdt = str(getattr(layer, "factor_dtype", "float32"))
@@ -224,6 +226,8 @@ class StoreWriter:
             g.create_dataset(C.L_P_IN, data=layer.P_in.numpy(), fletcher32=True)
         if layer.P_out is not None:
             g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy(), fletcher32=True)
+        if getattr(layer, "vocab_ids", None) is not None:
+            g.create_dataset(C.L_VOCAB_IDS, data=layer.vocab_ids.astype(np.int64), fletcher32=True)
         if getattr(layer, "dense_index", None) is not None:
             g.create_dataset(
                 C.L_DENSE_INDEX,

@@ -18,7 +18,7 @@ from .. import constants as C
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
 from ..run_record import RunRecord
-from ..settings import TrainSettings
+from ..settings import Task, TrainSettings
 from ..store.writer import StoreWriter
 from . import distributed
 from .checkpoint import Checkpoint
@@ -168,7 +168,12 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         writer = StoreWriter.reopen(path, int(mine["n_records"]), mine["sq_norm"])
     # hooks on the underlying module (not the DDP wrapper): the same layer names
     tracker = Tracker(
-        prep.model, path, settings.track, manifest=job.record.as_dict(), writer=writer
+        prep.model,
+        path,
+        settings.track,
+        manifest=job.record.as_dict(),
+        writer=writer,
+        targets=training_targets(prep) if prep.task == Task.CAUSAL_LM.value else None,
     )
     job.tracker = tracker
     if ckpt is not None:
@@ -183,6 +188,12 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         )
     tracker.capture.attach()
     job.record.set_tracking(tracker.tracking_manifest())
+
+
+def training_targets(prep: Prepared) -> list:
+    """Each training example's target token ids (its loss-masked ids): the same on every rank
+    and on a resume, so the LM head's vocabulary rows are rebuilt identically."""
+    return [e.ids[e.loss_mask.astype(bool)] for e in prep.encoded[: prep.n_train]]
 
 
 def _check_projections(tracker: Tracker) -> None:

@@ -245,6 +245,8 @@ class LayerStats:
         n_tokens: token count of A and S (0 for dense layers).
         mean_sq_norm: ``mean_i ‖Ŝ_i‖²`` over records (None if ``moments`` is given).
         moments: streamed :class:`EkfacMoments` (needed for EK-FAC).
+        output_head: the model's output embedding (an LM head over the vocabulary): fitted
+            as identity by every kind (:meth:`Preconditioner.fit`).
     """
 
     name: str
@@ -254,3 +256,4 @@ class LayerStats:
     n_tokens: int = 0
     mean_sq_norm: float | None = None
     moments: EkfacMoments | None = None
+    output_head: bool = False

@@ -105,7 +105,8 @@ class Preconditioner:
         index_side: int = 0,
     ) -> Preconditioner:
         """Fit every layer with the same kind and damping (see
-        :func:`~traceprop_engine.attribution.precondition.kfac.fit_layer`).
+        :func:`~traceprop_engine.attribution.precondition.kfac.fit_layer`), but an LM head
+        (``output_head``), which every kind leaves unwhitened (identity).
 
         ``index_side = m > 0`` adds an ``m × m`` index projection to every factored layer whose
         sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the
@@ -114,7 +115,7 @@ class Preconditioner:
 
         fitted = [
             fit_layer(
-                kind,
+                PreconditionerKind.IDENTITY if st.output_head else kind,
                 st.A,
                 st.S,
                 st.n_tokens,

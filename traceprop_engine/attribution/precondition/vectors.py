@@ -45,7 +45,7 @@ def fit_preconditioner(
         dense = SketchKind(layer.sketch) is SketchKind.DENSE
         cov = store.covariance(li) if not dense else None
         moments = None  # K-FAC: for its per-layer trace normalisation; EK-FAC: its eigenvalues
-        if kind is not PreconditionerKind.IDENTITY:
+        if kind is not PreconditionerKind.IDENTITY and not layer.output_head:
             moments = (
                 EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
                 if cov
@@ -64,6 +64,7 @@ def fit_preconditioner(
                 n_tokens=int(cov.n_tokens) if cov else 0,
                 mean_sq_norm=None if moments is not None else store.sq_norm_sum(li) / n,
                 moments=moments,
+                output_head=layer.output_head,
             )
         )
     pre = Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
