@@ -214,3 +214,21 @@ def test_errors_are_actionable(tmp_path):
         Preconditioner.load(bad)
     with pytest.raises(StoreError):
         Preconditioner.load(tmp_path / "missing.npz")
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_a_layer_without_statistics_is_scored_unwhitened(kind, caplog):
+    """A LoRA A matrix sees no output gradient while B is still zero, so statistics batches
+    taken then leave its S at 0: that layer falls back to identity (with a warning and the
+    reason in ``info``), the others are whitened as usual."""
+    A, S, sk = _layer(7)
+    moments = EkfacMoments.from_factors(A / N_TOK, np.zeros_like(S))
+    moments.update(sk)
+    lp = fit_layer(kind, A, np.zeros_like(S), N_TOK, sketch_moments=moments, name="lora_A")
+    assert lp.kind is PreconditionerKind.IDENTITY and "all zero" in lp.info["unfit"]
+    np.testing.assert_array_equal(lp.apply(sk, dtype=np.float64), sk.reshape(N_REC, -1))
+    assert "lora_A" in caplog.text and "unwhitened" in caplog.text
+    ok_moments = EkfacMoments.from_factors(A / N_TOK, S / N_TOK)
+    ok_moments.update(sk)
+    fitted = fit_layer(kind, A, S, N_TOK, sketch_moments=ok_moments)
+    assert fitted.kind is PreconditionerKind(kind)

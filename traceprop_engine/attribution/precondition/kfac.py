@@ -7,6 +7,8 @@ statistics, then dispatches to one named step per kind.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from traceprop_engine.errors import ConfigError, StoreError
@@ -22,6 +24,8 @@ from .layer import (
 )
 
 __all__ = ["fit_layer", "inverse_sqrt_psd"]
+
+log = logging.getLogger(__name__)
 
 
 def inverse_sqrt_psd(m: np.ndarray, damping_abs: float) -> np.ndarray:
@@ -96,9 +100,27 @@ def fit_layer(
     if dense:
         return _fit_dense(kind, shape, mean_sq_norm, sketch_moments, damping, name)
     a_bar, s_bar = _factor_means(A, S, n_tokens, shape, name)
+    unfit = _without_statistics(kind, a_bar, s_bar, mean_sq_norm, sketch_moments)
+    if unfit:
+        # e.g. a LoRA A matrix: its output gradient is 0 while B is still 0, so statistics
+        # batches taken then hold nothing to whiten it with; scored as recorded
+        log.warning("layer %s: %s; it is scored unwhitened (identity)", name, unfit)
+        return LayerPreconditioner(name, PreconditionerKind.IDENTITY, shape, info={"unfit": unfit})
     if kind is PreconditionerKind.KFAC:
         return _fit_kfac(a_bar, s_bar, shape, mean_sq_norm, damping, name, sketch_moments)
     return _fit_ekfac(sketch_moments, shape, damping, name)
+
+
+def _without_statistics(kind, a_bar, s_bar, mean_sq_norm, moments) -> str:
+    """Why this layer cannot be whitened (its statistics or records hold no gradient), or ''."""
+    if np.trace(a_bar) <= 0 or np.trace(s_bar) <= 0:
+        return "its K-FAC statistics are all zero (no gradient in the statistics batches)"
+    msq = mean_sq_norm if mean_sq_norm is not None else getattr(moments, "mean_sq_norm", None)
+    if msq is not None and msq <= 0:
+        return "its records are all zero (it never received a gradient)"
+    if kind is PreconditionerKind.EKFAC and moments is not None and not moments.mean.sum() > 0:
+        return "its records are all zero in the factors' eigenbases"
+    return ""
 
 
 def _layer_scale(mean_sq_norm: float, preconditioned_sq_norm: float, name: str) -> float:
