@@ -88,11 +88,12 @@ pre = c2.selectbox(
     key="infl_pre",
     help=(
         "identity (default): the training gradients as recorded, compared by cosine "
-        "(TracIn along the trajectory; the best on the mean over our LDS benchmarks). kfac: "
-        "divides out the layer's input and output-gradient covariance (K-FAC), so directions "
+        "(TracIn along the trajectory). kfac: divides out each layer's input and "
+        "output-gradient covariance (K-FAC; the LM head is left as recorded), so directions "
         "every example moves along count less. ekfac: K-FAC with eigenvalues corrected from "
-        "the stored records. Both lose to identity on our hard benchmarks: use them as a "
-        "second opinion. Score > 0: the example pushed the model toward this output "
+        "the stored records. On our LDS benchmarks they tie identity on models trained from "
+        "scratch and lose to it on LoRA classification: use them as a second opinion, not as "
+        "a better answer. Score > 0: the example pushed the model toward this output "
         "(a proponent); < 0: away from it (an opponent)."
     ),
 )
