@@ -23,6 +23,8 @@ ORDER = [
     ("kfac-cos", "K-FAC, cosine"),
     ("ekfac-cos", "EK-FAC, cosine"),
     ("x1 cosine", "exact rank-1 records (no projection), cosine"),
+    ("before cosine", "before vocabulary rows (stop 33 default), cosine"),
+    ("before kfac-cos", "before vocabulary rows, K-FAC cosine (LM head whitened)"),
     ("adam cosine", "optimizer-aware (AdamW) records, cosine"),
     ("adam identity", "optimizer-aware records, dot"),
     ("lever lr layer", "per-layer unit normalisation"),

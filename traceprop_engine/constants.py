@@ -70,7 +70,7 @@ RECORD_DTYPES = {REC_EXAMPLE: "i8", REC_STEP: "i8", REC_EPOCH: "i4", REC_LR: "f4
 L_SKETCH = "sketch"
 L_U = "U"  # (n, k_out, r) factor with the singular values folded in
 L_V = "V"  # (n, k_in, r) orthonormal columns; record = U @ V^T
-L_OUTPUT_HEAD = "output_head"  # layer attribute: 1 for the model's output embedding (LM head)
+L_OUTPUT_HEAD = "output_head"  # layer attribute: 1 for the layer producing the logits
 L_VOCAB_IDS = "vocab_ids"  # layer dataset: token ids of P_out's exact first rows (vocab_rows)
 L_RANK = "rank"  # layer attribute: r (0 or absent: full sketches in L_SKETCH)
 L_SCALE = "scale"  # (n,) f4, int8 factors: record = scale · U Vᵀ

@@ -105,6 +105,10 @@ def test_classifier_matches_autograd(tmp_path):
     )
     layers = build_layers(model, settings)
     assert any(layer.name == "classifier" for layer in layers)
+    # the classifier is the layer every preconditioner leaves unwhitened
+    assert [info.output_head for info in store.layers] == [
+        layer.name == "classifier" for layer in layers
+    ]
 
     def single(b):
         n = lengths[b]
@@ -117,6 +121,28 @@ def test_classifier_matches_autograd(tmp_path):
         got = store.sketches(li)
         for b in range(4):
             assert_close(got[b], ref[b][li], f"layer {layer.name}, example {b}")
+
+
+def test_a_classifiers_output_head_is_its_last_num_labels_wide_layer():
+    """The layer producing the logits: ``classifier`` of a plain BERT classifier, the copy peft
+    trains under LoRA; never a ``lora_A`` of the same width (here r = num_labels = 3); none for
+    a model that is not a classifier and has no output embedding."""
+    model = tiny_bert_classifier()
+    heads = [layer.name for layer in build_layers(model, TrackSettings()) if layer.output_head]
+    assert heads == ["classifier"]
+    cfg = LoraConfig(
+        r=3,
+        lora_alpha=6,
+        target_modules=["query", "value", "dense"],
+        modules_to_save=["classifier"],
+    )
+    lora = get_peft_model(tiny_bert_classifier(), cfg)
+    layers = build_layers(lora, TrackSettings())
+    assert any(layer.name.endswith("lora_A.default") and layer.d_out == 3 for layer in layers)
+    heads = [layer.name for layer in layers if layer.output_head]
+    assert heads == ["base_model.model.classifier.modules_to_save.default"]
+    encoder = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3))
+    assert not any(layer.output_head for layer in build_layers(encoder, TrackSettings()))
 
 
 def test_covariance_equals_hand_computation():

@@ -160,6 +160,33 @@ def output_embedding(model: nn.Module) -> nn.Module | None:
     return out if isinstance(out, nn.Module) else None
 
 
+def _is_classifier(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model a peft wrapper holds) is a Hugging Face classifier."""
+    base = getattr(model, "base_model", None)
+    chain = [model, base, getattr(base, "model", None)]
+    return any("Classification" in type(m).__name__ for m in chain if m is not None)
+
+
+def output_head(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> nn.Module | None:
+    """The tracked layer that produces the model's logits, or None.
+
+    It is the output embedding of a causal LM (:func:`output_embedding`). For a Hugging Face
+    classifier (``*ForSequenceClassification`` and similar, through a peft wrapper too), it is
+    the last of ``layers`` whose output width is ``config.num_labels`` (LoRA's own ``lora_A`` /
+    ``lora_B`` excluded): the ``classifier`` / ``score`` / ``out_proj`` layer, or the copy of it
+    that peft trains. Every preconditioner
+    leaves this layer unwhitened (attribution/precondition/preconditioner.py).
+    """
+    head = output_embedding(model)
+    if head is not None:
+        return head
+    n = getattr(getattr(model, "config", None), "num_labels", None)
+    if not n or not _is_classifier(model):
+        return None
+    heads = [m for name, m in layers if _widths(m)[2] == n and ".lora_" not in f".{name}"]
+    return heads[-1] if heads else None
+
+
 def target_counts(targets, vocab: int | None = None) -> np.ndarray:
     """``(V,)`` how often each token id is a training target, from an iterable of per-example
     target id arrays (each example's loss-masked token ids)."""
@@ -183,9 +210,10 @@ def build_layers(
             with ``settings.vocab_rows`` the LM head's output projection keeps the most frequent
             ones exact (:func:`~.sketch.vocab_projection`). None: a plain projection.
     """
-    head = output_embedding(model)
+    found = find_layers(model, settings.scope)
+    head = output_head(model, found)
     layers = []
-    for name, module in find_layers(model, settings.scope):
+    for name, module in found:
         kind, d_in, d_out = _widths(module)
         k_in, k_out = settings.layer_k(d_in, d_out)
         layer = TrackedLayer(

@@ -36,7 +36,7 @@ class LayerInfo:
     dense_k: int
     rank: int = 0  # > 0: records stored as rank-r factors U (k_out, r), V (k_in, r)
     factor_dtype: str = ""
-    output_head: bool = False  # the model's output embedding (stores before it: False)
+    output_head: bool = False  # the layer producing the logits (stores before it: False)
 
     @property
     def record_shape(self) -> tuple[int, ...]:

@@ -245,8 +245,8 @@ class LayerStats:
         n_tokens: token count of A and S (0 for dense layers).
         mean_sq_norm: ``mean_i ‖Ŝ_i‖²`` over records (None if ``moments`` is given).
         moments: streamed :class:`EkfacMoments` (needed for EK-FAC).
-        output_head: the model's output embedding (an LM head over the vocabulary): fitted
-            as identity by every kind (:meth:`Preconditioner.fit`).
+        output_head: the layer producing the logits (an LM head over the vocabulary, or a
+            classifier's head): fitted as identity by every kind (:meth:`Preconditioner.fit`).
     """
 
     name: str
