@@ -10,6 +10,7 @@ from traceprop_engine.attribution.precondition.layer import (
     DEFAULT_DAMPING,
     EkfacMoments,
     LayerStats,
+    stack_matmul,
 )
 from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
 from traceprop_engine.errors import ConfigError, StoreError
@@ -232,3 +233,34 @@ def test_a_layer_without_statistics_is_scored_unwhitened(kind, caplog):
     ok_moments.update(sk)
     fitted = fit_layer(kind, A, S, N_TOK, sketch_moments=ok_moments)
     assert fitted.kind is PreconditionerKind(kind)
+
+
+# float64 products of the same numbers by another summation order
+PRODUCT_RTOL = 1e-10
+
+
+def test_stack_matmul_is_the_stacked_product():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 4, 3))
+    left, right = rng.standard_normal((6, 4)), rng.standard_normal((3, 2))
+    np.testing.assert_allclose(stack_matmul(left, x, right), left @ x @ right, rtol=PRODUCT_RTOL)
+    np.testing.assert_allclose(stack_matmul(left, x), left @ x, rtol=PRODUCT_RTOL)
+    np.testing.assert_allclose(stack_matmul(None, x, right), x @ right, rtol=PRODUCT_RTOL)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_ekfac_moments_from_factors_equal_those_of_the_sketches(rank):
+    """Rank 1 takes the factored route ((Q_Sᵀu)² (Q_Aᵀv)²ᵀ), rank 2 rebuilds the sketch; both
+    must give the moments of the sketches ``U Vᵀ`` themselves."""
+    rng = np.random.default_rng(1)
+    a, s = rng.standard_normal((7, 7)), rng.standard_normal((5, 5))
+    u, v = rng.standard_normal((9, 5, rank)), rng.standard_normal((9, 7, rank))
+    want = EkfacMoments.from_factors(a @ a.T, s @ s.T)
+    want.update(u @ v.transpose(0, 2, 1))
+    got = EkfacMoments.from_factors(a @ a.T, s @ s.T)
+    got.update_factors(u[:4], v[:4])
+    got.update_factors(u[4:], v[4:])
+    assert got.count == want.count == 9
+    np.testing.assert_allclose(got.mean, want.mean, rtol=PRODUCT_RTOL)
+    with pytest.raises(StoreError, match="per-record shape"):
+        got.update_factors(v, u)

@@ -78,9 +78,26 @@ class EkfacMoments:
                 "the chunk comes from another layer or the store is inconsistent"
             )
         if self.q_s is not None:
-            x = np.einsum("ko,nkj,jl->nol", self.q_s, x, self.q_a, optimize=True)  # Q_Sᵀ X Q_A
-        self.sum_sq += np.einsum("n...,n...->...", x, x)
+            x = stack_matmul(self.q_s.T, x, self.q_a)  # Q_Sᵀ X Q_A
+        self.sum_sq += (x * x).sum(axis=0)
         self.count += x.shape[0]
+
+    def update_factors(self, u: np.ndarray, v: np.ndarray) -> None:
+        """Add a chunk of rank-r records ``X = U Vᵀ`` (u (n, k_out, r), v (n, k_in, r)). For
+        rank 1, ``(Q_Sᵀ u vᵀ Q_A)² = (Q_Sᵀ u)² (Q_Aᵀ v)²ᵀ`` elementwise, so the chunk's sum of
+        squares is one (k_out, n) · (n, k_in) product and no sketch is rebuilt."""
+        if (u.shape[1], v.shape[1]) != self.shape:
+            raise StoreError(
+                f"factor chunk has per-record shape {(u.shape[1], v.shape[1])}, expected "
+                f"{self.shape}; the chunk comes from another layer or the store is inconsistent"
+            )
+        if u.shape[2] != 1 or self.q_s is None:
+            self.update(np.matmul(u, v.transpose(0, 2, 1)))
+            return
+        qu = np.asarray(u[:, :, 0], np.float64) @ self.q_s  # rows: (Q_Sᵀ u)ᵀ
+        qv = np.asarray(v[:, :, 0], np.float64) @ self.q_a
+        self.sum_sq += (qu * qu).T @ (qv * qv)
+        self.count += qu.shape[0]
 
     @property
     def mean(self) -> np.ndarray:
@@ -94,6 +111,28 @@ class EkfacMoments:
     @property
     def mean_sq_norm(self) -> float:
         return float(self.mean.sum())
+
+
+def stack_matmul(
+    left: np.ndarray | None, x: np.ndarray, right: np.ndarray | None = None
+) -> np.ndarray:
+    """``left @ x[i] @ right`` for every matrix of a stack ``x`` (n, a, b), as two plain 2-D
+    GEMMs: numpy's stacked ``matmul`` loops over the stack and ran 10× slower than one GEMM for
+    (256, 126, 126) float32 here, which made an EK-FAC index of the sample take minutes.
+    ``left`` / ``right`` None: that side is left as it is."""
+    n, a, b = x.shape
+    if right is not None:
+        x = (x.reshape(n * a, b) @ right.astype(x.dtype, copy=False)).reshape(n, a, right.shape[1])
+    if left is not None:
+        # (a', a) · (a, n·b) → (a', n, b) → (n, a', b)
+        b = x.shape[2]
+        flat = np.ascontiguousarray(x.transpose(1, 0, 2)).reshape(a, n * b)
+        x = (
+            (left.astype(x.dtype, copy=False) @ flat)
+            .reshape(left.shape[0], n, b)
+            .transpose(1, 0, 2)
+        )
+    return x
 
 
 def symmetrize(m: np.ndarray) -> np.ndarray:
@@ -166,13 +205,11 @@ class LayerPreconditioner:
                 f"preconditioner was fitted for {self.shape}; refit it from this store"
             )
         if self.left is not None:
-            x = np.matmul(np.matmul(self.left.astype(dtype), x), self.right.astype(dtype))
+            x = stack_matmul(self.left.astype(dtype), x, self.right.astype(dtype))
         if self.scale is not None:
             x = x * self.scale.astype(dtype)
         if self.index_left is not None:  # (n, m, m) second Kronecker projection
-            x = np.matmul(
-                np.matmul(self.index_left.astype(dtype), x), self.index_right.T.astype(dtype)
-            )
+            x = stack_matmul(self.index_left.astype(dtype), x, self.index_right.T.astype(dtype))
         return np.ascontiguousarray(x.reshape(x.shape[0], -1))
 
     def pullback(self, test_sketches: np.ndarray) -> np.ndarray:
@@ -196,11 +233,11 @@ class LayerPreconditioner:
                 f"preconditioner was fitted for {self.shape}"
             )
         if self.left is not None:
-            t = np.matmul(np.matmul(self.left, t), self.right)
+            t = stack_matmul(self.left, t, self.right)
         if self.scale is not None:
             t = t * self.scale.astype(np.float64) ** 2
         if self.left is not None:
-            t = np.matmul(np.matmul(self.left.T, t), self.right.T)
+            t = stack_matmul(self.left.T, t, self.right.T)
         return t
 
     def to_arrays(self) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from ...errors import StoreError
 from ...settings import IndexSettings, PreconditionerKind, SketchKind
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
-from .layer import EkfacMoments, LayerStats
+from .layer import EkfacMoments, LayerStats, stack_matmul
 from .preconditioner import Preconditioner
 
 CHUNK = 4096
@@ -52,7 +52,10 @@ def fit_preconditioner(
                 else EkfacMoments.dense(layer.dim)
             )
             for start in range(0, store.n_records, CHUNK):
-                moments.update(store.sketches(li, start, start + CHUNK))
+                if cov and layer.rank:
+                    moments.update_factors(*store.factors(li, start, start + CHUNK))
+                else:
+                    moments.update(store.sketches(li, start, start + CHUNK))
                 if progress:
                     progress(li * store.n_records + start, len(store.layers) * store.n_records)
         stats.append(
@@ -122,23 +125,34 @@ def write_vectors(
 
 
 def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
-    """``pre.apply`` of records ``start:stop``; a factor-stored layer whose preconditioner is a
-    product of matrices (identity, K-FAC; not EK-FAC's elementwise scale) is projected through
-    its factors, ``L (U Vᵀ) R = (L U)(Rᵀ V)ᵀ``, never rebuilding the k_out × k_in sketch."""
+    """``pre.apply`` of records ``start:stop``; a factor-stored layer is projected through its
+    factors, ``L (U Vᵀ) R = (L U)(Rᵀ V)ᵀ``; only EK-FAC's elementwise scale needs that product
+    as a matrix (never the stored sketch: the factors are transformed first)."""
     out = np.empty((stop - start, pre.full_dim), np.float32)
     for li, (info, lp) in enumerate(zip(store.layers, pre.layers, strict=True)):
         cols = pre.layer_slices[lp.name]
-        if not info.rank or lp.scale is not None:
+        if not info.rank:
             out[:, cols] = lp.apply(store.sketches(li, start, stop))
             continue
         u, v = store.factors(li, start, stop)  # (n, k_out, r), (n, k_in, r)
         if lp.left is not None:
-            u = np.matmul(lp.left.astype(np.float32), u)
-            v = np.matmul(lp.right.T.astype(np.float32), v)
+            u = stack_matmul(lp.left.astype(np.float32), u)
+            v = stack_matmul(lp.right.T.astype(np.float32), v)
+        if lp.scale is not None:  # EK-FAC: the elementwise scale needs the (L X R) matrix
+            x = np.matmul(u, v.transpose(0, 2, 1)) * lp.scale.astype(np.float32)
+            if lp.index_left is not None:
+                x = stack_matmul(
+                    lp.index_left.astype(np.float32), x, lp.index_right.T.astype(np.float32)
+                )
+            out[:, cols] = x.reshape(len(x), -1)
+            continue
         if lp.index_left is not None:
-            u = np.matmul(lp.index_left.astype(np.float32), u)
-            v = np.matmul(lp.index_right.astype(np.float32), v)
-        out[:, cols] = np.matmul(u, v.transpose(0, 2, 1)).reshape(len(u), -1)
+            u = stack_matmul(lp.index_left.astype(np.float32), u)
+            v = stack_matmul(lp.index_right.astype(np.float32), v)
+        if u.shape[2] == 1:  # rank 1: an outer product, no stacked matmul
+            out[:, cols] = (u[:, :, :1] * v[:, None, :, 0]).reshape(len(u), -1)
+        else:
+            out[:, cols] = np.matmul(u, v.transpose(0, 2, 1)).reshape(len(u), -1)
     return pre.reduced(out)
 
 
