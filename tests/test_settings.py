@@ -307,6 +307,8 @@ def test_the_cli_shows_each_settings_field_s_own_help():
             track=TrackSettings(k_in=8, rank=0, covariance=False, seed=7, projection="gaussian"),
         ),
         TrainSettings(data="d", out="o", track=None, model="minilm", task="classification"),
+        # the two store_false switches (--no-share-k, --no-vocab-rows) are written when False
+        TrainSettings(data="d", out="o", track=TrackSettings(share_k=False, vocab_rows=False)),
     ],
 )
 def test_train_settings_survive_the_command_line(settings):

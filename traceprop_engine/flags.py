@@ -103,6 +103,15 @@ def add_track_flags(p) -> None:
         action="store_false",
         help="turn off share_k: " + help_of(T, "share_k"),
     )
+    add_field_flag(
+        p,
+        T,
+        "vocab_rows",
+        "--no-vocab-rows",
+        dest="vocab_rows",
+        action="store_false",
+        help="turn off vocab_rows: " + help_of(T, "vocab_rows"),
+    )
     add_field_flags(
         p, T, "rank", "factor_dtype", "factor_space", "power_iters", "covariance_stride"
     )

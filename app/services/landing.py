@@ -18,9 +18,9 @@ PRECONDITIONERS = {
     "kfac": "divides out each layer's input and output-gradient covariance (K-FAC; the output "
     "head is left as recorded), so directions that every example moves along count less. On "
     "our LDS benchmarks (10 set/seed pairs) it is level with identity on the mean (+0.003) "
-    "and ahead on 8 of 10 (benchmarks/EVAL.md §1g).",
+    "and at or above it on 8 of 10 (benchmarks/EVAL.md §1g).",
     "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC). The best "
-    "second opinion: ahead of identity on 9 of 10 benchmark pairs, by +0.006 on the mean.",
+    "second opinion: at or above identity on 9 of 10 benchmark pairs, +0.006 on the mean.",
 }
 SIGN_NOTE = (
     "A score > 0 marks a **proponent**: training on that example lowered the loss of the queried "

@@ -92,9 +92,9 @@ pre = c2.selectbox(
         "output-gradient covariance (K-FAC; the output head is left as recorded), so "
         "directions every example moves along count less. ekfac: K-FAC with eigenvalues "
         "corrected from the stored records. On our LDS benchmarks both are level with identity "
-        "or slightly ahead (EK-FAC on 9 of 10 set/seed pairs, +0.006 on the mean): a second "
-        "opinion worth asking. Score > 0: the example pushed the model toward this output "
-        "(a proponent); < 0: away from it (an opponent)."
+        "or slightly ahead (EK-FAC at or above it on 9 of 10 set/seed pairs, +0.006 on the "
+        "mean): a second opinion worth asking. Score > 0: the example pushed the model toward "
+        "this output (a proponent); < 0: away from it (an opponent)."
     ),
 )
 

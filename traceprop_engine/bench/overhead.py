@@ -126,12 +126,21 @@ class _Arms:
         self.labels = self.ids.clone()
         self.example_index = np.arange(batch)
         self.steps_per_arm = steps_per_arm
+        # the batch's tokens are the training targets, as `traceprop train` passes them, so the
+        # LM head gets its vocabulary rows like a default run's (same shapes, same cost)
+        targets = [row[1:].numpy() for row in self.labels]
         self.trackers = {
             "tracked": Tracker(
-                self.model, folder / "tracked.h5", TrackSettings(covariance=True, **track)
+                self.model,
+                folder / "tracked.h5",
+                TrackSettings(covariance=True, **track),
+                targets=targets,
             ),
             "logging": Tracker(
-                self.model, folder / "logging.h5", TrackSettings(covariance=False, **track)
+                self.model,
+                folder / "logging.h5",
+                TrackSettings(covariance=False, **track),
+                targets=targets,
             ),
         }
         self.writer_acc = {name: {"writer_s": 0.0} for name in self.trackers}

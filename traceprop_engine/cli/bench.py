@@ -115,6 +115,7 @@ def _cmd_bench_overhead(a) -> int:
         factor_dtype=a.factor_dtype,
         track_extra=dict(
             share_k=a.share_k,
+            vocab_rows=a.vocab_rows,
             projection=a.projection,
             factor_space=a.factor_space,
             power_iters=a.power_iters,

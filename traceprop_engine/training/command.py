@@ -110,7 +110,9 @@ def train_argv(
     Args:
         values: a :class:`TrainSettings`, or ``{dest: value}`` of ``traceprop train`` flags
             (``"k_in": 4``, ``"no_covariance": True``), written in the mapping's order. A
-            ``None`` or ``False`` value leaves its flag out; ``True`` writes a switch.
+            ``None`` value leaves its flag out; a switch is written when its value is not the
+            switch's default (``True`` for ``--no-covariance``, ``False`` for
+            ``--no-share-k``, whose ``dest`` is ``share_k``).
         launcher: what runs the module, e.g. ``(sys.executable, "-m", "torch.distributed.run",
             "--nproc_per_node", "2")`` for a DDP run.
 
@@ -127,11 +129,11 @@ def train_argv(
         action = flags.get(name)
         if action is None:
             raise ConfigError(f"'traceprop train' has no flag for {name!r}")
-        if v is None or v is False:
-            continue
         flag = action.option_strings[0]
-        if action.nargs == 0:  # a switch (store_true)
-            argv.append(flag)
-        else:
+        if action.nargs == 0:  # a switch: store_true (given when True), store_false (when False)
+            if v is not None and bool(v) is not bool(action.default):
+                argv.append(flag)
+            continue
+        if v is not None and v is not False:
             argv += [flag, str(v.value if isinstance(v, Enum) else v)]
     return argv
