@@ -259,11 +259,37 @@ def test_the_committed_sample_verifies_with_its_digest():
     rep = verify_run(default_root() / "facts")
     assert rep["ok"] and rep["store"]["status"] == "ok"
     assert np.all([x["status"] == "ok" for x in rep["files"]])
-    # written before content_sha256_v2: it opens, verifies its digest and says what that covers
     (store,) = rep["store"]["files"]
-    assert store["digest_version"] == 1 and "not the projection matrices" in store["detail"]
+    assert store["digest_version"] == 2  # regenerated after content_sha256_v2
     with Store(default_root() / "facts" / "store.h5") as s:
         assert len(s.examples()["source"]) == s.n_examples > 0
+
+
+def _as_written_before_the_full_digest(f: h5py.File) -> None:
+    """What a store written before ``content_sha256_v2`` looks like: no such attribute, and its
+    projections and example rows stored without chunk checksums."""
+    del f.attrs[FULL_DIGEST_ATTR]
+    groups = [f["layers"][k] for k in f["layers"]] + [f["examples"]]
+    for g in groups:
+        for name in ("P_in", "P_out", "dense_index", "row"):
+            if name in g and g[name].fletcher32:
+                data, attrs = g[name][()], dict(g[name].attrs)
+                del g[name]
+                g.create_dataset(name, data=data).attrs.update(attrs)
+
+
+def test_a_store_from_before_the_full_digest_verifies_with_its_older_one(run):
+    """A store written before ``content_sha256_v2`` (the bundled sample was one until stop 35)
+    opens, verifies its ``content_sha256`` and says what that digest does not cover."""
+    with h5py.File(run / "store.h5", "r+") as f:
+        _as_written_before_the_full_digest(f)
+    rep = verify_run(run)
+    assert rep["ok"] and rep["store"]["status"] == "ok"
+    (store,) = rep["store"]["files"]
+    assert store["digest_version"] == 1 and "not the projection matrices" in store["detail"]
+    with h5py.File(run / "store.h5", "r+") as f:  # the older digest still catches a change
+        f["layers/000/U"][0] = f["layers/000/U"][0] + 1
+    assert verify_run(run)["store"]["status"] == "changed"
 
 
 def test_library_versions_are_the_modules_and_import_nothing():
