@@ -278,7 +278,7 @@ def _as_written_before_the_full_digest(f: h5py.File) -> None:
                 g.create_dataset(name, data=data).attrs.update(attrs)
 
 
-def test_a_store_from_before_the_full_digest_verifies_with_its_older_one(run):
+def test_a_store_from_before_the_full_digest_verifies_with_its_older_one(run, capsys):
     """A store written before ``content_sha256_v2`` (the bundled sample was one until stop 35)
     opens, verifies its ``content_sha256`` and says what that digest does not cover."""
     with h5py.File(run / "store.h5", "r+") as f:
@@ -287,6 +287,9 @@ def test_a_store_from_before_the_full_digest_verifies_with_its_older_one(run):
     assert rep["ok"] and rep["store"]["status"] == "ok"
     (store,) = rep["store"]["files"]
     assert store["digest_version"] == 1 and "not the projection matrices" in store["detail"]
+    capsys.readouterr()
+    assert main(["verify", str(run)]) == 0
+    assert "in what the store's older digest covers" in capsys.readouterr().out
     with h5py.File(run / "store.h5", "r+") as f:  # the older digest still catches a change
         f["layers/000/U"][0] = f["layers/000/U"][0] + 1
     assert verify_run(run)["store"]["status"] == "changed"
