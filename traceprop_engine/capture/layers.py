@@ -174,8 +174,8 @@ def output_head(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> nn.Mod
     classifier (``*ForSequenceClassification`` and similar, through a peft wrapper too), it is
     the last of ``layers`` whose output width is ``config.num_labels`` (LoRA's own ``lora_A`` /
     ``lora_B`` excluded): the ``classifier`` / ``score`` / ``out_proj`` layer, or the copy of it
-    that peft trains. Every preconditioner
-    leaves this layer unwhitened (attribution/precondition/preconditioner.py).
+    that peft trains. Every preconditioner leaves this layer unwhitened
+    (attribution/precondition/preconditioner.py).
     """
     head = output_embedding(model)
     if head is not None:
