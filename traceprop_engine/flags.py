@@ -94,24 +94,16 @@ def add_track_flags(p) -> None:
     from .settings import TrackSettings as T
 
     add_field_flags(p, T, "k_in", "k_out", "projection")
-    add_field_flag(
-        p,
-        T,
-        "share_k",
-        "--no-share-k",
-        dest="share_k",
-        action="store_false",
-        help="turn off share_k: " + help_of(T, "share_k"),
-    )
-    add_field_flag(
-        p,
-        T,
-        "vocab_rows",
-        "--no-vocab-rows",
-        dest="vocab_rows",
-        action="store_false",
-        help="turn off vocab_rows: " + help_of(T, "vocab_rows"),
-    )
+    for name in ("share_k", "vocab_rows"):  # on by default: a --no-... switch turns it off
+        add_field_flag(
+            p,
+            T,
+            name,
+            "--no-" + name.replace("_", "-"),
+            dest=name,
+            action="store_false",
+            help=f"turn off {name}: " + help_of(T, name),
+        )
     add_field_flags(
         p, T, "rank", "factor_dtype", "factor_space", "power_iters", "covariance_stride"
     )

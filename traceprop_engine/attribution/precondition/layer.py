@@ -92,7 +92,7 @@ class EkfacMoments:
                 f"{self.shape}; the chunk comes from another layer or the store is inconsistent"
             )
         if u.shape[2] != 1 or self.q_s is None:
-            self.update(np.matmul(u, v.transpose(0, 2, 1)))
+            self.update(record_product(u, v))
             return
         qu = np.asarray(u[:, :, 0], np.float64) @ self.q_s  # rows: (Q_Sᵀ u)ᵀ
         qv = np.asarray(v[:, :, 0], np.float64) @ self.q_a
@@ -133,6 +133,14 @@ def stack_matmul(
             .transpose(1, 0, 2)
         )
     return x
+
+
+def record_product(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``U Vᵀ`` of each rank-r record (u (n, k_out, r), v (n, k_in, r)) as (n, k_out, k_in);
+    rank 1 as a broadcast outer product (numpy's stacked matmul is slow on (k, 1) × (1, k))."""
+    if u.shape[2] == 1:
+        return u * v[:, None, :, 0]
+    return np.matmul(u, v.transpose(0, 2, 1))
 
 
 def symmetrize(m: np.ndarray) -> np.ndarray:

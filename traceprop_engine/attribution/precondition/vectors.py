@@ -21,7 +21,7 @@ from ...errors import StoreError
 from ...settings import IndexSettings, PreconditionerKind, SketchKind
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
-from .layer import EkfacMoments, LayerStats, stack_matmul
+from .layer import EkfacMoments, LayerStats, record_product, stack_matmul
 from .preconditioner import Preconditioner
 
 CHUNK = 4096
@@ -139,7 +139,7 @@ def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
             u = stack_matmul(lp.left.astype(np.float32), u)
             v = stack_matmul(lp.right.T.astype(np.float32), v)
         if lp.scale is not None:  # EK-FAC: the elementwise scale needs the (L X R) matrix
-            x = _product(u, v) * lp.scale.astype(np.float32)
+            x = record_product(u, v) * lp.scale.astype(np.float32)
             if lp.index_left is not None:
                 x = stack_matmul(
                     lp.index_left.astype(np.float32), x, lp.index_right.T.astype(np.float32)
@@ -149,16 +149,8 @@ def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
         if lp.index_left is not None:
             u = stack_matmul(lp.index_left.astype(np.float32), u)
             v = stack_matmul(lp.index_right.astype(np.float32), v)
-        out[:, cols] = _product(u, v).reshape(len(u), -1)
+        out[:, cols] = record_product(u, v).reshape(len(u), -1)
     return pre.reduced(out)
-
-
-def _product(u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``U Vᵀ`` of each record, (n, k_out, k_in); rank 1 as a broadcast outer product (numpy's
-    stacked matmul is slow on (k, 1) × (1, k) slices)."""
-    if u.shape[2] == 1:
-        return u * v[:, None, :, 0]
-    return np.matmul(u, v.transpose(0, 2, 1))
 
 
 def gradient_norms(store) -> pl.DataFrame:
