@@ -1,17 +1,22 @@
 """Recall@10 of the whole query against the number of FAISS candidates re-ranked exactly.
 
     python benchmarks/candidates.py 100000 --candidates 200,1000,3000 [--queries 24]
+    python benchmarks/candidates.py 1000000 --candidates 1000,500 --scan 0.01/0.04,0.005/0.02 \
+        --list-candidates 300,150 --keep   # every combination; the store is kept for a rerun
 
 Writes `traceprop bench query --end-to-end`'s synthetic store of N examples (the bundled sample
 run's records resampled with noise, one record per example) under /tmp, builds the default
 index once, computes brute-force exact scores for the queries, then for each candidate count
 times `AttributionRun.rank` (candidate search + exact re-rank) and measures the recall@10 of
-the returned proponents and opponents. Prints one line per candidate count.
+the returned proponents and opponents. Prints one line per candidate count (and, at 10⁶ rows
+where the index has factor lists, per lists' scan share ``proponents/opponents`` and rows
+proposed per side: ``index/lists.py``'s ``SCAN_FRACTION`` and ``CANDIDATES``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from traceprop_engine.attribution import AttributionRun
+from traceprop_engine.attribution.index import lists as index_lists
 from traceprop_engine.attribution.score import ranking
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
@@ -35,15 +41,22 @@ def main() -> None:
     ap.add_argument("n", type=int, help="examples in the synthetic store")
     ap.add_argument("--candidates", default="200,1000,3000")
     ap.add_argument("--queries", type=int, default=24)
+    ap.add_argument("--scan", default=None, help="lists' scan shares, e.g. 0.01/0.04,0.005/0.02")
+    ap.add_argument("--list-candidates", default=None, help="rows the lists propose per side")
     ap.add_argument("--work-dir", default="/tmp")
+    ap.add_argument("--keep", action="store_true", help="keep (and reuse) the store and index")
     a = ap.parse_args()
     d = Path(a.work_dir) / f"traceprop-candidates-{a.n}"
-    shutil.rmtree(d, ignore_errors=True)
+    ready = d / "ready"
+    if not (a.keep and ready.exists()):
+        shutil.rmtree(d, ignore_errors=True)
     try:
-        e2e.write_synthetic_run(BASE, d, a.n, 0, 0.5)
+        if not ready.exists():
+            e2e.write_synthetic_run(BASE, d, a.n, 0, 0.5)
         queries = e2e.real_queries(BASE, a.queries)
         run, s = AttributionRun(d), IndexSettings()
         run.build_index(s, None)
+        ready.write_text("store and index written\n")
         exact = np.concatenate(
             [
                 run.exact_scores(
@@ -52,8 +65,21 @@ def main() -> None:
                 for batch in (queries[i : i + 12] for i in range(0, len(queries), 12))
             ]
         )
-        for mc in (int(x) for x in a.candidates.split(",")):
+        scans = (
+            [tuple(float(y) for y in x.split("/")) for x in a.scan.split(",")]
+            if a.scan
+            else [index_lists.SCAN_FRACTION]
+        )
+        per_side = (
+            [int(x) for x in a.list_candidates.split(",")]
+            if a.list_candidates
+            else [index_lists.CANDIDATES]
+        )
+        combos = itertools.product((int(x) for x in a.candidates.split(",")), scans, per_side)
+        for mc, scan, lc in combos:
             ranking.MIN_CANDIDATES, ranking.MAX_CANDIDATES = mc, mc
+            index_lists.SCAN_FRACTION, index_lists.CANDIDATES = scan, lc
+            run.rank(queries[0], s, 10, True)  # warm-up
             rp, ro, lat = [], [], []
             for j, q in enumerate(queries):
                 t = time.perf_counter()
@@ -75,12 +101,14 @@ def main() -> None:
                     )
                 )
             print(
-                f"N {a.n}  candidates {mc}: recall@10 proponents {np.mean(rp):.3f} "
+                f"N {a.n}  candidates {mc}  lists scan {scan[0]:g}/{scan[1]:g} rows {lc}: "
+                f"recall@10 proponents {np.mean(rp):.3f} "
                 f"opponents {np.mean(ro):.3f}  p50 {np.median(lat) * 1e3:.1f} ms"
             )
         run.close()
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":
