@@ -32,7 +32,8 @@ OUTSIDE = sorted(
 # benchmarks that time or patch attribution's internals, so reach past the front door: what for
 PROBES = {
     "benchmarks/bench_compact.py": "the Woodbury preconditioner and scores from stored factors",
-    "benchmarks/candidates.py": "patches the ranking's candidate counts",
+    "benchmarks/candidates.py": "patches the ranking's candidate counts and the lists' scan",
+    "benchmarks/nprobe_calibration.py": "recall at each nprobe of the index build's query kinds",
     "benchmarks/query_real_run.py": "patches the factor lists' and the ranking's candidate counts",
     "benchmarks/query_rerank.py": "times the exact scorer's and the low-rank test's routes",
     "benchmarks/query_search.py": "times the FAISS search alone",
