@@ -145,7 +145,8 @@ class TrackSettings:
     covariance_stride: int = knob(
         32,
         help="with factor_space full, the K-FAC statistics come from every n-th batch (the "
-        "first included); 1 = every batch",
+        "first included); 1 = every batch. traceprop train lowers it for a short run so that "
+        "at least 16 batches give statistics (a 60-step run: every 3rd)",
     )
     covariance_tokens: int = knob(
         256,

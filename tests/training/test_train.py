@@ -18,6 +18,7 @@ from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
 from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import StopFlag, train
+from traceprop_engine.training.prepare import MIN_COVARIANCE_BATCHES, short_run_track
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,26 @@ def test_completed_run_writes_everything(data, tmp_path):
     assert len(read_progress(run)) == m["timings"]["n_steps"]
     assert store.covariance(0).n_tokens > 0
     assert m["model"]["fingerprint"] and m["data"]["files"]
+    # a short run takes K-FAC statistics from at least MIN_COVARIANCE_BATCHES of its batches; the
+    # manifest says which stride was used and which one was asked for
+    n_steps = m["timings"]["n_steps"]
+    asked = m["config"]["track"]["covariance_stride"]
+    assert asked == TrackSettings().covariance_stride
+    assert m["tracking"]["covariance_stride"] == min(
+        asked, max(1, n_steps // MIN_COVARIANCE_BATCHES)
+    )
+
+
+def test_short_run_track_only_ever_lowers_the_stride():
+    t = TrackSettings()
+    assert short_run_track(t, 60).covariance_stride == 3
+    assert short_run_track(t, 5).covariance_stride == 1
+    assert short_run_track(t, 10_000) is t  # long runs keep every 32nd batch
+    assert short_run_track(TrackSettings(covariance_stride=2), 60).covariance_stride == 2
+    off = TrackSettings(covariance=False)
+    assert short_run_track(off, 60) is off
+    lowered = short_run_track(t, 60)
+    assert lowered.k_in == t.k_in and lowered.covariance_tokens == t.covariance_tokens
 
 
 def test_no_track_runs_the_same_loop_without_a_store(data, tmp_path):

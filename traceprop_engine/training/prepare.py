@@ -7,8 +7,10 @@ in the run's :class:`~traceprop_engine.run_record.RunRecord` (``data``, ``model`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from .. import constants as C
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
 from ..run_record import RunRecord
-from ..settings import Task, TrainSettings
+from ..settings import Task, TrackSettings, TrainSettings
 from ..store.writer import StoreWriter
 from . import distributed
 from .checkpoint import Checkpoint
@@ -170,7 +172,7 @@ def start_tracker(job: Job, prep: Prepared) -> None:
     tracker = Tracker(
         prep.model,
         path,
-        settings.track,
+        short_run_track(settings.track, step_counts(job, prep.n_train)[1]),
         manifest=job.record.as_dict(),
         writer=writer,
         targets=training_targets(prep) if prep.task == Task.CAUSAL_LM.value else None,
@@ -188,6 +190,45 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         )
     tracker.capture.attach()
     job.record.set_tracking(tracker.tracking_manifest())
+
+
+MIN_COVARIANCE_BATCHES = 16
+"""A tracked run takes K-FAC statistics from at least this many batches (:func:`short_run_track`).
+At stride 32 a 60-step LoRA run had two, the first with the B matrices at zero; every 8th batch
+raised K-FAC-cosine's LDS on it from 0.572 to 0.608 (benchmarks/EVAL.md §1h)."""
+
+
+def step_counts(job: Job, n_train: int) -> tuple[int, int]:
+    """Steps per epoch and in all (``max_steps`` caps the total)."""
+    settings, dist_ctx = job.settings, job.dist
+    steps_per_epoch = (
+        dist_ctx.steps_per_epoch(n_train, settings.batch_size)
+        if dist_ctx.enabled
+        else math.ceil(n_train / settings.batch_size)
+    )
+    total_steps = steps_per_epoch * settings.epochs
+    if settings.max_steps:
+        total_steps = min(total_steps, settings.max_steps)
+    return steps_per_epoch, total_steps
+
+
+def short_run_track(track: TrackSettings, total_steps: int) -> TrackSettings:
+    """``track`` with ``covariance_stride`` lowered so that a run of ``total_steps`` batches takes
+    K-FAC statistics from at least :data:`MIN_COVARIANCE_BATCHES` of
+    them (never raised; the same on a resume, since the length is). The manifest's ``tracking``
+    section records the stride used, its ``config`` the one asked for."""
+    stride = min(track.covariance_stride, max(1, total_steps // MIN_COVARIANCE_BATCHES))
+    if stride == track.covariance_stride or not track.covariance:
+        return track
+    log.info(
+        "K-FAC statistics from every %d. batch instead of every %d.: the run has %d steps, and "
+        "at least %d batches give statistics",
+        stride,
+        track.covariance_stride,
+        total_steps,
+        MIN_COVARIANCE_BATCHES,
+    )
+    return dataclasses.replace(track, covariance_stride=stride)
 
 
 def training_targets(prep: Prepared) -> list:

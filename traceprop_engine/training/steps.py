@@ -22,7 +22,7 @@ from ..settings import TrainSettings
 from . import checkpoint
 from .losses import example_losses
 from .models import collate, model_inputs
-from .prepare import Job, Prepared
+from .prepare import Job, Prepared, step_counts
 
 if TYPE_CHECKING:
     from .loop import ProgressFn, StopFlag
@@ -60,7 +60,7 @@ def train_steps(
     # Linear modules stay, their weights become DTensor shards between steps)
     forward = dist_ctx.wrap(prep.model, device)
     opt = _optimizer(job, prep)
-    steps_per_epoch, total_steps = _step_counts(job, prep.n_train)
+    steps_per_epoch, total_steps = step_counts(job, prep.n_train)
     rng = np.random.default_rng(settings.seed)  # each epoch's order: drawn again on resume
     step_ms: list[float] = []
     # a resumed run: model, optimiser, capture and RNG states of its checkpoint, then on from there
@@ -149,20 +149,6 @@ def _batch(job: Job, prep: Prepared, order: np.ndarray, s: int):
         prep.device,
     )
     return idx, global_b, batch
-
-
-def _step_counts(job: Job, n_train: int) -> tuple[int, int]:
-    """Steps per epoch and in all (``max_steps`` caps the total)."""
-    settings, dist_ctx = job.settings, job.dist
-    steps_per_epoch = (
-        dist_ctx.steps_per_epoch(n_train, settings.batch_size)
-        if dist_ctx.enabled
-        else math.ceil(n_train / settings.batch_size)
-    )
-    total_steps = steps_per_epoch * settings.epochs
-    if settings.max_steps:
-        total_steps = min(total_steps, settings.max_steps)
-    return steps_per_epoch, total_steps
 
 
 def _lr_at(settings: TrainSettings, step: int, total_steps: int) -> float:
