@@ -221,8 +221,8 @@ def short_run_track(track: TrackSettings, total_steps: int) -> TrackSettings:
     if stride == track.covariance_stride or not track.covariance:
         return track
     log.info(
-        "K-FAC statistics from every %d. batch instead of every %d.: the run has %d steps, and "
-        "at least %d batches give statistics",
+        "K-FAC statistics from one batch in %d instead of one in %d: the run has %d steps, "
+        "and at least %d of them give statistics",
         stride,
         track.covariance_stride,
         total_steps,
