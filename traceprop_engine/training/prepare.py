@@ -194,8 +194,9 @@ def start_tracker(job: Job, prep: Prepared) -> None:
 
 MIN_COVARIANCE_BATCHES = 16
 """A tracked run takes K-FAC statistics from at least this many batches (:func:`short_run_track`).
-At stride 32 a 60-step LoRA run had two, the first with the B matrices at zero; every 8th batch
-raised K-FAC-cosine's LDS on it from 0.572 to 0.608 (benchmarks/EVAL.md §1h)."""
+At stride 32 a 60-step LoRA run had two, the first with the B matrices at zero; this rule's
+stride 3 raised K-FAC-cosine's LDS on it from 0.572 / 0.635 to 0.596 / 0.642 (benchmarks/EVAL.md
+§1h)."""
 
 
 def step_counts(job: Job, n_train: int) -> tuple[int, int]:

@@ -258,15 +258,9 @@ def _calibration_rows(n_total: int, train_rows: np.ndarray, rng: np.random.Gener
     want = min(_CALIB_QUERIES, n_total)
     if n_total - len(train_rows) < want:
         return rng.choice(n_total, size=want, replace=False)
-    picked = np.zeros(0, dtype=np.int64)
-    while len(picked) < want:
-        cand = rng.integers(0, n_total, size=4 * want)
-        pos = np.minimum(np.searchsorted(train_rows, cand), len(train_rows) - 1)
-        cand = cand[train_rows[pos] != cand]
-        picked = np.concatenate([picked, cand[~np.isin(cand, picked)]])
-        _, first = np.unique(picked, return_index=True)
-        picked = picked[np.sort(first)]
-    return picked[:want]
+    # the j-th row outside the sorted sample is j plus the sample rows at or before it
+    free = rng.choice(n_total - len(train_rows), size=want, replace=False)
+    return free + np.searchsorted(train_rows - np.arange(len(train_rows)), free, side="right")
 
 
 def _add_all(
