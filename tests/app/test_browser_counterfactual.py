@@ -168,6 +168,12 @@ def test_per_token_view_and_counterfactual_check(server, doc_shots):
         page.get_by_label("Seeds", exact=True).fill("1")
         page.get_by_label("Seeds", exact=True).press("Enter")
         expect(page.get_by_role("button", name=re.compile("Run the check again"))).to_be_visible()
+        # the saved result, without retraining (no "running" line on the revisit)
+        expect(page.get_by_text(re.compile(r"Removing the top proponents"))).to_be_visible()
+        expect(
+            page.get_by_text(re.compile(r"Query loss of the run's model [\d.]+"))
+        ).to_be_visible()
+        expect(page.get_by_text(re.compile(r"running: \d+/(\d+|\?)"))).to_have_count(0)
         ctx.close()
         browser.close()
     assert not blocked, blocked

@@ -141,6 +141,13 @@ def test_curate_retrain_and_proof(server):
             timeout=300_000
         )
         expect(page.get_by_text("Answer after")).to_be_visible()
+        # the page shows the proof's numbers; the manifest lists the 3 removed rows
+        data = server["runs"] / "curated" / "no-violet"
+        proof = json.loads((data / "proof.json").read_text())
+        loss = page.get_by_test_id("stMetric").filter(has_text="Loss on the queried output")
+        expect(loss).to_contain_text(f"{proof['queries'][0]['after']['loss']:.4f}")
+        removed = json.loads((data / "curate.json").read_text())["removed"]
+        assert len({(r["source"], r["row"]) for r in removed}) == 3
         page.get_by_role("heading", name="3 · Before and after").scroll_into_view_if_needed()
         page.screenshot(path=str(img / "curate-proof.png"), full_page=True)
         ctx.close()

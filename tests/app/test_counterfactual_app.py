@@ -3,7 +3,6 @@ copy of the bundled sample run)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -65,35 +64,6 @@ def test_per_token_view_escapes_and_sums(sample_copy):
     ids = at.selectbox(key="tok_pick").options
     at.selectbox(key="tok_pick").set_value(at.selectbox(key="tok_pick").options[-1]).run()
     assert not at.exception and len(ids) == 10
-
-
-@pytest.mark.slow
-def test_counterfactual_runs_in_background_and_shows_on_revisit(sample_copy):
-    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
-    at.run()
-    _query(at, " a planet")
-    at.number_input(key="cf_k").set_value(5)
-    at.number_input(key="cf_seeds").set_value(1).run()
-    assert at.button(key="cf_go").label.startswith("Run the counterfactual check (3 retrains")
-    at.button(key="cf_go").click().run()
-    assert not at.exception, [e.message for e in at.exception]
-    spec = cf.spec_for({"prompt": PROMPT, "completion": " a planet"}, 5, 1, "identity")
-    s = cf.wait(sample_copy, spec, timeout_s=600)
-    assert s["status"] == "completed", s
-    # a bundled run stays read-only: the result goes beside the user's runs (issue 27 item 6)
-    assert not (sample_copy / "counterfactual").exists()
-    doc = json.loads((cf.results_dir(sample_copy) / f"{spec.key()}.json").read_text())
-    assert set(doc["change"]) >= {"top_k", "random"}
-    # a fresh session (a revisit) shows the saved result without retraining
-    at2 = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
-    at2.run()
-    _query(at2, " a planet")
-    at2.number_input(key="cf_k").set_value(5)
-    at2.number_input(key="cf_seeds").set_value(1).run()
-    table = _table(at2, "loss change (mean)")
-    assert list(table["removed"]) == ["top-5 proponents", "5 random examples"]
-    assert table["loss change (mean)"].iloc[0] == pytest.approx(doc["change"]["top_k"]["mean"])
-    assert at2.button(key="cf_go").label.startswith("Run the check again")
 
 
 def test_too_big_run_is_refused(sample_copy, monkeypatch):
