@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ def python_api_block() -> str:
     return block
 
 
-def test_readme_python_api_example_runs(capsys):
+def test_readme_python_api_example_runs(capsys, tmp_path, monkeypatch):
+    # the example's tempfile.mkdtemp() run folder goes under pytest's tmp_path, not /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code = python_api_block()
     for needle in (
         "Tracker(",
