@@ -37,6 +37,7 @@ PROBES = {
     "benchmarks/query_real_run.py": "patches the factor lists' and the ranking's candidate counts",
     "benchmarks/query_rerank.py": "times the exact scorer's and the low-rank test's routes",
     "benchmarks/query_search.py": "times the FAISS search alone",
+    "benchmarks/query_stages.py": "times the query's stages (FAISS, lists, re-rank) inside rank",
     "benchmarks/query_threads.py": "patches the query's BLAS thread limit",
     "benchmarks/summary_probe.py": "the index projection's moments and the record cache",
     "traceprop_engine/bench/query.py": "times FAISS index builds on synthetic vectors",
