@@ -13,7 +13,7 @@ for p in (APP_DIR, APP_DIR.parent):  # `import services` and the engine, from an
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from services import config, jobs, preload, runs, warmup  # noqa: E402
+from services import config, jobs, page_rerun, preload, runs, warmup  # noqa: E402
 
 st.set_page_config(page_title="Traceprop", page_icon="↪", layout="wide")
 
@@ -40,8 +40,11 @@ nav = st.navigation(pages)
 def _job_status() -> None:
     job = jobs.active_job(cfg)
     if job is None:
-        if st.session_state.pop("sidebar_job", None):
-            st.rerun()  # the job just ended: redraw the page (its banners) without it
+        # the job just ended: redraw the page (its banners) without it; when the user's own
+        # rerun (a click on another page) is waiting, that one redraws it (services/page_rerun)
+        if st.session_state.get("sidebar_job") and not page_rerun.rerun_queued():
+            del st.session_state["sidebar_job"]
+            st.rerun()
         return
     st.session_state["sidebar_job"] = str(job.run_dir)
     st.info(f"Training {job.run_dir.name}: step {job.step}/{job.total or '?'}")

@@ -13,6 +13,7 @@ One module per concern, each importable on its own (``from services import jobs`
   per example, measured quality, the Launch form prefilled)
 - :mod:`services.launch`: the Launch form's spec and the measured tracking configurations
 - :mod:`services.jobs`: training jobs: start, state from disk, cancel, wait
+- :mod:`services.page_rerun`: whether a rerun waits (a timer's page rerun never undoes a click)
 - :mod:`services.landing`: the landing page's sample question and how to read a score
 - :mod:`services.queries`: cached runs, queries, overviews and tokens under each run's lock
 - :mod:`services.answers`: the model's own loss and greedy answer for a query

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import streamlit as st
-from services import config, jobs, runs, text
+from services import config, jobs, page_rerun, runs, text
 from services import curate as cur
 
 from traceprop_engine.errors import TracepropError
@@ -69,7 +69,9 @@ def _show_proof(job: dict, proof: dict) -> None:
 def _running(job: dict) -> None:
     s = cur.state(job)
     if s["status"] not in ("running", "comparing"):
-        st.rerun()
+        if not page_rerun.rerun_queued():  # a waiting rerun (a click) redraws the page itself
+            st.rerun()
+        return
     js = s["job"]
     if s["status"] == "comparing":
         st.progress(1.0, text="Retrained: comparing the two runs on the queries…")

@@ -276,8 +276,9 @@ def test_launch_tiny_finetune_and_see_it_in_runs(page, server, artifacts, doc_sh
     page.screenshot(path=str(artifacts / "launch-done.png"), full_page=True)
     assert (server["runs"] / "browser-run" / "store.h5").exists()
     # the job's end reruns the whole page from the sidebar's timer (app/navigation.py): wait for
-    # that rerun (the banner goes) before navigating, or the timer's rerun of the Launch page can
-    # land after the click and undo it (CI stop 36: the Runs heading never came)
+    # that rerun (the banner goes) before navigating. CI stop 36: the timer's rerun of the Launch
+    # page landed after the click and undid it; the app now skips it when a click waits
+    # (services/page_rerun.py), and the wait keeps this test off that timing
     expect(page.get_by_text("A training job is running")).to_have_count(0, timeout=30_000)
 
     _nav(page, "Runs")
