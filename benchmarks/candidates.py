@@ -16,6 +16,7 @@ proposed per side: ``index/lists.py``'s ``SCAN_FRACTION`` and ``CANDIDATES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import shutil
 import time
@@ -32,6 +33,30 @@ from traceprop_engine.settings import IndexSettings
 BASE = str(Path(__file__).resolve().parents[1] / "sample_runs" / "facts")
 
 
+@contextlib.contextmanager
+def synthetic_run(n: int, work_dir: str, name: str, keep: bool):
+    """``--end-to-end``'s synthetic store of ``n`` examples in ``work_dir/traceprop-NAME-n``
+    with the default index built: ``(run, IndexSettings())``. ``keep``: reuse one written
+    before and leave it for the next call; otherwise written afresh and removed at the end."""
+    d = Path(work_dir) / f"traceprop-{name}-{n}"
+    ready = d / "ready"
+    if not (keep and ready.exists()):
+        shutil.rmtree(d, ignore_errors=True)
+    try:
+        if not ready.exists():
+            e2e.write_synthetic_run(BASE, d, n, 0, 0.5)
+        run, s = AttributionRun(d), IndexSettings()
+        run.build_index(s, None)
+        ready.write_text("store and index written\n")
+        try:
+            yield run, s
+        finally:
+            run.close()
+    finally:
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _recall(got: np.ndarray, ref: np.ndarray) -> float:
     return len(set(got.tolist()) & set(ref.tolist())) / max(len(ref), 1)
 
@@ -46,17 +71,8 @@ def main() -> None:
     ap.add_argument("--work-dir", default="/tmp")
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the store and index")
     a = ap.parse_args()
-    d = Path(a.work_dir) / f"traceprop-candidates-{a.n}"
-    ready = d / "ready"
-    if not (a.keep and ready.exists()):
-        shutil.rmtree(d, ignore_errors=True)
-    try:
-        if not ready.exists():
-            e2e.write_synthetic_run(BASE, d, a.n, 0, 0.5)
+    with synthetic_run(a.n, a.work_dir, "candidates", a.keep) as (run, s):
         queries = e2e.real_queries(BASE, a.queries)
-        run, s = AttributionRun(d), IndexSettings()
-        run.build_index(s, None)
-        ready.write_text("store and index written\n")
         exact = np.concatenate(
             [
                 run.exact_scores(
@@ -105,10 +121,6 @@ def main() -> None:
                 f"recall@10 proponents {np.mean(rp):.3f} "
                 f"opponents {np.mean(ro):.3f}  p50 {np.median(lat) * 1e3:.1f} ms"
             )
-        run.close()
-    finally:
-        if not a.keep:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/query_stages.py 1000000 [--queries 40] [--keep] [--sq8]
 
-Writes `traceprop bench query --end-to-end`'s synthetic store of N examples (the bundled sample
+Writes (`candidates.synthetic_run`) `traceprop bench query --end-to-end`'s synthetic store of N examples (the bundled sample
 run's records resampled with noise) under --work-dir, builds the default index, and times
 `AttributionRun.rank` for the sample's real queries with timers wrapped around its stages:
 the FAISS search of both ends, the lists' scan (with the factoring of the lists' layers), the
@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import shutil
 import time
-from pathlib import Path
 
 import numpy as np
+from candidates import BASE, synthetic_run  # benchmarks/candidates.py (run as a script)
 
 from traceprop_engine.attribution import AttributionRun
 from traceprop_engine.attribution import query as query_module
 from traceprop_engine.attribution.score import factor_scores, record_cache, scoring
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
-
-BASE = str(Path(__file__).resolve().parents[1] / "sample_runs" / "facts")
 
 
 def _timed(times: dict, name: str, owner, attr: str) -> None:
@@ -98,16 +95,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the store and index")
     ap.add_argument("--sq8", action="store_true", help="also time an IVF-SQ8 index (see above)")
     a = ap.parse_args()
-    d = Path(a.work_dir) / f"traceprop-stages-{a.n}"
-    ready = d / "ready"
-    if not (a.keep and ready.exists()):
-        shutil.rmtree(d, ignore_errors=True)
-    try:
-        if not ready.exists():
-            e2e.write_synthetic_run(BASE, d, a.n, 0, 0.5)
-        run, s = AttributionRun(d), IndexSettings()
-        run.build_index(s, None)
-        ready.write_text("store and index written\n")
+    with synthetic_run(a.n, a.work_dir, "stages", a.keep) as (run, s):
         queries = e2e.real_queries(BASE, a.queries)
         times: dict[str, float] = {}
         vindex = run.index(s)[0]
@@ -124,17 +112,13 @@ def main() -> None:
             times.clear()
             t = time.perf_counter()
             run.rank(q, s, 10, True)
-            per.append({**times, "total": time.perf_counter() - t})
+            per.append({"total": time.perf_counter() - t, **times})
         print(f"N {a.n}, {len(queries)} queries, nprobe {vindex.nprobe}")
-        for name in ["total", *times]:
+        for name in dict.fromkeys(k for p in per for k in p):  # every stage any query reached
             v = np.array([p.get(name, 0.0) for p in per]) * 1e3
             print(f"{name:20s} median {np.median(v):6.2f} ms   mean {v.mean():6.2f} ms")
         if a.sq8:
             _sq8(run, s, queries)
-        run.close()
-    finally:
-        if not a.keep:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":
