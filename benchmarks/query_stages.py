@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-from candidates import BASE, synthetic_run  # benchmarks/candidates.py (run as a script)
 
 from traceprop_engine.attribution import AttributionRun
 from traceprop_engine.attribution import query as query_module
 from traceprop_engine.attribution.score import factor_scores, record_cache, scoring
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from candidates import BASE, synthetic_run  # noqa: E402
 
 
 def _timed(times: dict, name: str, owner, attr: str) -> None:

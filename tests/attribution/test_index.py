@@ -38,6 +38,11 @@ def _chunked(x: np.ndarray, size: int = 700):
     return lambda: (x[i : i + size] for i in range(0, len(x), size))
 
 
+def _recall(got: np.ndarray, ref: np.ndarray) -> float:
+    """Mean recall@k of the rows of ``got`` against those of ``ref`` (k = the width of ``ref``)."""
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(got, ref, strict=True)]))
+
+
 def _brute(x: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     s = q.astype(np.float64) @ x.astype(np.float64).T
     ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
@@ -101,7 +106,7 @@ def test_ivf_recall_against_exact():
     _, ref_opp = _brute(x, -q, 10)
     for side, queries, exact in (("proponents", q, ref), ("opponents", -q, ref_opp)):
         _, got = idx.search(queries, 10)
-        recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, exact, strict=True)])
+        recall = _recall(got, exact)
         assert recall >= MIN_IVF_RECALL, f"{side}: recall@10 {recall:.3f} at nprobe={idx.nprobe}"
     # probing every list is exact
     idx.set_nprobe(64)
@@ -139,7 +144,7 @@ def test_tuning_needs_both_groups_to_reach_the_target():
     assert p_min >= p_all and rec_min >= 0.97
     for g, (qq, ee) in enumerate(((q, exact), (-q, exact_far))):
         _, got = idx.search(qq, 10)
-        r = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, ee, strict=True)])
+        r = _recall(got, ee)
         assert r >= 0.97, f"group {g}: {r:.3f} at nprobe {p_min}"
 
 
@@ -158,7 +163,7 @@ def test_ivfpq_reranks_exactly_from_full_vectors():
     idx.set_nprobe(32)  # exhaustive over lists: remaining error is PQ's, fixed by re-ranking
     scores, ids = idx.search(q, 10)
     ref_s, ref_i = _brute(x, q, 10)
-    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, ref_i, strict=True)])
+    recall = _recall(ids, ref_i)
     assert recall >= 0.97
     hit = ids == ref_i
     np.testing.assert_allclose(scores[hit], ref_s[hit], rtol=SCORE_RTOL, atol=SCORE_RTOL * 10)
