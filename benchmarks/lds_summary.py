@@ -1,8 +1,9 @@
 """One markdown table of LDS rows over several evaluation folders (benchmarks/EVAL.md §1d).
 
-    python benchmarks/lds_summary.py NAME=EVAL_DIR [NAME=EVAL_DIR ...]
+    python benchmarks/lds_summary.py [--default KEY] NAME=EVAL_DIR [NAME=EVAL_DIR ...]
 
-Rows: the default (``cosine`` of the main run), every preconditioner, the optimizer-aware
+Rows: the default (``kfac-cos`` of the main run since stop 39; ``--default cosine`` for the
+identity-cosine default of earlier tables), every preconditioner, the optimizer-aware
 config, the lever rows, full-gradient cosine/dot on the final model, BM25, same label, random;
 columns: one per folder, then the mean over folders. Each cell is LDS [95 % CI]; the last
 columns give the mean paired difference to the default over the folders and how many folders
@@ -16,11 +17,11 @@ import sys
 from pathlib import Path
 
 ORDER = [
-    ("cosine", "default (identity, cosine)"),
+    ("kfac-cos", "K-FAC, cosine (the default from stop 39)"),
+    ("cosine", "identity, cosine (the default until stop 39)"),
     ("identity", "identity, dot"),
     ("kfac", "K-FAC"),
     ("ekfac", "EK-FAC"),
-    ("kfac-cos", "K-FAC, cosine"),
     ("ekfac-cos", "EK-FAC, cosine"),
     ("x1 cosine", "exact rank-1 records (no projection), cosine"),
     ("before cosine", "before vocabulary rows (stop 33 default), cosine"),
@@ -43,6 +44,9 @@ ORDER = [
 
 
 def main(args: list[str]) -> None:
+    default = "kfac-cos"
+    if args[:1] == ["--default"]:
+        default, args = args[1], args[2:]
     sets = [a.split("=", 1) for a in args]
     docs = {n: json.loads((Path(d) / "results.json").read_text()) for n, d in sets}
     rows = {n: {r["method"]: r for r in doc["rows"]} for n, doc in docs.items()}
@@ -58,14 +62,14 @@ def main(args: list[str]) -> None:
                 continue
             cells.append(f"{r['lds']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
             vals.append(r["lds"])
-            base = rows[n].get("cosine")
+            base = rows[n].get(default)
             if base is not None:
                 deltas.append(r["lds"] - base["lds"])
         if not vals:
             continue
         mean = sum(vals) / len(vals)
-        d = f"{sum(deltas) / len(deltas):+.3f}" if deltas and key != "cosine" else ""
-        wins = f"{sum(x > 0 for x in deltas)}/{len(deltas)}" if key != "cosine" else ""
+        d = f"{sum(deltas) / len(deltas):+.3f}" if deltas and key != default else ""
+        wins = f"{sum(x > 0 for x in deltas)}/{len(deltas)}" if key != default else ""
         print(f"| {label} | " + " | ".join(cells) + f" | {mean:.3f} | {d} | {wins} |")
     ceil = []
     for n in names:

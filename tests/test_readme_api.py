@@ -38,7 +38,11 @@ def test_readme_python_api_example_runs(capsys, tmp_path, monkeypatch):
     assert scores.shape == (len(ns["examples"]),)
     assert run.manifest.status == "completed"
     res = ns["res"]
-    assert res.rows.height == 6  # top 3 proponents + top 3 opponents
+    # the top 3 of each sign: as many of the 6 examples as score above / below 0, at most 3
+    n_pos, n_neg = int((scores > 0).sum()), int((scores < 0).sum())
+    assert res.proponents.height == min(3, n_pos) >= 1
+    assert res.opponents.height == min(3, n_neg) >= 1
+    assert (res.proponents["score"] > 0).all() and (res.opponents["score"] < 0).all()
     # the index's top proponent is the exact scores' best (to float32 round-off: a near tie
     # may put another example first)
     top = int(res.proponents["example_id"][0])

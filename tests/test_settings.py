@@ -198,7 +198,7 @@ def test_non_default_index_shapes_get_their_own_index_names():
         IndexSettings(index_dims=0).name,
         IndexSettings(index_side=8, index_dims=0).name,
     }
-    assert len(names) == 4 and IndexSettings().name == "identity-cos"
+    assert len(names) == 4 and IndexSettings().name == "kfac-cos"
 
 
 @pytest.mark.parametrize(

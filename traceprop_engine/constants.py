@@ -20,9 +20,11 @@ LOG_FILE = "train.log"
 MODEL_DIR = "model"
 INDEX_DIR = "index"
 
-# the default preconditioner of an index (IndexSettings, CLI, app): identity (TracIn along the
-# trajectory); why: benchmarks/EVAL.md
-DEFAULT_PRECONDITIONER = "identity"
+# the default preconditioner of an index (IndexSettings, CLI, app): K-FAC from the run's inline
+# statistics, with cosine scores; a run without statistics is scored with identity instead
+# (attribution/overview.py: resolve_settings). Why: benchmarks/EVAL.md §1k (LoRA runs gain
+# 0.02-0.07 LDS over identity, full fine-tunes are level)
+DEFAULT_PRECONDITIONER = "kfac"
 
 # run status values (run.json "status" and the store's "status" attribute)
 STATUS_RUNNING = "running"

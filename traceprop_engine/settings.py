@@ -364,14 +364,16 @@ DEFAULT_DAMPING = 0.1
 class IndexSettings:
     """How the index of a run is built (part of its fingerprint).
 
-    Default: identity preconditioning with cosine scores (TracIn directions along the
-    trajectory, normalised): a few large-gradient examples do not top every query.
+    Default: K-FAC preconditioning from the run's inline statistics with cosine scores
+    (normalised, so a few large-gradient examples do not top every query); a run without K-FAC
+    statistics is answered with identity instead (``AttributionRun.settings``).
     """
 
     preconditioner: PreconditionerKind = knob(
         PreconditionerKind(C.DEFAULT_PRECONDITIONER),
-        help="the approximation of H^-1: identity, kfac (K-FAC from the stored statistics) or "
-        "ekfac (K-FAC with eigenvalues corrected from the stored records)",
+        help="the approximation of H^-1: kfac (K-FAC from the stored statistics; identity on a "
+        "run without them), identity, or ekfac (K-FAC with eigenvalues corrected from the "
+        "stored records)",
     )
     damping: float | None = knob(
         None,

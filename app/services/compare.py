@@ -89,9 +89,10 @@ def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) ->
 
 
 def second_choice(preconditioners, first: str) -> str | None:
-    """The estimator to triangulate ``first`` with: EK-FAC, else K-FAC, else identity (the first
-    of those the run supports that is not ``first``); None when the run has no other."""
-    for name in ("ekfac", "kfac", "identity", *preconditioners):
+    """The estimator to triangulate ``first`` with: identity (the one least like the default
+    K-FAC), else EK-FAC, else K-FAC (the first of those the run supports that is not
+    ``first``); None when the run has no other."""
+    for name in ("identity", "ekfac", "kfac", *preconditioners):
         if name != first and name in preconditioners:
             return name
     return None

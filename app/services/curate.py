@@ -20,6 +20,7 @@ from pathlib import Path
 
 import polars as pl
 
+from traceprop_engine import constants as C
 from traceprop_engine.curate import (
     MANIFEST,
     CurateQuery,
@@ -64,7 +65,7 @@ class CuratePlan:
     opponents: bool = False
     by: str | None = None
     ids: tuple[str, ...] = ()
-    preconditioner: str = "identity"
+    preconditioner: str = C.DEFAULT_PRECONDITIONER  # identity on a run without statistics
     rows: tuple = field(default=(), compare=False)  # per query: its result rows (a DataFrame)
 
     def selection(self) -> Selection:

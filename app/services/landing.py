@@ -13,14 +13,16 @@ GROUND_TRUTH = "facts-data/ground_truth.json"
 
 # one owner for the words the landing page and the Influencers help use
 PRECONDITIONERS = {
+    "kfac": "the default: the training gradients with each layer's input and output-gradient "
+    "covariance divided out (K-FAC from the run's own statistics; the output head is left as "
+    "recorded), compared by cosine, so directions that every example moves along count less. "
+    "On our LDS benchmarks it is 0.02-0.07 above identity on every LoRA fine-tune and level "
+    "with it on full fine-tunes (benchmarks/EVAL.md §1k).",
     "identity": "the training gradients as recorded, compared by cosine (TracIn along the "
-    "trajectory). The default: it needs no covariance and every run has it.",
-    "kfac": "divides out each layer's input and output-gradient covariance (K-FAC; the output "
-    "head is left as recorded), so directions that every example moves along count less. On "
-    "our LDS benchmarks (10 set/seed pairs) it is level with identity on the mean (+0.003) "
-    "and at or above it on 8 of 10 (benchmarks/EVAL.md §1g).",
-    "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC). The best "
-    "second opinion: at or above identity on 9 of 10 benchmark pairs, +0.006 on the mean.",
+    "trajectory). It needs no covariance: a run trained without statistics uses it. The "
+    "second opinion most unlike K-FAC.",
+    "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC): level "
+    "with K-FAC on our benchmarks (within 0.01 on the mean).",
 }
 SIGN_NOTE = (
     "A score > 0 marks a **proponent**: training on that example lowered the loss of the queried "

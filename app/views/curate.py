@@ -123,7 +123,7 @@ if queries and st.button("Clear the queries", key="cur_clear"):
 c1, c2 = st.columns(2)
 by = c1.selectbox("And the top k of a ranking", ["none", "self-influence", "loss"], key="cur_by")
 typed = c2.text_input("And rows by hand (ids or source:row)", key="cur_ids")
-pre = (queries[0][0].get("preconditioner") if queries else None) or "identity"
+pre = (queries[0][0].get("preconditioner") if queries else None) or cur.CuratePlan.preconditioner
 plan = cur.CuratePlan(
     queries=tuple(q for q, _ in queries),
     top_k=int(k),

@@ -268,9 +268,9 @@ def test_runs_page_explains_its_two_byte_counts(at):
 
 
 def test_influencers_second_opinion_marks_where_two_estimators_agree(at, app_env):
-    """Issue 29 goal 4 (triangulation): the same query asked of EK-FAC marks, in the identity
-    answer's tables, exactly the examples EK-FAC also ranks in its top k (checked against the
-    engine asked directly)."""
+    """Issue 29 goal 4 (triangulation): the same query asked of identity marks, in the default
+    (K-FAC) answer's tables, exactly the examples identity also ranks in its top k (checked
+    against the engine asked directly)."""
     from traceprop_engine.attribution.query import open_run
     from traceprop_engine.settings import IndexSettings
 
@@ -278,12 +278,12 @@ def test_influencers_second_opinion_marks_where_two_estimators_agree(at, app_env
     at.button(key="infl_go").click().run()
     assert at.selectbox(key="infl_second").value == "off"
     assert "both" not in at.dataframe[0].value.columns
-    at.selectbox(key="infl_second").set_value("ekfac").run()
+    at.selectbox(key="infl_second").set_value("identity").run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     props, opps = at.dataframe[0].value, at.dataframe[1].value
     run = open_run(REPO / "sample_runs" / "facts")
     ev = at.selectbox(key="infl_eval").value
-    other = run.query(eval_example=ev, top_k=10, settings=IndexSettings(preconditioner="ekfac"))
+    other = run.query(eval_example=ev, top_k=10, settings=IndexSettings(preconditioner="identity"))
     for kind, shown in (("proponent", props), ("opponent", opps)):
         theirs = other.rows.filter(other.rows["kind"] == kind)
         locs = theirs["source"] + ":" + theirs["row"].cast(str)

@@ -104,7 +104,7 @@ def test_find_filters_sorts_pages_and_names(engine):
     with pytest.raises(ValueError, match="sort"):
         find.sort_rows(rows, "colour")
     rid = res.query["run_id"]  # e.g. 20261130-230704-7424f6c4
-    assert find.export_name(res.query, "csv") == f"influencers-{rid}-eval{ev}-identity.csv"
+    assert find.export_name(res.query, "csv") == f"influencers-{rid}-eval{ev}-kfac.csv"
     typed = {"run_id": "my run/1", "prompt": "Q: Which colour?\nA:", "completion": " violet"}
     assert find.export_name(typed, "json") == "influencers-my-run-1-q-which-colour-a-violet.json"
     # the export of the found rows records the query inside
@@ -226,14 +226,14 @@ def test_influencers_score_histogram_is_the_engines(at, engine):
 
 def test_compare_page_shows_the_engines_overlap(at, engine):
     _goto(at, "compare")
-    assert at.selectbox(key="cmp_pre_A").value == "identity"
-    assert at.selectbox(key="cmp_pre_B").value == "kfac"
+    assert at.selectbox(key="cmp_pre_A").value == "kfac"  # the default, against identity
+    assert at.selectbox(key="cmp_pre_B").value == "identity"
     at.slider(key="cmp_topk").set_value(12)
     at.button(key="cmp_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     ev = int(engine.eval_examples()["example_id"][0])
     a = engine.query(eval_example=ev, top_k=12)
-    b = engine.query(eval_example=ev, top_k=12, settings=IndexSettings(preconditioner="kfac"))
+    b = engine.query(eval_example=ev, top_k=12, settings=IndexSettings(preconditioner="identity"))
     want = engine_compare.overlap(a.rows, b.rows, 12)
     shown = _table(at, "cmp_overlap")
     assert shown["shared"].tolist() == want["shared"].to_list()
@@ -293,10 +293,10 @@ def test_per_token_view_follows_the_preconditioner(at):
     at.button(key="infl_go").click().run()
     assert not at.exception and not at.error
     first = token_sum()
-    at.selectbox(key="infl_pre").set_value("kfac")
+    at.selectbox(key="infl_pre").set_value("identity")
     at.button(key="infl_go").click().run()
     assert not at.exception and not at.error
     assert token_sum() != first
-    at.selectbox(key="infl_pre").set_value("identity")
+    at.selectbox(key="infl_pre").set_value("kfac")
     at.button(key="infl_go").click().run()
     assert token_sum() == first

@@ -359,11 +359,11 @@ def test_find_distribution_compare_and_rankings(page, server, doc_shots):
     with page.expect_download() as dl:
         page.get_by_role("button", name="Export CSV").click()
     name = dl.value.suggested_filename
-    assert re.fullmatch(r"influencers-\d{8}-\d{6}-[0-9a-f]+-eval\d+-identity\.csv", name), name
+    assert re.fullmatch(r"influencers-\d{8}-\d{6}-[0-9a-f]+-eval\d+-kfac\.csv", name), name
     rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
     assert len(rows) == n and all("ethmor" in r["text"].lower() for r in rows)
     assert {r["query_eval_example"] for r in rows} == {name.split("-eval")[1].split("-")[0]}
-    assert {r["query_preconditioner"] for r in rows} == {"identity"}
+    assert {r["query_preconditioner"] for r in rows} == {"kfac"}  # the default
 
     _nav(page, "Compare")
     page.get_by_role("button", name="Compare", exact=True).click()
@@ -378,7 +378,7 @@ def test_find_distribution_compare_and_rankings(page, server, doc_shots):
     expect(page.get_by_test_id("stPlotlyChart")).to_be_visible()
     with page.expect_download() as dl:
         page.get_by_role("button", name="Export CSV").click()
-    assert dl.value.suggested_filename.endswith("-self-influence-identity.csv")
+    assert dl.value.suggested_filename.endswith("-self-influence-kfac.csv")
     ranked = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
     assert len(ranked) == 154 and [int(r["rank"]) for r in ranked] == list(range(1, 155))
     page.wait_for_timeout(800)

@@ -178,9 +178,9 @@ def test_lists_find_the_top_rows_that_few_faiss_candidates_miss(tmp_path, monkey
 
 def test_when_lists_are_built(tmp_path, monkeypatch):
     assert "lists" not in IndexSettings().to_dict()  # the default's fingerprint is unchanged
-    assert IndexSettings().name == "identity-cos"
-    assert IndexSettings(lists=True).name == "identity-cos-lists"
-    assert IndexSettings(lists=False).name == "identity-cos-nolists"
+    assert IndexSettings().name == "kfac-cos"
+    assert IndexSettings(lists=True).name == "kfac-cos-lists"
+    assert IndexSettings(lists=False).name == "kfac-cos-nolists"
     with pytest.raises(ConfigError, match="lists"):
         IndexSettings(lists="yes")
     assert not wants_lists(None, index_lists.MIN_ROWS - 1)

@@ -461,4 +461,4 @@ def test_end_to_end_bench_command_makes_its_work_dir(tmp_path, capsys):
     row = json.loads(out.read_text())
     row = row[0] if isinstance(row, list) else row
     assert row["n"] == 800 and row["max_abs_score_error"] < 1e-6
-    assert row["lists"] and row["index"] == "identity-cos-lists"  # built on request
+    assert row["lists"] and row["index"] == "kfac-cos-lists"  # built on request (the default K-FAC)

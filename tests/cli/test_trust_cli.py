@@ -374,7 +374,7 @@ def test_a_read_only_run_without_an_index_is_queried_from_the_user_cache(made, t
         assert again.returncode == 0 and "cannot write" not in again.stderr  # reused
         assert again.stdout.splitlines()[-3:] == first.stdout.splitlines()[-3:]
         assert not (run / "index").exists()
-        assert list(cache.glob("indexes/*/identity-cos/index.json"))
+        assert list(cache.glob("indexes/*/kfac-cos/index.json"))  # the default, K-FAC
     finally:
         for p in [run, *run.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)

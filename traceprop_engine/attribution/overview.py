@@ -7,19 +7,39 @@ them with its queries (the store is one HDF5 handle, not safe to read from two t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..settings import PreconditionerKind, SketchKind
+from ..settings import IndexSettings, PreconditionerKind, SketchKind
+
+NO_STATISTICS_NOTE = (
+    "this run has no K-FAC statistics (trained with --no-covariance, or stopped before they were "
+    "written): it is scored with identity preconditioning instead of the default K-FAC"
+)
 
 
 def usable_preconditioners(store) -> list[PreconditionerKind]:
-    """Identity always; K-FAC and EK-FAC when the store has K-FAC covariance (factored
-    sketches recorded with ``covariance``) or holds dense sketches (fitted from the records)."""
+    """The run's default first: K-FAC, identity and EK-FAC when the store has K-FAC covariance
+    (factored sketches recorded with ``covariance``) or holds dense sketches (fitted from the
+    records); identity alone otherwise."""
     if store.has_covariance or SketchKind(store.sketch) is SketchKind.DENSE:
-        return list(PreconditionerKind)
+        return [PreconditionerKind.KFAC, PreconditionerKind.IDENTITY, PreconditionerKind.EKFAC]
     return [PreconditionerKind.IDENTITY]
+
+
+def resolve_settings(store, s: IndexSettings | None) -> IndexSettings:
+    """``s`` (default: ``IndexSettings()``) as this store can answer it: K-FAC, the default, on a
+    run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); EK-FAC there
+    stays an error where it is fitted."""
+    s = s or IndexSettings()
+    if (
+        s.preconditioner is PreconditionerKind.KFAC
+        and s.preconditioner not in usable_preconditioners(store)
+    ):
+        return dataclasses.replace(s, preconditioner=PreconditionerKind.IDENTITY)
+    return s
 
 
 @dataclass(frozen=True)

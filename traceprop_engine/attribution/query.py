@@ -33,6 +33,7 @@ from .index.lists import list_candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
+from .overview import NO_STATISTICS_NOTE, resolve_settings
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
 from .query_input import Query
@@ -96,8 +97,10 @@ class AttributionRun(TestSideMixin):
     @property
     def notes(self) -> list[str]:
         out = []
-        if self.store.is_partial:
+        if self.store.is_partial:  # says so when it has no covariance
             out.append(self.store.describe_partial())
+        elif self.settings().preconditioner is not IndexSettings().preconditioner:
+            out.append(NO_STATISTICS_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
             self._zero_lr = bool(len(lr)) and not np.any(lr)
@@ -115,9 +118,14 @@ class AttributionRun(TestSideMixin):
         return self.examples().filter(pl.col("split") == C.SPLIT_EVAL)
 
     # -- index (training side) ----------------------------------------------------------------
+    def settings(self, s: IndexSettings | None = None) -> IndexSettings:
+        """``s`` (default: ``IndexSettings()``, K-FAC cosine) as this run answers it: identity
+        where the run has no K-FAC statistics (:func:`~.overview.resolve_settings`)."""
+        return resolve_settings(self.indexes.store, s)
+
     def index_dir(self, s: IndexSettings | None = None) -> Path:
         """The folder of the index ``s`` (default settings) of this run; it may not exist yet."""
-        return self.indexes.dir(s or IndexSettings())
+        return self.indexes.dir(self.settings(s))
 
     def fit_preconditioner(
         self, s: IndexSettings, progress: Callable[[int, int], None] | None = None
@@ -133,14 +141,14 @@ class AttributionRun(TestSideMixin):
         reuse: bool = False,
     ) -> VectorIndex:
         """Build and persist the index for ``s`` (default settings): :meth:`RunIndexes.build`."""
-        return self.indexes.build(s or IndexSettings(), progress, reuse=reuse)
+        return self.indexes.build(self.settings(s), progress, reuse=reuse)
 
     def index(
         self, s: IndexSettings | None = None, *, rebuild: bool = False, progress=None
     ) -> tuple[VectorIndex, np.ndarray, Preconditioner]:
         """The persisted index for ``s``; built when missing, rebuilt when stale or damaged (never
         used stale, half-written or changed after its build)."""
-        return self.indexes.get(s or IndexSettings(), rebuild=rebuild, progress=progress)
+        return self.indexes.get(self.settings(s), rebuild=rebuild, progress=progress)
 
     # -- query --------------------------------------------------------------------------------
     def query(
@@ -167,7 +175,7 @@ class AttributionRun(TestSideMixin):
         """
         if top_k < 1:
             raise QueryError(f"top_k must be at least 1, got {top_k}")
-        s = settings or IndexSettings()
+        s = self.settings(settings)
         t0 = time.perf_counter()
         ts = test_side or self.test_side(Query.of(prompt, completion, **query))
         encode_ms = ts.elapsed_ms if test_side is not None else 0.0
@@ -196,6 +204,7 @@ class AttributionRun(TestSideMixin):
     ) -> tuple[pl.DataFrame, list[str]]:
         """The ranked rows of a query's sketches, with notes on the signs and on the index: FAISS
         proposes candidates from both ends, every returned score is recomputed exactly."""
+        s = self.settings(s)
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
             qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
@@ -242,6 +251,7 @@ class AttributionRun(TestSideMixin):
         Returns:
             (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms.
         """
+        s = self.settings(s)
         scorer = self.indexes.scorer(s)
         with one_blas_thread():  # per-layer products of at most k × k: see blas_threads
             pb = scorer.pullbacks(sketches)  # once, for the scores and the query's norm
@@ -260,6 +270,7 @@ class AttributionRun(TestSideMixin):
                 vector (``pre.apply(sketches)``, the older call) is still accepted and scored
                 against ``vectors.npy``: exact only when the index has no index projection.
         """
+        s = self.settings(s)
         if isinstance(sketches, (list, tuple)):
             return self.exact_scores(list(sketches), s)[0]
         qv = sketches
@@ -293,7 +304,7 @@ class AttributionRun(TestSideMixin):
         Raises:
             QueryError: as for :meth:`query`; ``per_record`` settings (scores are per example).
         """
-        s = settings or IndexSettings()
+        s = self.settings(settings)
         if s.per_record:
             raise QueryError(
                 "scores() gives one score per example: use settings with per_record=False"
@@ -320,7 +331,7 @@ class AttributionRun(TestSideMixin):
     ) -> pl.DataFrame:
         """``example_id, source, row, score``: the exact score of every indexed training example
         for the query of ``result`` (what by-source totals and score histograms are made of)."""
-        s = settings or IndexSettings()
+        s = self.settings(settings)
         sk = result.sketches
         if sk is None:  # a result rebuilt from its description (e.g. an audit trail)
             enc, _, _ = self.encode(Query.from_description(result.query))
@@ -336,7 +347,7 @@ class AttributionRun(TestSideMixin):
     # -- baselines for audits -------------------------------------------------------------------
     def self_influence(self, settings: IndexSettings | None = None) -> pl.DataFrame:
         """``τ(i, i) = ‖v_i‖²`` of every indexed example, and the raw sketch norm (gradient norm)."""
-        s = dataclasses.replace(settings or IndexSettings(), cosine=False)  # ‖v‖² = 1 under cosine
+        s = dataclasses.replace(self.settings(settings), cosine=False)  # ‖v‖² = 1 under cosine
         _, ids, _ = self.index(s)
         si = self.indexes.row_sq_norms(s)
         return pl.DataFrame({"example_id": ids.astype(np.int64), "self_influence": si}).join(

@@ -69,18 +69,23 @@ def write_synthetic_run(
                 P_in=None,
                 P_out=None,
                 record_shape=i.record_shape,
+                output_head=i.output_head,
             )  # fmt: skip
             for i in base.layers
         ]
         if not all(i.rank for i in base.layers):
             raise ValueError("the end-to-end bench needs a base run stored as factors")
         fac = [base.factors(li) for li in range(len(base.layers))]  # [(U, V)] float32
+        # the base run's K-FAC statistics: the default (K-FAC) index is what gets measured
+        cov = [base.covariance(li) for li in range(len(base.layers))]
         rec = base.records()
         ex = base.examples()
     finally:
         base.close()
     spread = [(u.std(0), v.std(0)) for u, v in fac]
     w = StoreWriter(out / C.STORE_FILE, layers, {"run_id": f"synthetic-{n}"}, "factored")
+    if any(c is not None for c in cov):
+        w.write_covariance(cov)
     rng = np.random.default_rng(seed)
     src_all = rng.integers(0, len(rec[C.REC_EXAMPLE]), size=n)
     for s0 in range(0, n, _CHUNK):
@@ -168,8 +173,8 @@ def measure(
     store per 16 queries: ``2 · n · L · k²`` flops a query)."""
     from ..attribution import AttributionRun
 
-    s = s or IndexSettings()
     run = AttributionRun(run_dir)
+    s = run.settings(s)
     try:
         stages: dict[str, float] = {}
         t_stage = [time.perf_counter(), None]

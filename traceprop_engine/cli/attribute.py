@@ -56,7 +56,7 @@ def _cmd_index(a) -> int:
     run = open_run(a.run)
     for n in run.notes:
         print(f"note: {n}", file=sys.stderr)
-    s = index_settings(a)
+    s = run.settings(index_settings(a))
     index, ids, pre = run.index(s, rebuild=a.rebuild, progress=_bar_progress())
     for n in run.indexes.notes(s):  # reused as an earlier release built it
         print(f"note: {n}", file=sys.stderr)
@@ -101,7 +101,7 @@ def _cmd_query(a) -> int:
     from ..attribution import open_run, rows_for_export, write_rows
 
     run = open_run(a.run)
-    s = index_settings(a)
+    s = run.settings(index_settings(a))
     res = run.query(
         a.prompt,
         a.completion,

@@ -234,7 +234,7 @@ def select_examples(run, sel: Selection) -> tuple[list[Removal], list[dict]]:
     """
     from ..settings import IndexSettings
 
-    settings = IndexSettings(preconditioner=sel.preconditioner)
+    settings = run.settings(IndexSettings(preconditioner=sel.preconditioner))
     examples = run.examples()
     train = examples.filter(pl.col("split") == C.SPLIT_TRAIN)
     out: dict[int, Removal] = {}

@@ -45,7 +45,7 @@ RESUME_KEYS = ("train", "n_subsets", "alpha", "seed")
 RETRAIN_SEED_STRIDE = 7919  # replicate r of a subset trains with seed + r * stride
 _CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac", "kfac-cos", "ekfac-cos")
-"""Scored per tracked run: ``cosine`` is identity with cosine scores (the default index), ``-cos``
+"""Scored per tracked run: ``cosine`` is identity with cosine scores (the default index until stop 39; now ``kfac-cos``), ``-cos``
 the same preconditioner with cosine scores (what the app's indexes use), the rest dot products."""
 COMPACT_FAMILY = "factored-c"
 COMPACT_PRECONDITIONERS = ("identity", "kfac", "ekfac")  # cosine needs the full vectors

@@ -85,7 +85,7 @@ def token_contributions(
         QueryError: a classification run (one loss per example: nothing to split), an unknown
             example, or an example without target tokens.
     """
-    s = settings or IndexSettings()
+    s = run.settings(settings)
     if run.task != "causal-lm":
         raise QueryError(
             "the per-token view needs a causal-LM run (a classifier has one loss per example)"
@@ -128,7 +128,7 @@ def token_contributions(
 def example_score(run, query_sketches: list[np.ndarray], example_id: int, settings=None) -> float:
     """The example's score from its whole recomputed gradient in one backward (no per-token
     split): the reference the per-token contributions must sum to."""
-    s = settings or IndexSettings()
+    s = run.settings(settings)
     ids, mask = run.store.tokens(int(example_id))
     sk, _ = run.query_sketches(Encoded(np.asarray(ids, np.int32), np.asarray(mask, np.uint8), -1))
     scorer = run.indexes.scorer(s)

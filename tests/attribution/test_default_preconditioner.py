@@ -1,0 +1,84 @@
+"""The default preconditioner: K-FAC with cosine scores where the run has K-FAC statistics,
+identity (with a note saying so) where it has none; an explicit EK-FAC there stays an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import engine_neox
+
+from traceprop_engine import Tracker, TrackSettings
+from traceprop_engine.attribution.overview import NO_STATISTICS_NOTE, usable_preconditioners
+from traceprop_engine.attribution.query import open_run
+from traceprop_engine.cli.main import main
+from traceprop_engine.errors import StoreError
+from traceprop_engine.settings import IndexSettings, PreconditionerKind
+from traceprop_engine.training.losses import causal_lm_losses
+
+TEXTS = ["the cat sat", "the dog ran", "a cat ran", "the bird sang", "a dog sat", "the cat ran"]
+VOCAB = {w: i + 1 for i, w in enumerate(sorted({w for t in TEXTS for w in t.split()}))}
+EXAMPLES = [[VOCAB[w] for w in t.split()] + [0] for t in TEXTS]
+QUERY = {"input_ids": [VOCAB["the"], VOCAB["cat"], VOCAB["sat"], 0]}
+QUERY["labels"] = [-100, -100, VOCAB["sat"], 0]
+
+
+def _run(folder: Path, covariance: bool) -> Path:
+    model = engine_neox(len(VOCAB) + 1, width=32, layers=1, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    settings = TrackSettings(k_in=8, k_out=8, covariance=covariance, covariance_stride=1)
+    with Tracker(model, folder / "store.h5", settings) as tracker:
+        for step, start in enumerate([0, 3, 0, 3]):
+            idx = list(range(start, start + 3))
+            ids = torch.tensor([EXAMPLES[i] for i in idx])
+            with tracker.step(idx, step=step, lr=1e-3) as rec:
+                losses = causal_lm_losses(model(input_ids=ids).logits, ids)
+                losses.mean().backward()
+                rec.losses = losses
+            opt.step()
+            opt.zero_grad()
+    tracker.finish(model)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[bool, Path]:
+    return {c: _run(tmp_path_factory.mktemp(f"cov{int(c)}"), c) for c in (True, False)}
+
+
+def test_a_run_with_statistics_is_answered_with_k_fac(runs):
+    run = open_run(runs[True])
+    assert usable_preconditioners(run.store)[0] is PreconditionerKind.KFAC  # the default first
+    assert run.settings().preconditioner is PreconditionerKind.KFAC
+    assert NO_STATISTICS_NOTE not in run.notes
+    res = run.query(**QUERY, top_k=3)
+    assert res.query["preconditioner"] == "kfac" and res.query["cosine"]
+    default = run.scores(**QUERY)
+    kfac = run.scores(**QUERY, settings=IndexSettings(preconditioner="kfac"))
+    identity = run.scores(**QUERY, settings=IndexSettings(preconditioner="identity"))
+    np.testing.assert_array_equal(default, kfac)  # the same index, the same code path
+    assert not np.allclose(default, identity, rtol=1e-3)  # K-FAC was applied
+
+
+def test_a_run_without_statistics_falls_back_to_identity_and_says_so(runs, capsys):
+    run = open_run(runs[False])
+    assert usable_preconditioners(run.store) == [PreconditionerKind.IDENTITY]
+    assert run.settings().preconditioner is PreconditionerKind.IDENTITY
+    assert run.settings(IndexSettings(cosine=False)) == IndexSettings(
+        preconditioner="identity", cosine=False
+    )
+    assert NO_STATISTICS_NOTE in run.notes
+    res = run.query(**QUERY, top_k=3)
+    assert res.query["preconditioner"] == "identity" and NO_STATISTICS_NOTE in res.notes
+    identity = run.scores(**QUERY, settings=IndexSettings(preconditioner="identity"))
+    np.testing.assert_array_equal(run.scores(**QUERY), identity)
+    with pytest.raises(StoreError, match="no covariance"):
+        run.scores(**QUERY, settings=IndexSettings(preconditioner="ekfac"))
+    # the CLI builds and names the index it used
+    assert main(["index", str(runs[False])]) == 0
+    out = capsys.readouterr()
+    assert "index identity-cos:" in out.out and NO_STATISTICS_NOTE in out.err
+    assert (runs[False] / "index" / "identity-cos" / "index.json").exists()
+    assert not (runs[False] / "index" / "kfac-cos").exists()
