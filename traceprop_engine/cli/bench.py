@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .. import constants as C
 from ..flags import add_dense_k_flag, add_sketch_flag, add_track_flags, field_defaults
 from ..settings import INDEX_DIMS
 
@@ -95,6 +96,12 @@ def _add_bench_query(bs) -> None:
         help="--end-to-end: the index's factor lists (IndexSettings.lists: auto builds them "
         "from 200k examples on); both measures the default and the same store without them",
     )
+    q.add_argument(
+        "--preconditioners",
+        default=C.DEFAULT_PRECONDITIONER,
+        help="--end-to-end: comma-separated preconditioners, each measured on the same store "
+        "(e.g. kfac,identity: the default against identity in one run)",
+    )
     q.set_defaults(func=_cmd_bench_query)
 
 
@@ -157,12 +164,13 @@ def _cmd_bench_query(a) -> int:
                 n_queries=a.queries,  # the base run's examples, eval first
                 progress=lambda m: print(m, flush=True),
                 recall_queries=a.recall_queries,
-                settings={
-                    "auto": [IndexSettings()],
-                    "on": [IndexSettings(lists=True)],
-                    "off": [IndexSettings(lists=False)],
-                    "both": [IndexSettings(), IndexSettings(lists=False)],
-                }[a.lists],
+                settings=[
+                    IndexSettings(preconditioner=p, lists=lists)
+                    for p in a.preconditioners.split(",")
+                    for lists in {"auto": [None], "on": [True], "off": [False]}.get(
+                        a.lists, [None, False]
+                    )
+                ],
             )
     else:
         base = run_base_vectors(a.run or default_root() / "facts")

@@ -1,7 +1,7 @@
 """Extra LDS rows from one tracked run and its final model: scoring levers and post-hoc gradients.
 
 **Levers** (family ``lever``): the main run's stored records re-weighted and normalised in
-other ways than the default (identity preconditioner, ``Σ_records lr·Ŝ`` per example, one
+other ways than identity-cosine (the default until stop 39: identity preconditioner, ``Σ_records lr·Ŝ`` per example, one
 cosine over all layers), all from the same records and query sketches:
 
 - ``weights``: how an example's records are summed: ``lr`` (the default, TracIn along the
