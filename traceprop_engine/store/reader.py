@@ -7,6 +7,7 @@ store count (see :mod:`.writer`); a damaged dataset (Fletcher-32 mismatch) reads
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -237,8 +238,10 @@ class Store(PartialStatus):
     def n_examples(self) -> int:
         return int(self._f[C.G_EXAMPLES].attrs["n_examples"]) if C.G_EXAMPLES in self._f else 0
 
-    @property
+    @functools.cached_property
     def has_covariance(self) -> bool:
+        """Every layer has K-FAC statistics; read once (0.4 ms on 9 layers, and every query asks
+        it to resolve the default preconditioner). A reader sees the file as it was opened."""
         return all(C.L_COV_A in self._f[layer.group] for layer in self.layers)
 
     @property
