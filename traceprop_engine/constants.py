@@ -26,6 +26,12 @@ INDEX_DIR = "index"
 # 0.02-0.07 LDS over identity, full fine-tunes are level)
 DEFAULT_PRECONDITIONER = "kfac"
 
+# a tracked run takes K-FAC statistics from at least this many batches (`traceprop train` lowers
+# the stride of a short run: training/prepare.py short_run_track; an own loop is warned at
+# Tracker.close). At stride 32 a 60-step LoRA run had two, the first with the B matrices at zero;
+# stride 3 raised K-FAC-cosine's LDS on it from 0.572 / 0.635 to 0.596 / 0.642 (EVAL.md §1h)
+MIN_COVARIANCE_BATCHES = 16
+
 # run status values (run.json "status" and the store's "status" attribute)
 STATUS_RUNNING = "running"
 STATUS_COMPLETED = "completed"

@@ -3,6 +3,7 @@ identity (with a note saying so) where it has none; an explicit EK-FAC there sta
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from helpers import engine_neox
 from traceprop_engine import Tracker, TrackSettings
 from traceprop_engine.attribution.overview import NO_STATISTICS_NOTE, usable_preconditioners
 from traceprop_engine.attribution.query import open_run
+from traceprop_engine.capture.step_checks import few_statistics
 from traceprop_engine.cli.main import main
 from traceprop_engine.errors import StoreError
 from traceprop_engine.settings import IndexSettings, PreconditionerKind
@@ -25,10 +27,10 @@ QUERY = {"input_ids": [VOCAB["the"], VOCAB["cat"], VOCAB["sat"], 0]}
 QUERY["labels"] = [-100, -100, VOCAB["sat"], 0]
 
 
-def _run(folder: Path, covariance: bool) -> Path:
+def _run(folder: Path, covariance: bool, stride: int = 1) -> Path:
     model = engine_neox(len(VOCAB) + 1, width=32, layers=1, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    settings = TrackSettings(k_in=8, k_out=8, covariance=covariance, covariance_stride=1)
+    settings = TrackSettings(k_in=8, k_out=8, covariance=covariance, covariance_stride=stride)
     with Tracker(model, folder / "store.h5", settings) as tracker:
         for step, start in enumerate([0, 3, 0, 3]):
             idx = list(range(start, start + 3))
@@ -82,3 +84,22 @@ def test_a_run_without_statistics_falls_back_to_identity_and_says_so(runs, capsy
     assert "index identity-cos:" in out.out and NO_STATISTICS_NOTE in out.err
     assert (runs[False] / "index" / "identity-cos" / "index.json").exists()
     assert not (runs[False] / "index" / "kfac-cos").exists()
+
+
+def test_few_statistics_batches_are_named_with_the_stride_that_gives_more():
+    assert few_statistics(60, 32) is not None and "covariance_stride=3" in few_statistics(60, 32)
+    assert "come from 2 of this run's 60 batches" in few_statistics(60, 32)
+    assert few_statistics(4, 32) is not None and "covariance_stride=1" in few_statistics(4, 32)
+    assert few_statistics(4, 1) is None  # every batch already: nothing better to advise
+    assert few_statistics(512, 32) is None  # 16 statistics batches
+    assert few_statistics(60, 3) is None  # traceprop train's own choice for 60 steps
+
+
+def test_an_own_loop_with_too_few_statistics_batches_is_warned_at_close(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="traceprop_engine.capture.tracker"):
+        _run(tmp_path / "s32", covariance=True, stride=32)  # 4 batches, statistics from 1
+    assert any("come from 1 of this run's 4 batches" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="traceprop_engine.capture.tracker"):
+        _run(tmp_path / "s1", covariance=True, stride=1)
+    assert not [r for r in caplog.records if "K-FAC statistics" in r.message]

@@ -90,7 +90,7 @@ class Capture:
         self._mask: torch.Tensor | None = None  # (B, T, 1) float32
         self._scale = 1.0
         self._n_tokens: torch.Tensor | None = None
-        self._batches = 0  # rotates the covariance token offset
+        self.batches = 0  # batches recorded (rotates the covariance token offset)
         self._deferred: DeferredFactors | None = None  # made on attach
         # optimizer-aware records: () -> {layer: (a, b)} read after the backward of a batch
         self.row_scales = None
@@ -196,7 +196,7 @@ class Capture:
         for layer in self.layers:
             layer._stack.clear()
             layer._fired = False
-        self._batches += 1
+        self.batches += 1
         deferred = self._deferred
         if deferred is not None:
             deferred.start(slots[deferred.members[0]].shape[0])
@@ -317,7 +317,7 @@ class Capture:
         """K-FAC statistics from every cov_stride-th batch (the first included): all of that
         batch's tokens up to about ``cov_tokens`` (a classifier's one pooled token a row, so
         every example), an evenly spaced subset of them beyond."""
-        if layer.S is not None and self.covariance and (self._batches - 1) % layer.cov_stride == 0:
+        if layer.S is not None and self.covariance and (self.batches - 1) % layer.cov_stride == 0:
             self._covariance_projected(layer, a, g, scale)
 
     def _covariance_projected(self, layer: TrackedLayer, a, g, scale: float) -> None:
@@ -330,7 +330,7 @@ class Capture:
         n = a2.shape[0]
         every = -(-n // layer.cov_tokens) if layer.cov_tokens else 1
         if every > 1:  # strided views: A and S from the same rows
-            off = ((self._batches - 1) // layer.cov_stride) % every
+            off = ((self.batches - 1) // layer.cov_stride) % every
             a2, g2 = a2[off::every], g2[off::every]
             if mask is not None:
                 mask = mask[off::every]
@@ -430,11 +430,11 @@ class Capture:
             for layer in self.layers
         ]
         rows = [int(layer.a_rows) for layer in self.layers]
-        return {"batches": int(self._batches), "a_rows": rows, "covariance": cov}
+        return {"batches": int(self.batches), "a_rows": rows, "covariance": cov}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s values into this capture's tensors (same layers)."""
-        self._batches = int(state.get("batches", 0))
+        self.batches = int(state.get("batches", 0))
         pairs = zip(
             self.layers, state.get("a_rows", []), state.get("covariance") or [], strict=False
         )

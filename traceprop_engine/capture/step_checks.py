@@ -10,6 +10,7 @@ import math
 import numpy as np
 import torch
 
+from .. import constants as C
 from ..errors import ConfigError, RunError
 
 MAX_EXAMPLE_ID = 2**31 - 1
@@ -117,4 +118,19 @@ def check_tokens_in_vocab(model: torch.nn.Module, tokens) -> None:
     raise ConfigError(
         f"example {i}: token id {int(flat[pos])} is outside the model's vocabulary of {vocab} "
         "(input embedding rows): store the ids the model was trained on"
+    )
+
+
+def few_statistics(batches: int, stride: int) -> str | None:
+    """A warning when a run's K-FAC statistics (what the default preconditioner uses) came from
+    fewer than :data:`~traceprop_engine.constants.MIN_COVARIANCE_BATCHES` of its ``batches``
+    while a smaller ``covariance_stride`` would have given more; None otherwise."""
+    seen = -(-batches // stride)  # batches 1, 1 + stride, ...
+    better = max(1, batches // C.MIN_COVARIANCE_BATCHES)
+    if seen >= C.MIN_COVARIANCE_BATCHES or better >= stride:
+        return None
+    return (
+        f"the K-FAC statistics (the default preconditioner's) come from {seen} of this run's "
+        f"{batches} batches (every {stride}th): for a run this short pass "
+        f"TrackSettings(covariance_stride={better}), as `traceprop train` does"
     )

@@ -59,7 +59,13 @@ from .optimizer_scale import (
     param_groups_of,
 )
 from .project import deferrable
-from .step_checks import check_losses, check_step_args, check_tokens_in_vocab, example_ids
+from .step_checks import (
+    check_losses,
+    check_step_args,
+    check_tokens_in_vocab,
+    example_ids,
+    few_statistics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +207,9 @@ class Tracker:
             self.flush_ms += (time.perf_counter() - t0) * 1e3
             if self.settings.covariance:
                 self.writer.write_covariance(self.capture.covariance_arrays())
+                few = few_statistics(self.capture.batches, self.settings.covariance_stride)
+                if few and status == C.STATUS_COMPLETED:
+                    log.warning(few)
             self.writer.write_timings(
                 self.step_ms, {"flush_ms": self.flush_ms, "n_transfers": self.buffer.n_transfers}
             )

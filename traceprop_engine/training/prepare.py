@@ -192,11 +192,7 @@ def start_tracker(job: Job, prep: Prepared) -> None:
     job.record.set_tracking(tracker.tracking_manifest())
 
 
-MIN_COVARIANCE_BATCHES = 16
-"""A tracked run takes K-FAC statistics from at least this many batches (:func:`short_run_track`).
-At stride 32 a 60-step LoRA run had two, the first with the B matrices at zero; this rule's
-stride 3 raised K-FAC-cosine's LDS on it from 0.572 / 0.635 to 0.596 / 0.642 (benchmarks/EVAL.md
-§1h)."""
+MIN_COVARIANCE_BATCHES = C.MIN_COVARIANCE_BATCHES  # why: constants.py
 
 
 def step_counts(job: Job, n_train: int) -> tuple[int, int]:
