@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 
 import numpy as np
@@ -33,18 +31,11 @@ import numpy as np
 from traceprop_engine.attribution.index import build as B
 from traceprop_engine.attribution.index.build import build_index, calibration_target
 from traceprop_engine.bench import query as Q
+from traceprop_engine.bench.machine import cpu_model
 from traceprop_engine.samples.run import default_root
 
 _Q = 200  # queries of each kind, the first half proponent searches, the second opponent ones
 NPROBES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln)
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main() -> None:
@@ -122,7 +113,7 @@ def main() -> None:
         "tuned_nprobe": tuned,
         "calibration_target": calibration_target(0.95),
         "build_s": round(build_s, 1),
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "recall_proponents_opponents": rows,
     }
     if a.json:

@@ -19,8 +19,6 @@ the mean cost of the tracked arm's statistics batches (warm-up included) divided
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,20 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from traceprop_engine.bench.machine import cpu_model
 from traceprop_engine.bench.overhead import _Arms
 from traceprop_engine.capture import hooks
 from traceprop_engine.settings import TrackSettings
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 class HookTimer:
@@ -151,7 +139,7 @@ def main() -> None:
         f"covariance batches ({stats_batches}, amortised over 1 in {stride})": cov_ms,
     }
     seen = sum(v > 0 for v in rows["flush"])
-    print(f"CPU: {cpu_name()}; {args.repeats} rounds; plain step (process CPU) {plain:.1f} ms")
+    print(f"CPU: {cpu_model()}; {args.repeats} rounds; plain step (process CPU) {plain:.1f} ms")
     print(f"  (batched work amortised over the rounds: {seen} flushes fell inside them)")
     for name, ms in parts.items():
         print(f"  {name:52s} {ms:6.2f} ms  {100 * ms / plain:5.2f} %")
