@@ -121,12 +121,18 @@ def check_tokens_in_vocab(model: torch.nn.Module, tokens) -> None:
     )
 
 
+def short_run_stride(batches: int) -> int:
+    """The ``covariance_stride`` that gives a run of ``batches`` statistics from at least
+    :data:`~traceprop_engine.constants.MIN_COVARIANCE_BATCHES` of them (1 when it has fewer)."""
+    return max(1, batches // C.MIN_COVARIANCE_BATCHES)
+
+
 def few_statistics(batches: int, stride: int) -> str | None:
     """A warning when a run's K-FAC statistics (what the default preconditioner uses) came from
     fewer than :data:`~traceprop_engine.constants.MIN_COVARIANCE_BATCHES` of its ``batches``
     while a smaller ``covariance_stride`` would have given more; None otherwise."""
     seen = -(-batches // stride)  # batches 1, 1 + stride, ...
-    better = max(1, batches // C.MIN_COVARIANCE_BATCHES)
+    better = short_run_stride(batches)
     if seen >= C.MIN_COVARIANCE_BATCHES or better >= stride:
         return None
     return (

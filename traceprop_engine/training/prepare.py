@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import constants as C
+from ..capture.step_checks import short_run_stride
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
 from ..run_record import RunRecord
@@ -214,7 +215,7 @@ def short_run_track(track: TrackSettings, total_steps: int) -> TrackSettings:
     K-FAC statistics from at least :data:`MIN_COVARIANCE_BATCHES` of
     them (never raised; the same on a resume, since the length is). The manifest's ``tracking``
     section records the stride used, its ``config`` the one asked for."""
-    stride = min(track.covariance_stride, max(1, total_steps // MIN_COVARIANCE_BATCHES))
+    stride = min(track.covariance_stride, short_run_stride(total_steps))
     if stride == track.covariance_stride or not track.covariance:
         return track
     log.info(
