@@ -167,9 +167,12 @@ def _cmd_bench_query(a) -> int:
                 settings=[
                     IndexSettings(preconditioner=p, lists=lists)
                     for p in a.preconditioners.split(",")
-                    for lists in {"auto": [None], "on": [True], "off": [False]}.get(
-                        a.lists, [None, False]
-                    )
+                    for lists in {
+                        "auto": [None],
+                        "on": [True],
+                        "off": [False],
+                        "both": [None, False],
+                    }[a.lists]
                 ],
             )
     else:
