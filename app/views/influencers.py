@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import streamlit as st
-from services import answers, config, exports, find, jobs, queries, runs, text, warmup
+from services import answers, config, exports, find, jobs, landing, queries, runs, text, warmup
 from views import counterfactual as cf_sections
 from views import example_details, find_panel, result_charts, second_opinion
 
@@ -86,17 +86,9 @@ pre = c2.selectbox(
     "Preconditioner",
     list(run.preconditioners),
     key="infl_pre",
-    help=(
-        "kfac (default): the recorded training gradients with each layer's input and "
-        "output-gradient covariance divided out (K-FAC from the run's own statistics; the "
-        "output head is left as recorded), compared by cosine, so directions every example "
-        "moves along count less. On our LoRA benchmarks it is at or above identity on all nine "
-        "(+0.046 LDS on the mean); on full fine-tunes level with it. identity: the gradients as recorded (TracIn along "
-        "the trajectory), the only choice on a run without statistics, and the second opinion "
-        "most unlike K-FAC. ekfac: K-FAC with eigenvalues corrected from the stored records. "
-        "Score > 0: the example pushed the model toward this output (a proponent); < 0: away "
-        "from it (an opponent)."
-    ),
+    help=" ".join(f"{k}: {v}" for k, v in landing.PRECONDITIONERS.items())
+    + " Score > 0: the example pushed the model toward this output (a proponent); < 0: away "
+    "from it (an opponent).",
 )
 
 clicked = st.button("Find influencers", type="primary", key="infl_go")
