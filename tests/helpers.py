@@ -165,8 +165,8 @@ def per_example_grads(
 ) -> list[list[np.ndarray]]:
     """Per example, per layer ``∇_W ℓ_i`` as ``(d_out, d_in)`` float64, from ``loss_i.backward()``.
 
-    The one autograd loop every capture check compares against (Conv1D weights are stored
-    ``(d_in, d_out)``: transposed here).
+    The one autograd loop every capture check compares against (Conv1D and embedding weights
+    are stored ``(d_in, d_out)``: transposed here).
     """
     out = []
     for loss_fn in per_example_loss:
@@ -175,7 +175,7 @@ def per_example_grads(
         per_layer = []
         for layer in layers:
             w = layer.module.weight.grad
-            G = w.T if layer.kind == "conv1d" else w
+            G = w.T if layer.kind in ("conv1d", "embedding") else w
             per_layer.append(G.double().cpu().numpy().copy())
         out.append(per_layer)
     model.zero_grad()

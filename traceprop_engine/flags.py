@@ -93,7 +93,7 @@ def add_track_flags(p) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
     from .settings import TrackSettings as T
 
-    add_field_flags(p, T, "k_in", "k_out", "projection")
+    add_field_flags(p, T, "k_in", "k_out", "projection", "embedding")
     for name in ("share_k", "vocab_rows"):  # on by default: a --no-... switch turns it off
         add_field_flag(
             p,

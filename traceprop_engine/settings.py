@@ -48,11 +48,20 @@ class ProjectionKind(str, Enum):
     GAUSSIAN = "gaussian"  # i.i.d. N(0, 1/k): runs recorded before 2026-12-01
 
 
+class EmbeddingMode(str, Enum):
+    """Whether the input embedding gets a record (``TrackSettings.embedding``)."""
+
+    AUTO = "auto"  # when it is trained and the model was loaded from saved (pretrained) weights
+    ON = "on"  # whenever it is trained
+    OFF = "off"
+
+
 RECORDED_BEFORE_KEYS = {
     "share_k": False,
     "projection": ProjectionKind.GAUSSIAN.value,
     "covariance_tokens": 0,
     "vocab_rows": False,
+    "embedding": EmbeddingMode.OFF.value,
 }
 """How a run recorded before one of these fields existed was tracked (its run.json lacks the
 key: :meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
@@ -154,6 +163,15 @@ class TrackSettings:
         "batch: every s-th of its B*T rows, s = ceil(B*T / n), from an offset that rotates "
         "between statistics batches (A and S from the same rows); 0 = every token",
     )
+    embedding: EmbeddingMode = knob(
+        EmbeddingMode.AUTO,
+        help="record the input embedding (nn.Embedding, as one more layer: P_in a_t is the "
+        "column of P_in of token t) too: 'auto' when it is trained and the model was loaded "
+        "from saved weights (a pretrained model fine-tuned in full; not a model built from a "
+        "config, nor LoRA, which freezes it) and scope is 'all'; 'on' whenever it is trained; "
+        "'off'. Measured: +0.07 LDS on a pretrained model fine-tuned in full, -0.04 to +0.00 "
+        "from scratch (benchmarks/EVAL.md section 1l). Runs recorded before it read as off",
+    )
     optimizer_aware: bool = knob(
         False,
         help="scale each record by AdamW's per-parameter step size 1/(sqrt(v_t) + eps) at the "
@@ -175,6 +193,9 @@ class TrackSettings:
         )
         object.__setattr__(
             self, "factor_space", parse_choice(FactorSpace, self.factor_space, "factor_space")
+        )
+        object.__setattr__(
+            self, "embedding", parse_choice(EmbeddingMode, self.embedding, "embedding")
         )
         if isinstance(self.power_iters, bool) or not isinstance(self.power_iters, int) or self.power_iters < 0:  # fmt: skip
             raise ConfigError(
@@ -239,6 +260,7 @@ class TrackSettings:
         d["projection"] = self.projection.value
         d["factor_dtype"] = self.factor_dtype.value
         d["factor_space"] = self.factor_space.value
+        d["embedding"] = self.embedding.value
         return d
 
 

@@ -18,14 +18,19 @@ BASE = dict(k_in=512, k_out=512, factor_dtype="float32")
 RTOL, ATOL_REL = 1e-4, 1e-6  # the same float32 products, scaled before vs after
 
 
-def _hand_scale(w: torch.Tensor, opt, beta2=0.999, eps=1e-8) -> np.ndarray:
-    """``a bᵀ`` of the rank-1 fit of ``1/(√v̂_t + ε)`` with this step's gradient, by hand."""
+def _hand_scale(w: torch.Tensor, opt, kind="linear", beta2=0.999, eps=1e-8) -> np.ndarray:
+    """``a bᵀ`` of the rank-1 fit of ``1/(√v̂_t + ε)`` with this step's gradient, by hand; for
+    an input embedding (weight ``(V, d)``, record ``(d, V)``) the output side's mean over the
+    rows of the batch's tokens, times ones."""
     st = opt.state.get(w, {})
     t = int(st["step"]) + 1 if "step" in st else 1
     v = (1 - beta2) * w.grad.double() ** 2
     if "exp_avg_sq" in st:
         v += beta2 * st["exp_avg_sq"].double()
     d = (1 / ((v / (1 - beta2**t)).sqrt() + eps)).numpy()
+    if kind == "embedding":
+        seen = (w.grad.abs().sum(1) > 0).numpy()
+        return np.outer(d[seen].mean(0), np.ones(d.shape[0]))
     return np.outer(d.sum(1), d.sum(0)) / d.sum()
 
 
@@ -36,7 +41,7 @@ def _train(settings, model, tmp_path, name, hand=None):
     with Tracker(model, tmp_path / name / "store.h5", settings, background=False) as tr:
         if settings.optimizer_aware:
             tr.attach_optimizer(opt)
-        names = [layer.name for layer in tr.layers]
+        names = [(layer.name, layer.kind) for layer in tr.layers]
         for step in range(3):
             with tr.step([0, 1, 2], padding_mask=mask, step=step, lr=1e-2) as rec:
                 rec.losses = causal_lm_losses(
@@ -44,7 +49,7 @@ def _train(settings, model, tmp_path, name, hand=None):
                 )
                 rec.losses.mean().backward()
             if hand is not None:
-                hand.append([_hand_scale(mods[n].weight, opt) for n in names])
+                hand.append([_hand_scale(mods[n].weight, opt, kind) for n, kind in names])
             opt.step()
             opt.zero_grad()
     with Store(tmp_path / name / "store.h5") as store:
@@ -81,3 +86,20 @@ def test_optimizer_aware_needs_an_optimizer_and_the_default_records(tmp_path):
         rec.losses.mean().backward()
     with pytest.raises(ConfigError, match="optimizer_aware"):
         TrackSettings(optimizer_aware="yes")
+
+
+def test_an_embedding_record_takes_the_output_sides_mean_step_size(tmp_path):
+    """The input embedding's input side arrives projected, so its record is scaled on the output
+    side only, by Adam's step size averaged over the batch's tokens; the linear layers as above."""
+    m1 = tiny_neox()
+    m2 = copy.deepcopy(m1)
+    hand: list = []
+    plain = _train(TrackSettings(**BASE, embedding="on"), m1, tmp_path, "plain", hand)
+    aware = _train(
+        TrackSettings(**BASE, embedding="on", optimizer_aware=True), m2, tmp_path, "aware"
+    )
+    assert plain[0].shape == (9, 32, 97)  # the embedding first: (records, width, vocabulary)
+    for li, (p, a) in enumerate(zip(plain, aware, strict=True)):
+        for r in range(9):
+            want = hand[r // 3][li] * p[r]
+            np.testing.assert_allclose(a[r], want, rtol=RTOL, atol=ATOL_REL * np.abs(want).max())

@@ -66,6 +66,22 @@ def _transposed(
     return p.T.to(device, dtype).contiguous()
 
 
+def _embedding_input(layer: TrackedLayer, ids: torch.Tensor) -> torch.Tensor:
+    """``P_in a_t`` for the token ids ``(B, T)`` of an input embedding (``a_t`` the one-hot of
+    token ``t``): rows of ``P_inᵀ`` (``layer._gather``), or the one-hot itself when the input side
+    is not projected. The padding token's row is 0, as its gradient row is in autograd."""
+    table = layer._gather
+    a = (
+        torch.nn.functional.one_hot(ids, layer.d_in).float()
+        if table is None
+        else torch.nn.functional.embedding(ids, table)
+    )
+    pad = getattr(layer.module, "padding_idx", None)
+    if pad is not None:
+        a = a * (ids != pad).unsqueeze(-1)
+    return a
+
+
 class Capture:
     """Owns the hooks on the tracked layers of one model.
 
@@ -106,7 +122,11 @@ class Capture:
             dtype = torch.float32 if layer.full_factor else layer.module.weight.dtype
             # made once per (device, dtype): a bench or a loop that detaches and re-attaches
             # every step must not copy every projection every time
-            layer._P_in_T = _transposed(layer.P_in, layer._P_in_T, device, dtype)
+            if layer.embedding:  # its inputs arrive projected (gathered columns of P_in)
+                layer._gather = _transposed(layer.P_in, layer._gather, device, torch.float32)
+                layer._P_in_T = None
+            else:
+                layer._P_in_T = _transposed(layer.P_in, layer._P_in_T, device, dtype)
             layer._P_out_T = _transposed(layer.P_out, layer._P_out_T, device, dtype)
             if layer.dense_index is not None:
                 layer._dense_index = layer.dense_index.to(device)
@@ -234,6 +254,8 @@ class Capture:
             if not self._active or not output.requires_grad:
                 return None
             a = inputs[0]
+            if layer.embedding:
+                a = _embedding_input(layer, a)  # (B, T, k_in) float32: P_in a_t for each token
             slots = self._slots
             if slots and a.shape[0] != slots[i].shape[0]:
                 raise ConfigError(

@@ -1,5 +1,6 @@
-"""Which layers are tracked and how: :class:`TrackedLayer` (a Linear/Conv1D layer, its widths,
-projections and sketch kind), found by :func:`find_layers` and built by :func:`build_layers`
+"""Which layers are tracked and how: :class:`TrackedLayer` (a Linear/Conv1D layer, or the input
+embedding, its widths, projections and sketch kind), found by :func:`find_layers` (and
+:func:`embedding_layer`) and built by :func:`build_layers`
 from :class:`~traceprop_engine.settings.TrackSettings`; the capture hooks (hooks.py) and the
 query side (attribution/model_side/encode.py, :meth:`TrackedLayer.from_stored`) share it."""
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..settings import FactorSpace, SketchKind, TrackSettings
+from ..settings import EmbeddingMode, FactorSpace, SketchKind, TrackSettings
 from .sketch import layer_seed, random_projection, sparse_jl, vocab_projection
 
 try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
@@ -30,7 +31,7 @@ class TrackedLayer:
 
     name: str
     module: nn.Module
-    kind: str  # "linear" | "conv1d"
+    kind: str  # "linear" | "conv1d" | "embedding" (inputs: token ids, one-hot of width d_in)
     d_in: int
     d_out: int
     k_in: int
@@ -52,6 +53,7 @@ class TrackedLayer:
     # device-side working state
     _P_in_T: torch.Tensor | None = field(default=None, repr=False)
     _P_out_T: torch.Tensor | None = field(default=None, repr=False)
+    _gather: torch.Tensor | None = field(default=None, repr=False)  # embedding: (d_in, k_in) = Pᵀ
     _dense_index: torch.Tensor | None = field(default=None, repr=False)
     _dense_sign: torch.Tensor | None = field(default=None, repr=False)
     A: torch.Tensor | None = field(default=None, repr=False)  # (k_in, k_in) float32 running sum
@@ -98,6 +100,18 @@ class TrackedLayer:
         return layer
 
     @property
+    def embedding(self) -> bool:
+        """An input embedding: its input ``a_t`` is the one-hot of token ``t``, so the hooks
+        take ``P_in a_t`` (a column of ``P_in``) by gathering, and every later step sees inputs
+        already projected to ``k_in`` (:attr:`a_width`)."""
+        return self.kind == "embedding"
+
+    @property
+    def a_width(self) -> int:
+        """The width of the input the hooks factor: ``d_in``, or ``k_in`` for an embedding."""
+        return self.k_in if self.embedding else self.d_in
+
+    @property
     def record_shape(self) -> tuple[int, ...]:
         """What the hooks write per example: ``(dense_k,)``, ``(k_out, k_in)``, or for
         full-space factors ``(k_out + k_in, r)`` (``U`` rows, then ``V`` rows)."""
@@ -109,6 +123,8 @@ class TrackedLayer:
 
 
 def _widths(module: nn.Module) -> tuple[str, int, int]:
+    if isinstance(module, nn.Embedding):  # weight (vocabulary, width): G = Σ_t g_t e_tokᵀ
+        return "embedding", module.num_embeddings, module.embedding_dim
     if isinstance(module, nn.Linear):
         return "linear", module.in_features, module.out_features
     w = module.weight  # Conv1D: (d_in, d_out)
@@ -145,6 +161,54 @@ def find_layers(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modu
         names = ", ".join(n for n, _ in found[:12]) or "(none: no trainable linear layer)"
         raise ConfigError(f"scope {scope!r} matches no trainable linear layer; layers are: {names}")
     return chosen
+
+
+def _pretrained(model: nn.Module) -> bool:
+    """Whether ``model`` was loaded from saved weights (Hugging Face sets ``config._name_or_path``
+    in ``from_pretrained``; a model built from a config has ``""``), through a peft wrapper too."""
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "_name_or_path", "") or getattr(cfg, "name_or_path", ""))
+
+
+def embedding_layer(model: nn.Module, settings: TrackSettings) -> tuple[str, nn.Module] | None:
+    """The input embedding to record as one more layer (``TrackSettings.embedding``), or None.
+
+    ``auto`` records it when its weight is trained, the model was loaded from saved weights and
+    ``scope`` is ``all`` with factored sketches: fine-tunes of a pretrained model in full, where
+    its gradient is worth as much as all linear layers together (benchmarks/EVAL.md §1l); not a
+    model built from a config (there it lowered LDS by up to 0.04), nor LoRA (it is frozen).
+    ``on`` records it whenever it is trained.
+
+    Raises:
+        ConfigError: ``on`` with dense sketches (no Kronecker form of a vocabulary-wide dense
+            gradient is kept).
+    """
+    mode = settings.embedding
+    if mode is EmbeddingMode.OFF:
+        return None
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        emb = None
+    if not isinstance(emb, nn.Embedding) or not emb.weight.requires_grad:
+        return None
+    if settings.sketch is SketchKind.DENSE:
+        if mode is EmbeddingMode.ON:
+            raise ConfigError(
+                "embedding='on' needs factored sketches (sketch='factored'): a dense sketch of a "
+                "vocabulary-wide gradient is not kept"
+            )
+        return None
+    if mode is EmbeddingMode.AUTO and (settings.scope != "all" or not _pretrained(model)):
+        return None
+    if emb.scale_grad_by_freq or emb.sparse:
+        raise ConfigError(
+            "the input embedding uses scale_grad_by_freq or sparse gradients, which its record "
+            "does not follow: pass embedding='off'"
+        )
+    name = next(n for n, m in model.named_modules() if m is emb)
+    return name, emb
 
 
 def output_embedding(model: nn.Module) -> nn.Module | None:
@@ -212,6 +276,10 @@ def build_layers(
     """
     found = find_layers(model, settings.scope)
     head = output_head(model, found)
+    emb = embedding_layer(model, settings)
+    if emb is not None:  # in module order, like the others
+        order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+        found = sorted([emb, *found], key=lambda nm: order[id(nm[1])])
     layers = []
     for name, module in found:
         kind, d_in, d_out = _widths(module)

@@ -30,6 +30,8 @@ def adam_row_scales(layers, optimizer, groups: dict[int, dict]) -> dict[int, tup
     """Per tracked layer index ``(a (d_out,), b (d_in,))``: the rank-1 fit of ``1/(√v̂_t + ε)``.
 
     Layers whose weight has no gradient in this step are left out (their records are zero).
+    An input embedding's record takes only the output side's scale (averaged over the rows of
+    the batch's tokens): its input side is projected before the hooks see it.
 
     Raises:
         ConfigError: the optimizer keeps no Adam second moment (no ``betas`` in its group).
@@ -54,6 +56,14 @@ def adam_row_scales(layers, optimizer, groups: dict[int, dict]) -> dict[int, tup
             if "exp_avg_sq" in state:
                 v = v + beta2 * state["exp_avg_sq"].float()
             d = 1.0 / ((v / (1 - beta2**t)).sqrt() + eps)
+            if layer.embedding:  # weight (vocabulary, width); its input side arrives projected
+                # the output side's mean over the batch's tokens (rows with a gradient: the
+                # others take no step, and an unseen row's 1/ε would swamp the mean); the
+                # input side is not scaled
+                seen = g.abs().sum(1) > 0
+                a = d[seen].mean(0) if bool(seen.any()) else torch.ones_like(d[0])
+                out[i] = (a, torch.ones(layer.k_in, device=d.device))
+                continue
             root = d.sum().sqrt()
             out[i] = (d.sum(1) / root, d.sum(0) / root)
     return out

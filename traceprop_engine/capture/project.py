@@ -92,7 +92,7 @@ class DeferredFactors:
             layer = layers[i]
             for side, d, p_t in (
                 ("out", layer.d_out, layer._P_out_T),
-                ("in", layer.d_in, layer._P_in_T),
+                ("in", layer.a_width, layer._P_in_T),
             ):
                 key = (d, None if p_t is None else p_t.shape[1])
                 rows = sides.setdefault(key, [])

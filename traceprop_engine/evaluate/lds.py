@@ -50,7 +50,7 @@ import numpy as np
 from .. import constants as C
 from ..errors import ConfigError, RunError
 from ..run import RunManifest, is_completed
-from ..settings import TrackSettings, TrainSettings
+from ..settings import EmbeddingMode, TrackSettings, TrainSettings
 from .lds_report import lds_scores, summarize, write_results
 from .lds_retrain import record, retrain_subsets, subset_losses, write_subsets
 from .lds_scoring import score_methods
@@ -177,19 +177,30 @@ def _base_model(s: LdsSettings, eval_dir: Path) -> str:
 
 
 def _run_names(s: LdsSettings) -> dict[str, TrackSettings]:
+    from ..training.models import TINY
+
     scope = s.train.track.scope if s.train.track is not None else "all"
+    # The tiny model's shared initialisation is loaded from base_model/, which ``auto`` would
+    # take for saved (pretrained) weights; it is the from-scratch model `traceprop train` builds
+    # from a config, where ``auto`` records no embedding. A --config entry may still set it.
+    emb = EmbeddingMode.OFF if s.train.model == TINY else EmbeddingMode.AUTO
     runs = {
-        f"k{k}": TrackSettings(scope=scope, k_in=k, k_out=k, seed=s.train.seed) for k in s.k_values
+        f"k{k}": TrackSettings(scope=scope, k_in=k, k_out=k, seed=s.train.seed, embedding=emb)
+        for k in s.k_values
     }
     if s.dense:
         runs[DENSE_RUN] = TrackSettings(
             scope="last-block", sketch="dense", dense_k=s.dense_k, seed=s.train.seed
         )
     if s.exact:
-        runs[EXACT_RUN] = TrackSettings(scope=scope, k_in=EXACT_K, k_out=EXACT_K, seed=s.train.seed)
+        runs[EXACT_RUN] = TrackSettings(
+            scope=scope, k_in=EXACT_K, k_out=EXACT_K, seed=s.train.seed, embedding=emb
+        )
     for c in s.configs:
         overrides = {k: v for k, v in c.items() if k != "name"}
-        runs[c["name"]] = TrackSettings(**{"scope": scope, "seed": s.train.seed, **overrides})
+        runs[c["name"]] = TrackSettings(
+            **{"scope": scope, "seed": s.train.seed, "embedding": emb, **overrides}
+        )
     return runs
 
 

@@ -143,7 +143,9 @@ class QueryEncoder:
             )
             w = m.weight
             d_in, d_out = (
-                (w.shape[0], w.shape[1]) if info.kind == "conv1d" else (w.shape[1], w.shape[0])
+                (w.shape[0], w.shape[1])
+                if info.kind in ("conv1d", "embedding")
+                else (w.shape[1], w.shape[0])
             )
             if (d_in, d_out) != (info.d_in, info.d_out):
                 raise self._mismatch(
