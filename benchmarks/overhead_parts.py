@@ -95,12 +95,19 @@ def main() -> None:
         p.add_argument(
             f"--{name}", type=int, default=default, help=f"model shape (default {default})"
         )
+    p.add_argument(
+        "--embedding",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="TrackSettings.embedding (the bench's model is built from a config: auto is off)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     timer = HookTimer()
     d = TrackSettings().to_dict()
     keys = ("scope", "k_in", "k_out", "rank", "factor_dtype", "sketch", "dense_k")
     track = {k: d[k] for k in keys} | {"buffer_records": 256, "seed": 0}
+    track["embedding"] = args.embedding
     shape = {k: getattr(args, k) for k in ("layers", "width", "vocab", "batch", "seq")}
     rows = {k: [] for k in ("plain", "tracked", "fwd", "bwd", "ops", "proj", "flush")}
     cov_s = 0.0
