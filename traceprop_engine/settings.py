@@ -7,8 +7,17 @@ import re
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from . import constants as C
 from .errors import ConfigError
+
+# the index stage's settings live in index_settings.py; re-exported here, where callers look
+from .index_settings import (  # noqa: E402, F401
+    DEFAULT_DAMPING,
+    INDEX_DIMS,
+    INDEX_SIDE,
+    IndexKind,
+    IndexSettings,
+    PreconditionerKind,
+)
 from .knobs import (  # noqa: F401 - field_help, parse_choice, MAX_SEED: imported from here too
     MAX_SEED,
     check_damping,
@@ -347,126 +356,3 @@ class TrainSettings:
         d["task"] = self.task.value
         d["track"] = self.track.to_dict() if self.track is not None else None
         return d
-
-
-class PreconditionerKind(str, Enum):
-    """Which approximation of the Fisher/Gauss-Newton ``H`` to invert
-    (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
-
-    IDENTITY = "identity"
-    KFAC = "kfac"
-    EKFAC = "ekfac"
-
-
-class IndexKind(str, Enum):
-    """Which FAISS index to build (:mod:`traceprop_engine.attribution.index.vector_index`)."""
-
-    AUTO = "auto"
-    FLAT = "flat"
-    IVF = "ivf"
-    IVFPQ = "ivfpq"
-    HNSW = "hnsw"
-
-
-INDEX_SIDE = 16
-"""m of the m × m index projection of layers with larger sketches (IndexSettings.index_side):
-the top-m principal directions of each side of a layer's records, m² numbers per layer. Its
-scores only pick candidates: every returned score is recomputed exactly from the store."""
-INDEX_DIMS = 256
-"""Index vectors are reduced to their top principal directions over all layers
-(IndexSettings.index_dims; 0: no reduction): 1 KB per example whatever the model."""
-
-
-DEFAULT_DAMPING = 0.1
-"""Damping as a fraction of each factor's mean eigenvalue (a common heuristic; overridable)."""
-
-
-@document_fields
-@dataclass(frozen=True)
-class IndexSettings:
-    """How the index of a run is built (part of its fingerprint).
-
-    Default: K-FAC preconditioning from the run's inline statistics with cosine scores
-    (normalised, so a few large-gradient examples do not top every query); a run without K-FAC
-    statistics is answered with identity instead (``AttributionRun.settings``).
-    """
-
-    preconditioner: PreconditionerKind = knob(
-        PreconditionerKind(C.DEFAULT_PRECONDITIONER),
-        help="the approximation of H^-1: kfac (K-FAC from the stored statistics; identity on a "
-        "run without them), identity, or ekfac (K-FAC with eigenvalues corrected from the "
-        "stored records)",
-    )
-    damping: float | None = knob(
-        None,
-        help="damping as a fraction of each factor's mean eigenvalue (None: the default, "
-        "DEFAULT_DAMPING)",
-    )
-    cosine: bool = knob(True, help="cosine scores (normalised vectors) or raw inner products")
-    per_record: bool = knob(
-        False, help="one vector per record (example x epoch) instead of per example"
-    )
-    kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
-    index_side: int = knob(
-        INDEX_SIDE,
-        help="m of the m x m index projection of layers with larger sketches (0: none); "
-        "candidates only, every returned score is exact",
-    )
-    index_dims: int = knob(
-        INDEX_DIMS,
-        help="index vectors reduced to their top principal directions over all layers (0: no "
-        "reduction)",
-    )
-    lists: bool | None = knob(
-        None,
-        help="factor lists: a second candidate search over the records of the layers holding "
-        "most of the gradient energy (None: from 200k index rows on, where FAISS is an IVF "
-        "index; True: on any run whose records allow it; False: never)",
-    )
-
-    def __post_init__(self) -> None:
-        if self.lists is not None and not isinstance(self.lists, bool):
-            raise ConfigError(f"lists must be True, False or None (auto), got {self.lists!r}")
-        check_damping(self.damping)  # here, before anything is locked or written under index/
-        for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{name} must be an integer >= 0 (0: {zero}), got {v!r}")
-        object.__setattr__(
-            self,
-            "preconditioner",
-            parse_choice(PreconditionerKind, self.preconditioner, "preconditioner"),
-        )
-        object.__setattr__(self, "kind", parse_choice(IndexKind, self.kind, "index kind"))
-
-    @property
-    def name(self) -> str:
-        parts = [self.preconditioner.value]
-        if self.damping is not None:
-            parts.append(f"d{self.damping:g}")
-        if self.cosine:
-            parts.append("cos")
-        if self.per_record:
-            parts.append("rec")
-        if self.kind is not IndexKind.AUTO:
-            parts.append(self.kind.value)
-        if self.index_side != INDEX_SIDE:  # another projection: its own folder and cache entry
-            parts.append(f"m{self.index_side}")
-        if self.index_dims != INDEX_DIMS:
-            parts.append(f"r{self.index_dims}")
-        if self.lists is not None:
-            parts.append("lists" if self.lists else "nolists")
-        return "-".join(parts)
-
-    def to_dict(self) -> dict:
-        return {
-            "preconditioner": self.preconditioner.value,
-            "damping": self.damping,
-            "cosine": self.cosine,
-            "per_record": self.per_record,
-            "kind": self.kind.value,
-            "index_side": self.index_side,
-            "index_dims": self.index_dims,
-            # only when set: the default's fingerprint (and every index built before) unchanged
-            **({} if self.lists is None else {"lists": self.lists}),
-        }

@@ -37,49 +37,7 @@ from ..settings import SketchKind
 from ..store.format import Covariance
 from .layers import TrackedLayer
 from .project import DeferredFactors
-from .sketch import apply_sparse_jl, full_factors, top_factors
-
-
-def _project_factor(x: torch.Tensor, p_t: torch.Tensor | None) -> torch.Tensor:
-    """``(B, d, r)`` factors times ``P`` (given as ``Pᵀ``, ``(d, k)``) -> ``(B, k, r)``: one 2-D
-    GEMM over all examples (a broadcast ``matmul`` would copy ``Pᵀ`` once per example)."""
-    if p_t is None:
-        return x
-    b, d, r = x.shape
-    y = torch.mm(x.transpose(1, 2).reshape(b * r, d), p_t)  # (B·r, k)
-    return y.view(b, r, -1).transpose(1, 2)
-
-
-def _transposed(
-    p: torch.Tensor | None, cached: torch.Tensor | None, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """``Pᵀ`` on ``device`` in ``dtype``, contiguous; ``cached`` when it already is that."""
-    if p is None:
-        return None
-    if (
-        cached is not None
-        and cached.device == device
-        and cached.dtype == dtype
-        and cached.shape == p.T.shape
-    ):
-        return cached
-    return p.T.to(device, dtype).contiguous()
-
-
-def _embedding_input(layer: TrackedLayer, ids: torch.Tensor) -> torch.Tensor:
-    """``P_in a_t`` for the token ids ``(B, T)`` of an input embedding (``a_t`` the one-hot of
-    token ``t``): rows of ``P_inᵀ`` (``layer._gather``), or the one-hot itself when the input side
-    is not projected. The padding token's row is 0, as its gradient row is in autograd."""
-    table = layer._gather
-    a = (
-        torch.nn.functional.one_hot(ids, layer.d_in).float()
-        if table is None
-        else torch.nn.functional.embedding(ids, table)
-    )
-    pad = getattr(layer.module, "padding_idx", None)
-    if pad is not None:
-        a = a * (ids != pad).unsqueeze(-1)
-    return a
+from .sketch import apply_sparse_jl, full_factors, project_factor, top_factors, transposed_on
 
 
 class Capture:
@@ -123,11 +81,11 @@ class Capture:
             # made once per (device, dtype): a bench or a loop that detaches and re-attaches
             # every step must not copy every projection every time
             if layer.embedding:  # its inputs arrive projected (gathered columns of P_in)
-                layer._gather = _transposed(layer.P_in, layer._gather, device, torch.float32)
+                layer._gather = transposed_on(layer.P_in, layer._gather, device, torch.float32)
                 layer._P_in_T = None
             else:
-                layer._P_in_T = _transposed(layer.P_in, layer._P_in_T, device, dtype)
-            layer._P_out_T = _transposed(layer.P_out, layer._P_out_T, device, dtype)
+                layer._P_in_T = transposed_on(layer.P_in, layer._P_in_T, device, dtype)
+            layer._P_out_T = transposed_on(layer.P_out, layer._P_out_T, device, dtype)
             if layer.dense_index is not None:
                 layer._dense_index = layer.dense_index.to(device)
                 layer._dense_sign = layer.dense_sign.to(device)
@@ -255,7 +213,7 @@ class Capture:
                 return None
             a = inputs[0]
             if layer.embedding:
-                a = _embedding_input(layer, a)  # (B, T, k_in) float32: P_in a_t for each token
+                a = layer.embedding_input(a)  # (B, T, k_in) float32: P_in a_t for each token
             slots = self._slots
             if slots and a.shape[0] != slots[i].shape[0]:
                 raise ConfigError(
@@ -321,7 +279,7 @@ class Capture:
                 return
             deferred.write((slots, scale, {i}))  # second use: the first one's record, then sum
         u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
-        u, v = _project_factor(u, layer._P_out_T), _project_factor(v, layer._P_in_T)
+        u, v = project_factor(u, layer._P_out_T), project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out
         if layer._fired:  # a layer used twice in one batch: factor the sum of both records

@@ -106,6 +106,22 @@ class TrackedLayer:
         already projected to ``k_in`` (:attr:`a_width`)."""
         return self.kind == "embedding"
 
+    def embedding_input(self, ids: torch.Tensor) -> torch.Tensor:
+        """``P_in a_t`` for the token ids ``(B, T)`` of an input embedding (``a_t`` the one-hot
+        of token ``t``): rows of ``P_inᵀ`` (``_gather``, set on attach), or the one-hot itself
+        when the input side is not projected. The padding token's row is 0, as its gradient row
+        is in autograd."""
+        table = self._gather
+        a = (
+            torch.nn.functional.one_hot(ids, self.d_in).float()
+            if table is None
+            else torch.nn.functional.embedding(ids, table)
+        )
+        pad = getattr(self.module, "padding_idx", None)
+        if pad is not None:
+            a = a * (ids != pad).unsqueeze(-1)
+        return a
+
     @property
     def a_width(self) -> int:
         """The width of the input the hooks factor: ``d_in``, or ``k_in`` for an embedding."""

@@ -223,3 +223,29 @@ def full_factors(
         vt = _orthonormal(vt.transpose(1, 2)).transpose(1, 2)
         ut = torch.matmul(torch.matmul(vt, at), g)  # (B, r, d_out): (G v)ᵀ
     return ut.transpose(1, 2), vt.transpose(1, 2)
+
+
+def project_factor(x: torch.Tensor, p_t: torch.Tensor | None) -> torch.Tensor:
+    """``(B, d, r)`` factors times ``P`` (given as ``Pᵀ``, ``(d, k)``) -> ``(B, k, r)``: one 2-D
+    GEMM over all examples (a broadcast ``matmul`` would copy ``Pᵀ`` once per example)."""
+    if p_t is None:
+        return x
+    b, d, r = x.shape
+    y = torch.mm(x.transpose(1, 2).reshape(b * r, d), p_t)  # (B·r, k)
+    return y.view(b, r, -1).transpose(1, 2)
+
+
+def transposed_on(
+    p: torch.Tensor | None, cached: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``Pᵀ`` on ``device`` in ``dtype``, contiguous; ``cached`` when it already is that."""
+    if p is None:
+        return None
+    if (
+        cached is not None
+        and cached.device == device
+        and cached.dtype == dtype
+        and cached.shape == p.T.shape
+    ):
+        return cached
+    return p.T.to(device, dtype).contiguous()
