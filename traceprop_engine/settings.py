@@ -178,8 +178,10 @@ class TrackSettings:
         "column of P_in of token t) too: 'auto' when it is trained and the model was loaded "
         "from saved weights (a pretrained model fine-tuned in full; not a model built from a "
         "config, nor LoRA, which freezes it) and scope is 'all'; 'on' whenever it is trained; "
-        "'off'. Measured: +0.07 LDS on a pretrained model fine-tuned in full, -0.04 to +0.00 "
-        "from scratch (benchmarks/EVAL.md section 1l). Runs recorded before it read as off",
+        "'off'. auto also leaves out an embedding tied to the LM head (GPT-2) or one whose "
+        "forward rescales its rows other than by a scalar embed_scale. Measured at the default "
+        "preconditioner: +0.026 / +0.007 LDS on a pretrained model fine-tuned in full, -0.003 / "
+        "-0.010 from scratch (benchmarks/EVAL.md section 1l). Runs recorded before it read as off",
     )
     optimizer_aware: bool = knob(
         False,

@@ -174,11 +174,11 @@ def test_a_run_with_an_embedding_record_is_queried_through_it(tmp_path):
 
 @pytest.mark.parametrize("recorded", ["on", "off"])
 def test_auto_is_decided_once_per_run_and_a_resume_follows_the_store(tmp_path, recorded):
-    """`traceprop train` resolves auto at the start (by the model) and on a resume by what the
-    store records: the resumed model comes from saved weights, which auto alone would take for
-    a pretrained one."""
+    """The Tracker resolves auto at the start (by the model) and on a resume by what the store
+    records: the resumed model comes from saved weights, which auto alone would take for a
+    pretrained one."""
+    from traceprop_engine.capture.layers import resolved_embedding
     from traceprop_engine.store.writer import StoreWriter
-    from traceprop_engine.training.prepare import resolved_embedding
 
     built = tiny_neox()
     assert resolved_embedding(TrackSettings(), built, None).embedding.value == "off"
@@ -191,9 +191,83 @@ def test_auto_is_decided_once_per_run_and_a_resume_follows_the_store(tmp_path, r
     store.close()
     writer = StoreWriter.reopen(path, n, norms)
     try:
-        got = resolved_embedding(TrackSettings(), loaded, writer).embedding.value
+        got = resolved_embedding(TrackSettings(), loaded, writer.layer_kinds).embedding.value
     finally:
         writer.close(C.STATUS_COMPLETED)
     assert got == recorded
     # an explicit setting is kept as given
     assert resolved_embedding(TrackSettings(embedding="off"), loaded, None).embedding.value == "off"
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """Gemma's and BART's scaled word embeddings: the rows times a scalar embed_scale."""
+
+    def __init__(self, base: torch.nn.Embedding, scale):
+        super().__init__(base.num_embeddings, base.embedding_dim)
+        with torch.no_grad():
+            self.weight.copy_(base.weight)
+        self.embed_scale = scale
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+class _OtherEmbedding(torch.nn.Embedding):
+    def forward(self, ids):
+        return torch.tanh(super().forward(ids))
+
+
+@pytest.mark.parametrize("scale", [3.0, torch.tensor(0.5)])
+def test_a_scaled_embedding_records_its_scaled_gradient(tmp_path, scale):
+    model = tiny_neox()
+    model.gpt_neox.embed_in = _ScaledEmbedding(model.gpt_neox.embed_in, scale)
+    _, layers = check_causal(
+        tmp_path, model, TrackSettings(rank=0, k_in=4, k_out=6, embedding="on")
+    )
+    assert layers[0].kind == "embedding"
+
+
+def test_embeddings_auto_cannot_follow_are_skipped_and_on_says_why(tmp_path):
+    loaded = _saved_and_loaded(tiny_neox(), tmp_path)
+    old = loaded.gpt_neox.embed_in
+    loaded.gpt_neox.embed_in = _OtherEmbedding(old.num_embeddings, old.embedding_dim)
+    assert embedding_layer(loaded, TrackSettings()) is None
+    with pytest.raises(ConfigError, match="scales its output in a forward"):
+        embedding_layer(loaded, TrackSettings(embedding="on"))
+    loaded.gpt_neox.embed_in = torch.nn.Embedding(
+        old.num_embeddings, old.embedding_dim, scale_grad_by_freq=True
+    )
+    assert embedding_layer(loaded, TrackSettings()) is None
+    with pytest.raises(ConfigError, match="scale_grad_by_freq"):
+        embedding_layer(loaded, TrackSettings(embedding="on"))
+
+
+def test_auto_leaves_out_an_embedding_tied_to_the_lm_head(tmp_path):
+    """GPT-2 ties lm_head.weight to wte.weight: auto does not add a second record of that
+    parameter (unmeasured); 'on' still records it."""
+    from helpers import tiny_gpt2
+    from transformers import GPT2LMHeadModel
+
+    tiny_gpt2().save_pretrained(tmp_path / "gpt2")
+    gpt2 = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert embedding_layer(gpt2, TrackSettings()) is None
+    assert embedding_layer(gpt2, TrackSettings(embedding="on"))[0] == "transformer.wte"
+
+
+def test_the_manifest_records_what_auto_decided_and_a_silent_embedding_is_named(tmp_path, caplog):
+    from traceprop_engine import Tracker
+    from traceprop_engine.training.losses import causal_lm_losses
+
+    loaded = _saved_and_loaded(tiny_neox(), tmp_path)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+    with Tracker(loaded, tmp_path / "s.h5", TrackSettings(k_in=8, k_out=8)) as tr:
+        assert tr.settings.embedding.value == "on"
+        assert tr.tracking_manifest()["embedding"] == "on"
+        with tr.step([0, 1], step=0) as rec:  # called with inputs_embeds: the hook never runs
+            emb = loaded.gpt_neox.embed_in(ids).detach()
+            rec.losses = causal_lm_losses(loaded(inputs_embeds=emb).logits, ids)
+            rec.losses.mean().backward()
+    assert "took no part in a step" in caplog.text
+    with Tracker(tiny_neox(), tmp_path / "t.h5", TrackSettings(k_in=8, k_out=8)) as tr:
+        assert tr.tracking_manifest()["embedding"] == "off"

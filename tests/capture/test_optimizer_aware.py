@@ -18,18 +18,18 @@ BASE = dict(k_in=512, k_out=512, factor_dtype="float32")
 RTOL, ATOL_REL = 1e-4, 1e-6  # the same float32 products, scaled before vs after
 
 
-def _hand_scale(w: torch.Tensor, opt, kind="linear", beta2=0.999, eps=1e-8) -> np.ndarray:
+def _hand_scale(w: torch.Tensor, opt, kind="linear", ids=None, beta2=0.999, eps=1e-8) -> np.ndarray:
     """``a bᵀ`` of the rank-1 fit of ``1/(√v̂_t + ε)`` with this step's gradient, by hand; for
     an input embedding (weight ``(V, d)``, record ``(d, V)``) the output side's mean over the
-    rows of the batch's tokens, times ones."""
+    rows of the batch's tokens ``ids`` that have a gradient, times ones."""
     st = opt.state.get(w, {})
     t = int(st["step"]) + 1 if "step" in st else 1
     v = (1 - beta2) * w.grad.double() ** 2
     if "exp_avg_sq" in st:
         v += beta2 * st["exp_avg_sq"].double()
     d = (1 / ((v / (1 - beta2**t)).sqrt() + eps)).numpy()
-    if kind == "embedding":
-        seen = (w.grad.abs().sum(1) > 0).numpy()
+    if kind == "embedding":  # the rows of the batch's tokens that have a gradient
+        seen = (w.grad.abs().sum(1) > 0).numpy() & np.isin(np.arange(len(d)), ids.numpy())
         return np.outer(d[seen].mean(0), np.ones(d.shape[0]))
     return np.outer(d.sum(1), d.sum(0)) / d.sum()
 
@@ -49,7 +49,7 @@ def _train(settings, model, tmp_path, name, hand=None):
                 )
                 rec.losses.mean().backward()
             if hand is not None:
-                hand.append([_hand_scale(mods[n].weight, opt, kind) for n, kind in names])
+                hand.append([_hand_scale(mods[n].weight, opt, kind, ids) for n, kind in names])
             opt.step()
             opt.zero_grad()
     with Store(tmp_path / name / "store.h5") as store:

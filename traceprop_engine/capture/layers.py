@@ -7,7 +7,7 @@ query side (attribution/model_side/encode.py, :meth:`TrackedLayer.from_stored`) 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ class TrackedLayer:
     _P_in_T: torch.Tensor | None = field(default=None, repr=False)
     _P_out_T: torch.Tensor | None = field(default=None, repr=False)
     _gather: torch.Tensor | None = field(default=None, repr=False)  # embedding: (d_in, k_in) = Pᵀ
+    _ids: torch.Tensor | None = field(default=None, repr=False)  # embedding: the last token ids
     _dense_index: torch.Tensor | None = field(default=None, repr=False)
     _dense_sign: torch.Tensor | None = field(default=None, repr=False)
     A: torch.Tensor | None = field(default=None, repr=False)  # (k_in, k_in) float32 running sum
@@ -113,13 +114,17 @@ class TrackedLayer:
         is in autograd."""
         table = self._gather
         a = (
-            torch.nn.functional.one_hot(ids, self.d_in).float()
+            torch.nn.functional.one_hot(ids.long(), self.d_in).float()
             if table is None
             else torch.nn.functional.embedding(ids, table)
         )
         pad = getattr(self.module, "padding_idx", None)
         if pad is not None:
             a = a * (ids != pad).unsqueeze(-1)
+        scale = _output_scale(self.module)  # the gradient of rows · scale is scale · Σ g eᵀ
+        if not (isinstance(scale, float) and scale == 1.0):
+            a = a * scale.to(a) if isinstance(scale, torch.Tensor) else a * float(scale)
+        self._ids = ids  # the batch's tokens (optimizer-aware records, capture/optimizer_scale.py)
         return a
 
     @property
@@ -216,15 +221,54 @@ def embedding_layer(model: nn.Module, settings: TrackSettings) -> tuple[str, nn.
                 "vocabulary-wide gradient is not kept"
             )
         return None
-    if mode is EmbeddingMode.AUTO and (settings.scope != "all" or not _pretrained(model)):
+    auto = mode is EmbeddingMode.AUTO
+    if auto and (settings.scope != "all" or not _pretrained(model)):
         return None
-    if emb.scale_grad_by_freq or emb.sparse:
-        raise ConfigError(
-            "the input embedding uses scale_grad_by_freq or sparse gradients, which its record "
-            "does not follow: pass embedding='off'"
-        )
+    head = output_embedding(model)
+    if auto and head is not None and getattr(head, "weight", None) is emb.weight:
+        return None  # tied to the LM head (GPT-2): two records of one parameter, unmeasured
+    unfit = (
+        "uses scale_grad_by_freq or sparse gradients"
+        if emb.scale_grad_by_freq or emb.sparse
+        else "scales its output in a forward the record does not know (no scalar embed_scale)"
+        if _output_scale(emb) is None
+        else ""
+    )
+    if unfit:
+        if auto:
+            return None
+        raise ConfigError(f"the input embedding {unfit}: pass embedding='off'")
     name = next(n for n, m in model.named_modules() if m is emb)
     return name, emb
+
+
+def resolved_embedding(
+    settings: TrackSettings, model: nn.Module, stored_kinds: list[str] | None = None
+) -> TrackSettings:
+    """``settings`` with ``embedding='auto'`` decided once for a run (``on`` or ``off``, what its
+    manifest then records): by :func:`embedding_layer` on ``model``, or, when the run appends to
+    a store that exists (a resume: ``stored_kinds`` are its layers' kinds), by whether that store
+    records an embedding. A resumed model is loaded from saved weights, which ``auto`` alone
+    would take for a pretrained one."""
+    if settings.embedding is not EmbeddingMode.AUTO:
+        return settings
+    if stored_kinds is None:
+        on = embedding_layer(model, settings) is not None
+    else:
+        on = "embedding" in stored_kinds
+    return replace(settings, embedding=EmbeddingMode.ON if on else EmbeddingMode.OFF)
+
+
+def _output_scale(emb: nn.Module):
+    """What an embedding multiplies its looked-up rows by: 1 for ``nn.Embedding`` itself, a
+    subclass's scalar ``embed_scale`` (Gemma's and BART's scaled word embeddings: ``super().forward
+    (ids) * embed_scale``), None for another forward override."""
+    if type(emb).forward is nn.Embedding.forward:
+        return 1.0
+    scale = getattr(emb, "embed_scale", None)
+    if isinstance(scale, (int, float)) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+        return scale
+    return None
 
 
 def output_embedding(model: nn.Module) -> nn.Module | None:

@@ -57,11 +57,16 @@ def adam_row_scales(layers, optimizer, groups: dict[int, dict]) -> dict[int, tup
                 v = v + beta2 * state["exp_avg_sq"].float()
             d = 1.0 / ((v / (1 - beta2**t)).sqrt() + eps)
             if layer.embedding:  # weight (vocabulary, width); its input side arrives projected
-                # the output side's mean over the batch's tokens (rows with a gradient: the
-                # others take no step, and an unseen row's 1/ε would swamp the mean); the
-                # input side is not scaled
-                seen = g.abs().sum(1) > 0
-                a = d[seen].mean(0) if bool(seen.any()) else torch.ones_like(d[0])
+                # the output side's mean over the rows of the micro-batch's tokens with a
+                # gradient (an unseen row's 1/ε would swamp the mean; a tied LM head gives every
+                # row a gradient, so the ids pick the rows too); the input side is not scaled
+                # rows of the micro-batch's ids that have a gradient; masks, no device sync
+                seen = (g.abs().sum(1) > 0).to(d.dtype)
+                if layer._ids is not None:
+                    ids = torch.zeros_like(seen)
+                    ids.index_fill_(0, layer._ids.reshape(-1).to(d.device, torch.long), 1.0)
+                    seen = seen * ids
+                a = (d * seen[:, None]).sum(0) / seen.sum().clamp_min(1.0)
                 out[i] = (a, torch.ones(layer.k_in, device=d.device))
                 continue
             root = d.sum().sqrt()

@@ -51,7 +51,7 @@ from ..settings import TrackSettings
 from ..store.writer import StoreWriter
 from .buffer import BackgroundSink, SketchBuffer
 from .hooks import Capture
-from .layers import build_layers, target_counts
+from .layers import build_layers, resolved_embedding, target_counts
 from .optimizer_scale import (
     adam_row_scales,
     check_optimizer_aware,
@@ -130,7 +130,10 @@ class Tracker:
             )
         self.model = model
         self.store_path = Path(store_path)
-        self.settings = settings or TrackSettings()
+        # embedding='auto' decided here, once: a resumed store (writer) by what it records
+        self.settings = resolved_embedding(
+            settings or TrackSettings(), model, None if writer is None else writer.layer_kinds
+        )
         counts = None if targets is None else target_counts(targets)
         self.layers = build_layers(model, self.settings, counts)
         self.capture = Capture(model, self.layers, covariance=self.settings.covariance)
@@ -159,6 +162,7 @@ class Tracker:
             0  # inferred epoch (when step() is not given one): a repeated id starts the next
         )
         self._seen: set[int] = set()
+        self._embedding_warned = False
         self._max_id = -1  # the largest example id recorded (checked against the table)
         self._n_examples = self.writer.n_examples  # rows of the example table, once written
         self.optimizer = None
@@ -172,6 +176,20 @@ class Tracker:
         """The optimizer whose second moments scale the records (``optimizer_aware``)."""
         self.optimizer = optimizer
         self._groups = param_groups_of(optimizer)
+
+    def _warn_silent_embedding(self) -> None:
+        """Once per run: the input embedding is tracked but its module did not run in a step
+        whose other layers did (the model was called with ``inputs_embeds``, or its embedding
+        was replaced after the Tracker was built): its records are zero."""
+        silent = [x.name for x in self.layers if x.embedding and not x._fired]
+        if silent and not self._embedding_warned:
+            self._embedding_warned = True
+            log.warning(
+                "the tracked input embedding %s took no part in a step (a forward with "
+                "inputs_embeds, or an embedding replaced after the Tracker was built?): its "
+                "records are zero; pass TrackSettings(embedding='off') if that is intended",
+                silent[0],
+            )
 
     def _optimizer_scales(self) -> dict:
         if self.optimizer is None:
@@ -335,6 +353,7 @@ class Tracker:
                     "torch.no_grad())"
                 )
             losses = check_losses(rec.losses, b, step, lr)
+            self._warn_silent_embedding()
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()

@@ -71,6 +71,11 @@ def retrain_settings(
             f"{data_dir} has no {BASE_MODEL_DIR}/ (the run's initial tiny model): write the "
             "cleaned copy again with 'traceprop curate'"
         )
+    if s.track is not None:  # the source's resolved embedding=auto, not a new decision on
+        # the retrain's model (a tiny run's saved initialisation looks pretrained to auto)
+        kinds = [layer.get("kind") for layer in m.tracking.layers]
+        emb = "on" if "embedding" in kinds else "off"
+        s = dataclasses.replace(s, track=dataclasses.replace(s.track, embedding=emb))
     return dataclasses.replace(
         s,
         data=str(data),

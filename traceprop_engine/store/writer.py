@@ -296,6 +296,12 @@ class StoreWriter:
             self._f.flush()
 
     @property
+    def layer_kinds(self) -> list[str]:
+        """Each stored layer's ``kind`` (``linear``, ``conv1d``, ``embedding``), in layer order."""
+        with self._lock:
+            return [str(g.attrs.get("kind", "")) for g in self._f[C.G_LAYERS].values()]
+
+    @property
     def n_examples(self) -> int | None:
         """Rows of the example table written so far (None: none written)."""
         with self._lock:

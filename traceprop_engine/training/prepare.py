@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 
 from .. import constants as C
-from ..capture.layers import embedding_layer
 from ..capture.step_checks import short_run_stride
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
 from ..run_record import RunRecord
-from ..settings import EmbeddingMode, Task, TrackSettings, TrainSettings
+from ..settings import Task, TrackSettings, TrainSettings
 from ..store.writer import StoreWriter
 from . import distributed
 from .checkpoint import Checkpoint
@@ -170,12 +169,11 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         # checkpoint's record count
         mine = ckpt.rank_meta(dist_ctx.rank)
         writer = StoreWriter.reopen(path, int(mine["n_records"]), mine["sq_norm"])
-    track = short_run_track(settings.track, step_counts(job, prep.n_train)[1])
     # hooks on the underlying module (not the DDP wrapper): the same layer names
     tracker = Tracker(
         prep.model,
         path,
-        resolved_embedding(track, prep.model, writer),
+        short_run_track(settings.track, step_counts(job, prep.n_train)[1]),
         manifest=job.record.as_dict(),
         writer=writer,
         targets=training_targets(prep) if prep.task == Task.CAUSAL_LM.value else None,
@@ -193,22 +191,6 @@ def start_tracker(job: Job, prep: Prepared) -> None:
         )
     tracker.capture.attach()
     job.record.set_tracking(tracker.tracking_manifest())
-
-
-def resolved_embedding(
-    track: TrackSettings, model: torch.nn.Module, writer: StoreWriter | None
-) -> TrackSettings:
-    """``track`` with ``embedding='auto'`` decided once for the whole run: by the model at the
-    start, and on a resume by what the store already records (the resumed model is loaded from
-    the checkpoint's saved weights, which ``auto`` alone would take for a pretrained model)."""
-    if track.embedding is not EmbeddingMode.AUTO:
-        return track
-    if writer is None:
-        on = embedding_layer(model, track) is not None
-    else:
-        kinds = [g.attrs.get("kind") for g in writer._f[C.G_LAYERS].values()]
-        on = "embedding" in kinds
-    return dataclasses.replace(track, embedding=EmbeddingMode.ON if on else EmbeddingMode.OFF)
 
 
 MIN_COVARIANCE_BATCHES = C.MIN_COVARIANCE_BATCHES  # why: constants.py
