@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution import open_run
-from traceprop_engine.attribution.precondition import preconditioner as pmod
+from traceprop_engine.attribution import Preconditioner, open_run
 from traceprop_engine.evaluate.lds_report import lds_scores
 from traceprop_engine.settings import IndexSettings
 
-_FIT = pmod.Preconditioner.fit.__func__
+_FIT = Preconditioner.fit.__func__
 VARIANTS = ("engine (K-FAC)", "identity", "output side only", "input side only")
 
 
@@ -63,7 +62,7 @@ def probe(ev: Path) -> dict:
         dst = ev / "scratch" / f"k126-emb-{VARIANTS.index(variant)}"
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(ev / "runs" / "k126", dst, ignore=shutil.ignore_patterns("index"))
-        pmod.Preconditioner.fit = _patched(variant)
+        Preconditioner.fit = _patched(variant)
         try:
             run = open_run(dst)
             if not any(layer.kind == "embedding" for layer in run.store.layers):
@@ -75,7 +74,7 @@ def probe(ev: Path) -> dict:
             rows[variant] = float(np.nanmean(lds_scores(sc, masks, losses)))
             run.close()
         finally:
-            pmod.Preconditioner.fit = classmethod(_FIT)
+            Preconditioner.fit = classmethod(_FIT)
             shutil.rmtree(dst, ignore_errors=True)
     return rows
 

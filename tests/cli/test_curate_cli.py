@@ -54,6 +54,9 @@ def test_retrain_uses_the_runs_settings(tiny_run, curated):
     assert after["status"] == "completed" and after["tracked"]
     swapped = {"data", "eval_data", "out", "model", "threads"}
     same = {k: v for k, v in before["config"].items() if k not in swapped}
+    # embedding='auto' is pinned to what the source decided (off: a tiny model from scratch)
+    same["track"] = {**same["track"], "embedding": "off"}
+    assert before["tracking"]["embedding"] == "off"
     assert {k: after["config"][k] for k in same} == same
     assert Path(after["config"]["data"]) == out.resolve()
     assert after["data"]["n_train"] == before["data"]["n_train"] - len(doc["removed"])

@@ -41,6 +41,8 @@ _LAZY = {
     "WorkerUnavailable": ".model_side.worker",
     "model_answer": ".model_side.answer",
     "token_contributions": ".model_side.tokens",
+    # the fitted preconditioner (H^-1/2 per layer) every index and score of a run goes through
+    "Preconditioner": ".precondition.preconditioner",
     # scores beyond one query
     "factor_scores": ".score.factor_scores",
     "source_influence": ".score.ranking",
@@ -63,6 +65,7 @@ __all__ = [
     "AttributionRun",
     "IndexSettings",
     "ModelAnswer",
+    "Preconditioner",
     "Query",
     "QueryResult",
     "QueryWorker",
@@ -98,6 +101,7 @@ if TYPE_CHECKING:
     from .model_side.tokens import token_contributions
     from .model_side.worker import QueryWorker, WorkerUnavailable
     from .overview import RunOverview, describe, example_tokens
+    from .precondition.preconditioner import Preconditioner
     from .query import AttributionRun, open_run
     from .query_input import Query
     from .reports.audit import audit_rows, audit_trail

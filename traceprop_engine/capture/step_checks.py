@@ -5,6 +5,7 @@ a NaN loss) is refused here instead of being recorded."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -140,3 +141,19 @@ def few_statistics(batches: int, stride: int) -> str | None:
         f"{batches} batches (every {stride}th): for a run this short pass "
         f"TrackSettings(covariance_stride={better}), as `traceprop train` does"
     )
+
+
+def warn_silent_embedding(layers, warned: bool) -> bool:
+    """Warn once per run (returns whether it has been) when the tracked input embedding took no
+    part in a step whose other layers did (the model was called with ``inputs_embeds``, or its
+    embedding was replaced after the Tracker was built): its records are zero."""
+    silent = [x.name for x in layers if x.embedding and not x._fired]
+    if silent and not warned:
+        logging.getLogger("traceprop_engine.capture.tracker").warning(
+            "the tracked input embedding %s took no part in a step (a forward with "
+            "inputs_embeds, or an embedding replaced after the Tracker was built?): its records "
+            "are zero; pass TrackSettings(embedding='off') if that is intended",
+            silent[0],
+        )
+        return True
+    return warned

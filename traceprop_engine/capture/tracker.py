@@ -65,6 +65,7 @@ from .step_checks import (
     check_tokens_in_vocab,
     example_ids,
     few_statistics,
+    warn_silent_embedding,
 )
 
 log = logging.getLogger(__name__)
@@ -176,20 +177,6 @@ class Tracker:
         """The optimizer whose second moments scale the records (``optimizer_aware``)."""
         self.optimizer = optimizer
         self._groups = param_groups_of(optimizer)
-
-    def _warn_silent_embedding(self) -> None:
-        """Once per run: the input embedding is tracked but its module did not run in a step
-        whose other layers did (the model was called with ``inputs_embeds``, or its embedding
-        was replaced after the Tracker was built): its records are zero."""
-        silent = [x.name for x in self.layers if x.embedding and not x._fired]
-        if silent and not self._embedding_warned:
-            self._embedding_warned = True
-            log.warning(
-                "the tracked input embedding %s took no part in a step (a forward with "
-                "inputs_embeds, or an embedding replaced after the Tracker was built?): its "
-                "records are zero; pass TrackSettings(embedding='off') if that is intended",
-                silent[0],
-            )
 
     def _optimizer_scales(self) -> dict:
         if self.optimizer is None:
@@ -353,7 +340,7 @@ class Tracker:
                     "torch.no_grad())"
                 )
             losses = check_losses(rec.losses, b, step, lr)
-            self._warn_silent_embedding()
+            self._embedding_warned = warn_silent_embedding(self.layers, self._embedding_warned)
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()
