@@ -40,7 +40,9 @@ def inv_sqrt(m: np.ndarray, lam: float) -> np.ndarray:
     return (v / np.sqrt(np.clip(w, 0, None) + lam)) @ v.T
 
 
-def embedding_variants(et: np.ndarray, ee: np.ndarray, counts: np.ndarray) -> dict:
+def embedding_variants(  # noqa: PLR0914 - one probe, many variants
+    et: np.ndarray, ee: np.ndarray, counts: np.ndarray
+) -> dict:
     """Per preconditioner, the (train, eval) embedding gradients, trace-normalised."""
     n_tok = counts.sum()
     share = counts / n_tok
@@ -56,6 +58,16 @@ def embedding_variants(et: np.ndarray, ee: np.ndarray, counts: np.ndarray) -> di
     ra = inv_sqrt(a_p, 0.1 * np.trace(a_p) / 126)
     pt, pe = np.einsum("nvd,vk->nkd", et, p), np.einsum("nvd,vk->nkd", ee, p)
     out["projected, identity"] = (pt, pe)
+    # vocab rows on the input side: the m most frequent tokens exact, the rest projected
+    m = int(0.75 * 126)
+    top = np.argsort(-counts, kind="stable")[:m]
+    rest = np.setdiff1d(np.arange(len(counts)), top)
+    pv = np.zeros((et.shape[1], 126))
+    pv[top, np.arange(m)] = 1.0
+    pv[rest, m:] = np.random.default_rng(1).standard_normal((len(rest), 126 - m)) / np.sqrt(126 - m)
+    a_v = (pv.T * share) @ pv
+    rv = inv_sqrt(a_v, 0.1 * np.trace(a_v) / 126)
+    vt, ve = np.einsum("nvd,vk->nkd", et, pv), np.einsum("nvd,vk->nkd", ee, pv)
 
     def half_step(x):  # the default record's rank 1: G σ σᵀ / ‖σ‖², σ = Σ_t g_t = Σ_v G[v]
         sig = x.sum(1)  # (n, d)
@@ -68,8 +80,15 @@ def embedding_variants(et: np.ndarray, ee: np.ndarray, counts: np.ndarray) -> di
         "K-FAC (A and S)": lambda x: (x * da[None, :, None]) @ rs,
         "K-FAC (S only)": lambda x: x @ rs,
         "projected, K-FAC (A and S)": lambda x: np.einsum("kj,njd->nkd", ra, x) @ rs,
+        "vocab rows, K-FAC (A and S)": lambda x: np.einsum("kj,njd->nkd", rv, x) @ rs,
     }.items():
-        t, e = (f(pt), f(pe)) if name.startswith("projected") else (f(et), f(ee))
+        t, e = (
+            (f(vt), f(ve))
+            if name.startswith("vocab rows")
+            else (f(pt), f(pe))
+            if name.startswith("projected")
+            else (f(et), f(ee))
+        )
         scale = np.sqrt(base / np.mean(np.sum(t**2, axis=(1, 2))))
         out[name] = (t * scale, e * scale)
     return out
