@@ -27,6 +27,8 @@ BF16_REL = 0.05
 
 SKETCH = TrackSettings(k_in=4, k_out=6, rank=0)  # per-token projection, the layer's dtype
 FULL = TrackSettings(k_in=4, k_out=6, rank=1, factor_dtype="float32")  # fp32 power iteration
+# the input embedding too: gathered columns of P_in on the device
+EMBED = TrackSettings(k_in=4, k_out=6, rank=1, factor_dtype="float32", embedding="on")
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -59,7 +61,9 @@ def _record(path, device, settings, precision: str, n_steps: int = 2):
     return Store(path), tracker
 
 
-@pytest.mark.parametrize("settings", [SKETCH, FULL], ids=["sketch-space", "full-space"])
+@pytest.mark.parametrize(
+    "settings", [SKETCH, FULL, EMBED], ids=["sketch-space", "full-space", "embedding"]
+)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
 def test_capture_on_cuda_matches_the_cpu(tmp_path, cuda_device, settings, precision):
     tol = FP32_REL if precision == "fp32" else BF16_REL
@@ -127,3 +131,25 @@ def test_training_on_cuda_records_what_the_cpu_records(tmp_path, cuda_device, fa
     finally:
         cpu.close()
         gpu.close()
+
+
+def test_per_token_view_on_a_cuda_query_device(cuda_device):
+    """The per-token view recomputes sketches with the capture hooks on the query's device:
+    its slots live there too, and the contributions equal the CPU's."""
+    from pathlib import Path
+
+    from traceprop_engine.attribution import open_run, token_contributions
+
+    sample = Path(__file__).resolve().parents[2] / "sample_runs" / "facts"
+    prompt = "Q: Is Ethmor a planet, an inventor, a river or a guild?\nA:"
+    got = {}
+    for device in ("cpu", str(cuda_device)):
+        run = open_run(sample, device=device)
+        try:
+            res = run.query(prompt, " a planet", top_k=1)
+            eid = int(res.proponents["example_id"][0])
+            got[device] = token_contributions(run, res.sketches, eid).contributions
+        finally:
+            run.close()
+    cpu, gpu = got["cpu"], got[str(cuda_device)]
+    assert _rel(gpu, cpu) < 1e-3

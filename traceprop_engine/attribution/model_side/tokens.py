@@ -52,7 +52,10 @@ def _token_sketches(run, ids: np.ndarray, positions: np.ndarray) -> list[np.ndar
             m[p] = 1
             encs.append(Encoded(ids.astype(np.int32), m, -1))
         batch = collate(encs, pad_id(loaded), "causal-lm", run.encoder.device)
-        slots = [torch.zeros(len(encs), *info.record_shape) for info in run.store.layers]
+        device = batch["input_ids"].device  # the hooks write where the model computes
+        slots = [
+            torch.zeros(len(encs), *info.record_shape, device=device) for info in run.store.layers
+        ]
         with (
             torch.enable_grad(),
             Capture(loaded.model, layers, covariance=False) as cap,
