@@ -87,10 +87,17 @@ def test_dense_sketch_matches_autograd(tmp_path):
             assert_close(got[b], want, f"dense {layer.name} example {b}")
 
 
-def test_classifier_matches_autograd(tmp_path):
+@pytest.mark.parametrize("embedding", ["auto", "on"])
+def test_classifier_matches_autograd(tmp_path, embedding):
+    """BERT classifier layers; with embedding='on' its word embeddings too (their output is
+    summed with the position and token-type embeddings, then normalised)."""
     model = tiny_bert_classifier()
     settings = TrackSettings(
-        rank=0, k_in=6, k_out=6, scope=r"(encoder\.layer\.1\.|classifier|pooler)"
+        rank=0,
+        k_in=6,
+        k_out=6,
+        scope=r"(encoder\.layer\.1\.|classifier|pooler)",
+        embedding=embedding,
     )
     g = torch.Generator().manual_seed(3)
     lengths = [8, 5, 6, 3]
@@ -105,6 +112,7 @@ def test_classifier_matches_autograd(tmp_path):
     )
     layers = build_layers(model, settings)
     assert any(layer.name == "classifier" for layer in layers)
+    assert (layers[0].kind == "embedding") == (embedding == "on")
     # the classifier is the layer every preconditioner leaves unwhitened
     assert [info.output_head for info in store.layers] == [
         layer.name == "classifier" for layer in layers
