@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from gap_probe import cosine, named_gradients, subset_data
+from gap_probe import cosine, encodings, named_gradients, subset_data
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import open_run
@@ -102,10 +102,7 @@ def probe(ev: Path) -> dict:
 
     run = open_run(ev / "runs" / "k126")
     try:
-        ex = run.examples()
-        eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-        enc_ev = [run.encode(eval_example=e)[0] for e in eval_ids]
-        enc_tr = [run.encode(eval_example=i)[0] for i in range(n_train)]
+        enc_ev, enc_tr = encodings(run, n_train)
         model_dir, task = run.dir / C.MODEL_DIR, run.task
     finally:
         run.close()

@@ -123,6 +123,15 @@ def sketch_rows(run, enc_ev: list, enc_tr: list, n_train: int, lds) -> tuple[dic
     return rows, layers
 
 
+def encodings(run, n_train: int) -> tuple[list, list]:
+    """``(eval, train)`` encodings of an evaluation's main run: its eval rows, then its
+    ``n_train`` training rows, as training saw them."""
+    ex = run.examples()
+    eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
+    enc_ev = [run.encode(eval_example=e)[0] for e in eval_ids]
+    return enc_ev, [run.encode(eval_example=i)[0] for i in range(n_train)]
+
+
 def probe(ev: Path) -> dict:
     """Every row of the module docstring for one evaluation folder."""
     masks, losses, n_train = subset_data(ev)
@@ -132,10 +141,7 @@ def probe(ev: Path) -> dict:
 
     run = open_run(ev / "runs" / "k126")
     try:
-        ex = run.examples()
-        eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-        enc_ev = [run.encode(eval_example=e)[0] for e in eval_ids]
-        enc_tr = [run.encode(eval_example=i)[0] for i in range(n_train)]
+        enc_ev, enc_tr = encodings(run, n_train)
         rows = exact_rows(run.dir / C.MODEL_DIR, run.task, enc_ev, enc_tr, lds)
         sk, layers = sketch_rows(run, enc_ev, enc_tr, n_train, lds)
     finally:

@@ -13,12 +13,12 @@ Usage: ``python benchmarks/replay_embedding_precondition.py /tmp/q/pft-hard60-s0
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
+from gap_probe import subset_data
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import Preconditioner, open_run
@@ -51,12 +51,7 @@ def _patched(variant: str):
 
 
 def probe(ev: Path) -> dict:
-    losses = np.load(ev / "losses.npy")
-    sub = json.loads((ev / "subsets.json").read_text())
-    n_train = sub["n_train"]
-    masks = np.zeros((len(sub["subsets"]), n_train), bool)
-    for j, s in enumerate(sub["subsets"]):
-        masks[j, s["members"]] = True
+    masks, losses, n_train = subset_data(ev)
     rows = {}
     for variant in VARIANTS:
         dst = ev / "scratch" / f"k126-emb-{VARIANTS.index(variant)}"
