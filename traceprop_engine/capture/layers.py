@@ -122,8 +122,10 @@ class TrackedLayer:
         if pad is not None:
             a = a * (ids != pad).unsqueeze(-1)
         scale = _output_scale(self.module)  # the gradient of rows · scale is scale · Σ g eᵀ
-        if not (isinstance(scale, float) and scale == 1.0):
-            a = a * scale.to(a) if isinstance(scale, torch.Tensor) else a * float(scale)
+        if isinstance(scale, torch.Tensor):
+            a = a * scale.to(a)
+        elif scale != 1:
+            a = a * float(scale)
         self._ids = ids  # the batch's tokens (optimizer-aware records, capture/optimizer_scale.py)
         return a
 
@@ -243,7 +245,7 @@ def embedding_layer(model: nn.Module, settings: TrackSettings) -> tuple[str, nn.
 
 
 def resolved_embedding(
-    settings: TrackSettings, model: nn.Module, stored_kinds: list[str] | None = None
+    settings: TrackSettings, model: nn.Module | None, stored_kinds: list[str] | None = None
 ) -> TrackSettings:
     """``settings`` with ``embedding='auto'`` decided once for a run (``on`` or ``off``, what its
     manifest then records): by :func:`embedding_layer` on ``model``, or, when the run appends to

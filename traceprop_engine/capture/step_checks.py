@@ -143,12 +143,15 @@ def few_statistics(batches: int, stride: int) -> str | None:
     )
 
 
-def warn_silent_embedding(layers, warned: bool) -> bool:
-    """Warn once per run (returns whether it has been) when the tracked input embedding took no
-    part in a step whose other layers did (the model was called with ``inputs_embeds``, or its
-    embedding was replaced after the Tracker was built): its records are zero."""
-    silent = [x.name for x in layers if x.embedding and not x._fired]
-    if silent and not warned:
+def warn_silent_embedding(embeddings, warned: bool) -> bool:
+    """Warn once per run (returns whether it has been) when a tracked input embedding (of
+    ``embeddings``, the run's embedding layers) took no part in a step whose other layers did
+    (the model was called with ``inputs_embeds``, or its embedding was replaced after the
+    Tracker was built): its records are zero."""
+    if warned or not embeddings:
+        return warned
+    silent = [x.name for x in embeddings if not x._fired]
+    if silent:
         logging.getLogger("traceprop_engine.capture.tracker").warning(
             "the tracked input embedding %s took no part in a step (a forward with "
             "inputs_embeds, or an embedding replaced after the Tracker was built?): its records "

@@ -163,6 +163,7 @@ class Tracker:
             0  # inferred epoch (when step() is not given one): a repeated id starts the next
         )
         self._seen: set[int] = set()
+        self._embeddings = [x for x in self.layers if x.embedding]  # usually none
         self._embedding_warned = False
         self._max_id = -1  # the largest example id recorded (checked against the table)
         self._n_examples = self.writer.n_examples  # rows of the example table, once written
@@ -340,7 +341,7 @@ class Tracker:
                     "torch.no_grad())"
                 )
             losses = check_losses(rec.losses, b, step, lr)
-            self._embedding_warned = warn_silent_embedding(self.layers, self._embedding_warned)
+            self._embedding_warned = warn_silent_embedding(self._embeddings, self._embedding_warned)
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()

@@ -61,6 +61,7 @@ def retrain_settings(
         eval_data = str(root / ev if ev else root)
     else:
         eval_data = None
+    from ..capture.layers import resolved_embedding
     from ..training.models import TINY
 
     model = s.model
@@ -74,8 +75,7 @@ def retrain_settings(
     if s.track is not None:  # the source's resolved embedding=auto, not a new decision on
         # the retrain's model (a tiny run's saved initialisation looks pretrained to auto)
         kinds = [layer.get("kind") for layer in m.tracking.layers]
-        emb = "on" if "embedding" in kinds else "off"
-        s = dataclasses.replace(s, track=dataclasses.replace(s.track, embedding=emb))
+        s = dataclasses.replace(s, track=resolved_embedding(s.track, None, kinds))
     return dataclasses.replace(
         s,
         data=str(data),
