@@ -270,6 +270,24 @@ def record_causal_step(path: Path, model, settings: TrackSettings, seed: int = 0
     return store, (ids, mask, labels, lengths)
 
 
+def train_own_loop(model, run_dir: Path, settings: TrackSettings, rows) -> Path:
+    """An own loop recorded by a Tracker and finished into ``run_dir``: four AdamW steps (lr
+    1e-3) of three equal-length token rows each, rows 0-2 then 3-5, twice. Returns ``run_dir``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Tracker(model, run_dir / "store.h5", settings) as tracker:
+        for step, start in enumerate([0, 3, 0, 3]):
+            idx = list(range(start, start + 3))
+            ids = torch.stack([torch.as_tensor(rows[i]) for i in idx])
+            with tracker.step(idx, step=step, lr=1e-3) as rec:
+                losses = causal_lm_losses(model(input_ids=ids).logits, ids)
+                losses.mean().backward()
+                rec.losses = losses
+            opt.step()
+            opt.zero_grad()
+    tracker.finish(model)
+    return run_dir
+
+
 def assert_same_answers(single_run, other_run) -> None:
     """A multi-process run (DDP shards, FSDP) answers an eval example's query as the one-process
     run of the same data does: the same top-5 rows either side, scores within 1 %."""

@@ -8,17 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from helpers import engine_neox
+from helpers import engine_neox, train_own_loop
 
-from traceprop_engine import Tracker, TrackSettings
+from traceprop_engine import TrackSettings
 from traceprop_engine.attribution.overview import NO_STATISTICS_NOTE, usable_preconditioners
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.capture.step_checks import few_statistics
 from traceprop_engine.cli.main import main
 from traceprop_engine.errors import StoreError
 from traceprop_engine.settings import IndexSettings, PreconditionerKind
-from traceprop_engine.training.losses import causal_lm_losses
 
 TEXTS = ["the cat sat", "the dog ran", "a cat ran", "the bird sang", "a dog sat", "the cat ran"]
 VOCAB = {w: i + 1 for i, w in enumerate(sorted({w for t in TEXTS for w in t.split()}))}
@@ -29,20 +27,8 @@ QUERY["labels"] = [-100, -100, VOCAB["sat"], 0]
 
 def _run(folder: Path, covariance: bool, stride: int = 1) -> Path:
     model = engine_neox(len(VOCAB) + 1, width=32, layers=1, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     settings = TrackSettings(k_in=8, k_out=8, covariance=covariance, covariance_stride=stride)
-    with Tracker(model, folder / "store.h5", settings) as tracker:
-        for step, start in enumerate([0, 3, 0, 3]):
-            idx = list(range(start, start + 3))
-            ids = torch.tensor([EXAMPLES[i] for i in idx])
-            with tracker.step(idx, step=step, lr=1e-3) as rec:
-                losses = causal_lm_losses(model(input_ids=ids).logits, ids)
-                losses.mean().backward()
-                rec.losses = losses
-            opt.step()
-            opt.zero_grad()
-    tracker.finish(model)
-    return folder
+    return train_own_loop(model, folder, settings, EXAMPLES)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from helpers import (
     single_causal_losses,
     tiny_bert_classifier,
     tiny_neox,
+    train_own_loop,
 )
 from peft import LoraConfig, get_peft_model
 from transformers import GPTNeoXForCausalLM
@@ -119,7 +120,6 @@ def test_a_run_with_an_embedding_record_is_queried_through_it(tmp_path):
     """An own loop on saved weights (auto records the embedding), finished and opened: the
     query's embedding sketch is the final model's autograd gradient through the stored P_in,
     and identity scores are the lr-weighted inner products over every layer, embedding included."""
-    from traceprop_engine import Tracker
     from traceprop_engine.attribution.query import open_run
     from traceprop_engine.settings import IndexSettings
     from traceprop_engine.training.losses import causal_lm_losses
@@ -128,22 +128,9 @@ def test_a_run_with_an_embedding_record_is_queried_through_it(tmp_path):
     rows = [
         torch.randint(1, 97, (6,), generator=torch.Generator().manual_seed(i)) for i in range(6)
     ]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
-    with Tracker(
-        model, tmp_path / "run" / "store.h5", TrackSettings(k_in=8, k_out=8, covariance_stride=1)
-    ) as tracker:
-        for step, start in enumerate((0, 3, 0, 3)):
-            idx = list(range(start, start + 3))
-            ids = torch.stack([rows[i] for i in idx])
-            with tracker.step(idx, step=step, lr=1e-3) as rec:
-                losses = causal_lm_losses(model(input_ids=ids).logits, ids)
-                losses.mean().backward()
-                rec.losses = losses
-            opt.step()
-            opt.zero_grad()
-    tracker.finish(model)
-    run = open_run(tmp_path / "run")
+    settings = TrackSettings(k_in=8, k_out=8, covariance_stride=1)
+    run = open_run(train_own_loop(model, tmp_path / "run", settings, rows))
     assert run.store.layers[0].name == EMBED and run.store.layers[0].kind == "embedding"
     query = rows[1].tolist()
     enc, _, _ = run.encode(input_ids=query)
