@@ -202,9 +202,13 @@ def embedding_layer(model: nn.Module, settings: TrackSettings) -> tuple[str, nn.
     model built from a config (there it lowered LDS by up to 0.04), nor LoRA (it is frozen).
     ``on`` records it whenever it is trained.
 
+    ``auto`` also leaves out an embedding tied to the LM head, one with ``scale_grad_by_freq`` or
+    sparse gradients, and one whose forward rescales its rows other than by a scalar
+    ``embed_scale`` (:func:`_output_scale`).
+
     Raises:
         ConfigError: ``on`` with dense sketches (no Kronecker form of a vocabulary-wide dense
-            gradient is kept).
+            gradient is kept), or with an embedding whose gradient the record cannot follow.
     """
     mode = settings.embedding
     if mode is EmbeddingMode.OFF:

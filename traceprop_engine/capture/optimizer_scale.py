@@ -59,8 +59,8 @@ def adam_row_scales(layers, optimizer, groups: dict[int, dict]) -> dict[int, tup
             if layer.embedding:  # weight (vocabulary, width); its input side arrives projected
                 # the output side's mean over the rows of the micro-batch's tokens with a
                 # gradient (an unseen row's 1/ε would swamp the mean; a tied LM head gives every
-                # row a gradient, so the ids pick the rows too); the input side is not scaled
-                # rows of the micro-batch's ids that have a gradient; masks, no device sync
+                # row a gradient, so the ids pick the rows too), from masks: no device sync; the
+                # input side is not scaled
                 seen = (g.abs().sum(1) > 0).to(d.dtype)
                 if layer._ids is not None:
                     ids = torch.zeros_like(seen)
