@@ -30,6 +30,7 @@ SHAPES = [(12, 10), (10, 12), (24, 16)]  # (k_out, k_in); the last layer dominat
 N_EX = 400
 N_ANSWERS = 12  # groups of records whose output factors point the same way (answer tokens)
 F32_RTOL = 2e-5  # entries are stored in float32: their scores against float64 brute force
+INT8_RTOL = 0.03  # int8 entries: each side rounded to 1/254 of its largest coordinate
 
 
 @pytest.fixture(autouse=True)
@@ -68,13 +69,18 @@ def _queries(rng, q: int = 1, rank: int = 2) -> list[np.ndarray]:
     ]
 
 
-@pytest.mark.parametrize(("kind", "cosine", "epochs"), [("identity", True, 3), ("kfac", False, 1)])
+@pytest.mark.parametrize(
+    ("kind", "cosine", "epochs", "int8"),
+    [("identity", True, 3, False), ("kfac", False, 1, False), ("identity", True, 3, True)],
+)
 def test_every_entry_scores_exactly_its_record_at_the_dominant_layer(
-    tmp_path, monkeypatch, kind, cosine, epochs
+    tmp_path, monkeypatch, kind, cosine, epochs, int8
 ):
     """With every principal direction kept, an entry's score is its record's exact score at
-    the dominant layer (lr-weighted, over the row's norm): summed by row, the brute force's."""
+    the dominant layer (lr-weighted, over the row's norm): summed by row, the brute force's;
+    int8 entries (the default) within their rounding."""
     monkeypatch.setattr(index_lists, "ENERGY_KEEP", 1.0)
+    monkeypatch.setattr(index_lists, "INT8_ENTRIES", int8)
     store = _store(tmp_path / "store.h5", epochs)
     ix = RunIndexes(tmp_path, store)
     s = IndexSettings(preconditioner=kind, cosine=cosine, lists=True)
@@ -95,30 +101,40 @@ def test_every_entry_scores_exactly_its_record_at_the_dominant_layer(
         li = lists.layer
         t = scorer.pre.layers[li].pullback(tests[li])[0]  # T' of the dominant layer
         e = np.asarray(lists.entries, np.float64)
+        assert e.dtype == np.float64 and lists.entries.dtype == (np.int8 if int8 else np.float32)
         mu = lists.basis_u.shape[1]
         reduced = lists.basis_u.T @ t @ lists.basis_w  # T' in the entries' bases
         entry = np.einsum("ni,ni->n", e[:, :mu] @ reduced, e[:, mu:])
+        if int8:
+            entry *= np.asarray(lists.scales, np.float64)
         per_row = np.zeros(N_EX)
         np.add.at(per_row, np.asarray(lists.rows), entry)
         want = run.exact_scores(tests, s, per_layer=True)[0, li]
         if cosine:  # exact_scores divides by the query's norm too; the entries do not
             want = want * np.sqrt(scorer.query_sq_norm(tests)[0])
-        np.testing.assert_allclose(per_row, want, rtol=F32_RTOL, atol=F32_RTOL * abs(want).max())
+        tol = INT8_RTOL if int8 else F32_RTOL
+        np.testing.assert_allclose(per_row, want, rtol=tol, atol=tol * abs(want).max())
 
 
-def _top(score: np.ndarray, k: int, sign: float) -> tuple[set, set]:
-    """Rows surely in the top ``k`` of ``sign · score`` (above the k-th by more than float32
-    rounding) and rows possibly in it (within it), among those of that sign."""
+def _top(score: np.ndarray, k: int, sign: float, rtol: float = F32_RTOL) -> tuple[set, set]:
+    """Rows surely in the top ``k`` of ``sign · score`` (above the k-th by more than the
+    entries' rounding, ``rtol`` of the largest score) and rows possibly in it (within it),
+    among those of that sign."""
     x = sign * score
     kth = np.sort(x)[::-1][k - 1]
-    tol = F32_RTOL * np.abs(score).max()
+    tol = rtol * np.abs(score).max()
     sure = set(np.flatnonzero((x > kth + tol) & (x > 0)).tolist())
     maybe = set(np.flatnonzero((x >= kth - tol) & (x > 0)).tolist())
     return sure, maybe
 
 
-def test_a_full_scan_proposes_the_dominant_layers_top_rows_of_both_signs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_full_scan_proposes_the_dominant_layers_top_rows_of_both_signs(
+    tmp_path, monkeypatch, int8
+):
     monkeypatch.setattr(index_lists, "SCAN_FRACTION", (1.0, 1.0))
+    monkeypatch.setattr(index_lists, "INT8_ENTRIES", int8)
+    tol = INT8_RTOL if int8 else F32_RTOL
     monkeypatch.setattr(index_lists, "CANDIDATES", 20)
     store = _store(tmp_path / "store.h5")
     ix = RunIndexes(tmp_path, store)
@@ -133,7 +149,7 @@ def test_a_full_scan_proposes_the_dominant_layers_top_rows_of_both_signs(tmp_pat
         head = _run(ix).exact_scores(tests, s, per_layer=True)[0, lists.layer]
         got = set(index_lists.list_candidates(scorer, tests, opponents=True).tolist())
         only = set(index_lists.list_candidates(scorer, tests, opponents=False).tolist())
-        (ps, pm), (os_, om) = _top(head, 20, 1.0), _top(head, 20, -1.0)
+        (ps, pm), (os_, om) = _top(head, 20, 1.0, tol), _top(head, 20, -1.0, tol)
         assert ps | os_ <= got <= pm | om
         assert len(got) == 40
         assert ps <= only <= pm
@@ -235,7 +251,7 @@ def test_cli_flag_and_a_damaged_or_foreign_lists_file(tmp_path, caplog):
     # a changed byte: the index's digests catch it and the index is rebuilt, lists included
     w = np.load(d / entries)
     before = w[0, 0].copy()
-    w[0, 0] += 1.0
+    w[0, 0] = 0 if w[0, 0] else 1
     np.save(d / entries, w)
     ix2 = RunIndexes(tmp_path, Store(tmp_path / "store.h5"))
     with caplog.at_level("WARNING"):

@@ -21,7 +21,9 @@ or otherwise synchronises a device per step. Hooks never replace modules (parame
 checkpoints stay valid); :meth:`Capture.detach` removes every handle (also after an exception,
 when used as a context manager); nothing happens on a forward pass without gradients or outside
 a :meth:`Capture.batch` block. :meth:`Capture.state_dict` / :meth:`Capture.load_state_dict` carry
-the running state across a checkpoint.
+the running state across a checkpoint. On the query side, :attr:`Capture.token_factors` keeps each
+sketch-path layer's per-token ``(s P_out g_t, P_in a_t)`` beside its sum
+(:mod:`~traceprop_engine.attribution.query_sketches`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Capture:
         self._deferred: DeferredFactors | None = None  # made on attach
         # optimizer-aware records: () -> {layer: (a, b)} read after the backward of a batch
         self.row_scales = None
+        # a query's per-token factors: one list per layer, or None (training never sets it)
+        self.token_factors: list[list] | None = None
 
     # -- lifetime -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -362,6 +366,9 @@ class Capture:
             slot.baddbmm_(gT, a, alpha=scale)  # a layer used twice in one batch: accumulate
         else:
             slot.baddbmm_(gT, a, beta=0.0, alpha=scale)  # (B, k_out, k_in) into the buffer, no copy
+        if self.token_factors is not None and layer.sketch is SketchKind.FACTORED:
+            # the sketch is Σ_t (s P_out g_t)(P_in a_t)ᵀ: keep both sides of every token
+            self.token_factors[i].append((g * scale, a.clone()))
         layer._fired = True
         S = layer.S
         if S is not None and self.covariance:

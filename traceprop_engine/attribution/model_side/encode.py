@@ -33,6 +33,7 @@ from ...training.models import (
     quiet_hf,
 )
 from ..query_input import Query
+from ..query_sketches import QuerySketches
 
 
 class QueryEncoder:
@@ -289,8 +290,9 @@ class QueryEncoder:
         return Encoded(ids.astype(np.int32), mask.astype(np.uint8), lab_id)
 
     # -- sketches -------------------------------------------------------------------------------
-    def query_sketches(self, enc) -> tuple[list[np.ndarray], float]:
-        """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model."""
+    def query_sketches(self, enc) -> tuple[QuerySketches, float]:
+        """Per-layer ``(1, *record_shape)`` sketches of the query's loss on the final model, with
+        each factored layer's per-token factors (:class:`QuerySketches`)."""
         loaded = self.model()
         layers = self._layers
         batch = collate([enc], pad_id(loaded), self.task, self.device)
@@ -302,10 +304,15 @@ class QueryEncoder:
             Capture(loaded.model, layers, covariance=False) as cap,
             cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=1.0),
         ):
+            cap.token_factors = [[] for _ in layers]
             loss = example_losses(loaded.model(**model_inputs(batch)), batch, self.task)
             loss.sum().backward()
         loaded.model.zero_grad(set_to_none=True)
-        return [s.cpu().numpy() for s in slots], float(loss.detach()[0])
+        factors = [
+            _token_factors(parts, info) if info.sketch == "factored" else None
+            for parts, info in zip(cap.token_factors, self.store.layers, strict=True)
+        ]
+        return QuerySketches([s.cpu().numpy() for s in slots], factors), float(loss.detach()[0])
 
     @torch.no_grad()
     def representations(self, encs) -> np.ndarray:
@@ -319,6 +326,20 @@ class QueryEncoder:
             m = batch["attention_mask"].unsqueeze(-1).float()
             out.append(((h * m).sum(1) / m.sum(1)).float().cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+def _token_factors(parts: list, info) -> tuple[np.ndarray, np.ndarray]:
+    """``(A, B)`` ``(k_out, t)``, ``(k_in, t)`` float32 of one layer's query sketch ``A Bᵀ`` from
+    the capture's per-use ``(g (1, T, k_out), a (1, T, k_in))``: one column per token, those whose
+    gradient or input is zero (padding, tokens after the last loss token) left out."""
+    a_cols = [torch.zeros(info.k_out, 0)]
+    b_cols = [torch.zeros(info.k_in, 0)]
+    for g, a in parts:
+        g, a = g[0].float().cpu(), a[0].float().cpu()  # (T, k_out), (T, k_in)
+        live = g.abs().amax(1).gt(0) & a.abs().amax(1).gt(0)
+        a_cols.append(g[live].T)
+        b_cols.append(a[live].T)
+    return torch.cat(a_cols, 1).numpy(), torch.cat(b_cols, 1).numpy()
 
 
 def _check_prompt_and_completion(prompt: str | None, completion: str | None) -> None:

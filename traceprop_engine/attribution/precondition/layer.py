@@ -220,6 +220,25 @@ class LayerPreconditioner:
             x = stack_matmul(self.index_left.astype(dtype), x, self.index_right.T.astype(dtype))
         return np.ascontiguousarray(x.reshape(x.shape[0], -1))
 
+    def apply_factors(self, a: np.ndarray, b: np.ndarray, dtype: type = np.float32) -> np.ndarray:
+        """:meth:`apply` of the one sketch ``A Bᵀ`` given by its factors (``a`` (k_out, t),
+        ``b`` (k_in, t)), as a (1, dim) vector: ``left A Bᵀ right = (left A)(rightᵀ B)ᵀ`` and the
+        index projection likewise, so no ``k × k × k`` product is made. Only for a matrix-product
+        preconditioner (identity, K-FAC: ``scale`` None) of a ``(k_out, k_in)`` layer."""
+        if self.scale is not None or len(self.shape) != 2:
+            raise ValueError(f"layer {self.name!r}: apply_factors needs a matrix-product fit")
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if (a.shape[0], b.shape[0]) != self.shape or a.shape[1] != b.shape[1]:
+            raise StoreError(
+                f"layer {self.name!r}: query factors of shapes {a.shape} and {b.shape}, the "
+                f"preconditioner was fitted for {self.shape}"
+            )
+        if self.left is not None:
+            a, b = self.left @ a, self.right.T @ b
+        if self.index_left is not None:
+            a, b = self.index_left @ a, self.index_right @ b
+        return (a @ b.T).astype(dtype).reshape(1, -1)
+
     def pullback(self, test_sketches: np.ndarray) -> np.ndarray:
         """The test sketch pushed to the training side: ``T'`` with ``⟨apply(T), apply(X)⟩ = ⟨T', X⟩``.
 

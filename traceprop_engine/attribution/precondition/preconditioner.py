@@ -57,6 +57,7 @@ import numpy as np
 from traceprop_engine.errors import ConfigError, StoreError
 from traceprop_engine.settings import PreconditionerKind
 
+from ..query_sketches import factors_of
 from .kfac import fit_layer
 from .layer import LayerPreconditioner, LayerStats, check_damping, parse_kind
 
@@ -162,8 +163,13 @@ class Preconditioner:
         if len(n) != 1:
             raise StoreError(f"layers have different record counts {sorted(n)}; store inconsistent")
         out = np.empty((n.pop(), self.full_dim), dtype=dtype)
-        for lp, x in zip(self.layers, layer_sketches, strict=True):
-            out[:, self.layer_slices[lp.name]] = lp.apply(x, dtype=dtype)
+        factors = factors_of(layer_sketches) or [None] * len(self.layers)
+        for lp, x, f in zip(self.layers, layer_sketches, factors, strict=True):
+            if f is not None and lp.scale is None and len(lp.shape) == 2:
+                # one query with its token factors: thin products instead of k × k × k ones
+                out[:, self.layer_slices[lp.name]] = lp.apply_factors(*f, dtype=dtype)
+            else:
+                out[:, self.layer_slices[lp.name]] = lp.apply(x, dtype=dtype)
         return self.reduced(out)
 
     def reduced(self, full: np.ndarray) -> np.ndarray:

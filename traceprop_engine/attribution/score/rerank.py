@@ -122,9 +122,7 @@ def rerank_candidates(
     scorer = indexes.scorer(s)
     if prepared is None:
         prepared = scorer.prepared_lazily(sketches)
-    query_sq = np.array(
-        [scorer.query_sq_norm([t], [p])[0] for t, p in zip(sketches, prepared.raw, strict=True)]
-    )
+    query_sq = prepared.sq_norms()
     xn = indexes.row_norms(s, cand) if s.cosine else None  # exact_scores' divisions
     kept, per_layer = bounded_rerank(
         scorer, prepared, query_sq, cand, layer_sq, top_k, opponents, divisor=xn

@@ -27,6 +27,7 @@ import scipy.sparse as sp
 from ... import constants as C
 from ..index.projection import transformed_factors
 from ..precondition.preconditioner import Preconditioner
+from ..query_sketches import factors_of
 from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
 
 CHUNK = 4096  # records per streamed chunk
@@ -129,9 +130,8 @@ class ExactScorer:
         self, test_sketches: Sequence[np.ndarray], pullbacks: list[np.ndarray] | None = None
     ) -> PreparedQuery:
         """:meth:`prepared`, each layer computed on first use (:class:`PreparedQuery`)."""
-        pb = self.pullbacks(test_sketches) if pullbacks is None else pullbacks
         f32 = all(np.asarray(t).dtype.itemsize <= 4 for t in test_sketches)
-        return PreparedQuery(self, pb, f32)
+        return PreparedQuery(self, test_sketches, f32, pullbacks)
 
     def _prepare_layer(self, li: int, t: np.ndarray, f32: bool):
         """One layer's entry of :meth:`prepared`."""
@@ -144,6 +144,22 @@ class ExactScorer:
         # EK-FAC's elementwise scale makes T' full rank: no random-range tries
         ranged = self.pre.layers[li].scale is None
         return LowRankTest.maybe(t, dt, rtol, ranged=ranged) or t
+
+    def _pulled_factors(self, li: int, a: np.ndarray, b: np.ndarray, f32: bool):
+        """Layer ``li``'s entry from the query's token factors ``T = A Bᵀ``: ``T' = (LᵀL A)(R Rᵀ
+        B)ᵀ`` as a :class:`LowRankTest`, or None where that is not the cheaper exact form (records
+        stored in full, an elementwise-scaled pullback as EK-FAC's, more tokens than it pays)."""
+        info, lp = self.store.layers[li], self.pre.layers[li]
+        ko, ki = info.k_out, info.k_in
+        t = a.shape[1]
+        if not info.rank or lp.scale is not None or t * (ko + ki) >= ko * ki:
+            return None
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if lp.left is not None:  # pullback = leftᵀ (left T right) rightᵀ
+            a = lp.left.T @ (lp.left @ a)
+            b = lp.right @ (lp.right.T @ b)
+        dt = np.float32 if f32 else np.float64
+        return LowRankTest(a.astype(dt), b.astype(dt), np.zeros(t, np.int64))
 
     def row_scores(self, pb: list, rows: np.ndarray, layers, q: int) -> np.ndarray:
         """(q, L, len(rows)) exact scores of index ``rows`` at ``layers`` only (the other
@@ -267,30 +283,85 @@ fixed ≈ 0.4 ms a layer (random range, QR, SVD) however few rows it then serves
 
 
 class PreparedQuery:
-    """One query's per-layer product side (:meth:`ExactScorer.prepared`), each layer factored
-    on first use: the bounded re-rank (:mod:`~traceprop_engine.attribution.score.rerank`) reaches
-    most layers with a few dozen rows, for which :meth:`for_rows` hands out the raw pullback instead
-    (exact too)."""
+    """One query's per-layer product side (:meth:`ExactScorer.prepared`), each layer computed
+    on first use. With the query's token factors (:class:`~traceprop_engine.attribution.query_sketches.QuerySketches`)
+    a factor-stored layer under identity or K-FAC takes ``T' = (LᵀL A)(R Rᵀ B)ᵀ`` straight from
+    them: no dense pullback and no factoring. Otherwise the pullback ``T'`` is computed densely
+    and factored (:class:`LowRankTest`) when many rows need it; the bounded re-rank
+    (:mod:`~traceprop_engine.attribution.score.rerank`) reaches most layers with a few dozen rows,
+    for which :meth:`for_rows` hands out the raw pullback instead (exact too)."""
 
-    def __init__(self, scorer: ExactScorer, pullbacks: list[np.ndarray], f32: bool) -> None:
-        self.scorer, self.raw, self.f32 = scorer, pullbacks, f32
+    def __init__(
+        self,
+        scorer: ExactScorer,
+        sketches: Sequence[np.ndarray],
+        f32: bool,
+        pullbacks: list[np.ndarray] | None = None,
+    ) -> None:
+        self.scorer, self.sketches, self.f32 = scorer, sketches, f32
+        self._raw: dict[int, np.ndarray] = {} if pullbacks is None else dict(enumerate(pullbacks))
         self._entries: dict[int, object] = {}
+        self._factors = factors_of(sketches)
+        self._pulled: dict[int, LowRankTest | None] = {}
+        self._sq: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self.raw)
+        return len(self.sketches)
+
+    def raw_at(self, li: int) -> np.ndarray:
+        """Layer ``li``'s dense pullback ``T'`` (q, *record_shape) float64, computed once."""
+        if li not in self._raw:
+            self._raw[li] = self.scorer.pre.layers[li].pullback(self.sketches[li])
+        return self._raw[li]
+
+    @property
+    def raw(self) -> list[np.ndarray]:
+        """Every layer's dense pullback (:meth:`raw_at`)."""
+        return [self.raw_at(li) for li in range(len(self))]
+
+    def _from_factors(self, li: int) -> LowRankTest | None:
+        """Layer ``li``'s entry from the token factors (kept), or None where it has none."""
+        if li not in self._pulled:
+            f = None if self._factors is None else self._factors[li]
+            self._pulled[li] = None if f is None else self.scorer._pulled_factors(li, *f, self.f32)
+        return self._pulled[li]
 
     def __getitem__(self, li: int):
         if li not in self._entries:
-            self._entries[li] = self.scorer._prepare_layer(li, self.raw[li], self.f32)
+            entry = self._from_factors(li)
+            if entry is None:
+                entry = self.scorer._prepare_layer(li, self.raw_at(li), self.f32)
+            self._entries[li] = entry
         return self._entries[li]
 
     def for_rows(self, li: int, n_rows: int):
         """Layer ``li``'s entry for scoring ``n_rows`` rows: the raw ``T'`` when that is cheaper
-        than factoring it (and it is not factored yet)."""
-        t = self.raw[li]
-        if li not in self._entries and n_rows * t.shape[-2] * t.shape[-1] <= RAW_PRODUCTS_MAX:
+        than factoring it (and it is neither factored yet nor given as token factors)."""
+        if li in self._entries or self._from_factors(li) is not None:
+            return self[li]
+        t = self.raw_at(li)
+        if n_rows * t.shape[-2] * t.shape[-1] <= RAW_PRODUCTS_MAX:
             return t
         return self[li]
+
+    def sq_norms(self) -> np.ndarray:
+        """(L,) ``⟨T_l, T'_l⟩ = ‖apply_l(T_l)‖²`` of the one query, per layer (from the token
+        factors where a layer has them: ``Σ (AᵀA') ⊙ (BᵀB')``); computed once."""
+        if self._sq is not None:
+            return self._sq
+        out = np.zeros(len(self))
+        for li in range(len(self)):
+            entry = self._from_factors(li)
+            if entry is not None:
+                a, b = self._factors[li]
+                ga = np.asarray(a, np.float64).T @ entry.a.astype(np.float64)
+                gb = np.asarray(b, np.float64).T @ entry.b.astype(np.float64)
+                out[li] = float(np.sum(ga * gb))
+            else:
+                t = np.asarray(self.sketches[li], np.float64)
+                out[li] = float(np.vdot(t, self.raw_at(li)))
+        self._sq = out
+        return out
 
 
 def _read(store, what: str, li: int, where):
