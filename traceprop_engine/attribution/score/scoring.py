@@ -314,11 +314,6 @@ class PreparedQuery:
             self._raw[li] = self.scorer.pre.layers[li].pullback(self.sketches[li])
         return self._raw[li]
 
-    @property
-    def raw(self) -> list[np.ndarray]:
-        """Every layer's dense pullback (:meth:`raw_at`)."""
-        return [self.raw_at(li) for li in range(len(self))]
-
     def _from_factors(self, li: int) -> LowRankTest | None:
         """Layer ``li``'s entry from the token factors (kept), or None where it has none."""
         if li not in self._pulled:
