@@ -46,7 +46,7 @@ def synthetic_run(n: int, work_dir: str, name: str, keep: bool):
         if not ready.exists():
             e2e.write_synthetic_run(BASE, d, n, 0, 0.5)
         run, s = AttributionRun(d), IndexSettings()
-        run.build_index(s, None)
+        run.build_index(s, None, reuse=keep)  # keep: an index built before is used as it is
         ready.write_text("store and index written\n")
         try:
             yield run, s

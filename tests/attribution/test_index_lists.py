@@ -116,6 +116,39 @@ def test_every_entry_scores_exactly_its_record_at_the_dominant_layer(
         np.testing.assert_allclose(per_row, want, rtol=tol, atol=tol * abs(want).max())
 
 
+@pytest.mark.parametrize("chunk", [5, 1024])
+def test_a_scan_of_scattered_lists_scores_each_entry_as_its_reduced_product(
+    tmp_path, monkeypatch, chunk
+):
+    """``_scan`` fills its float32 buffer across list boundaries and runs of non-adjacent
+    lists: every entry's score is ``(ū Qu)ᵀ(Quᵀ A) · (w Qw)ᵀ(Qwᵀ B)`` summed over the query's
+    columns, times the entry's scale, in list order."""
+    monkeypatch.setattr(index_lists, "SCAN_CHUNK", chunk)
+    store = _store(tmp_path / "store.h5")
+    ix = RunIndexes(tmp_path, store)
+    s = IndexSettings(lists=True)
+    ix.build(s)
+    lists = ix.scorer(s).lists[0]
+    rng = np.random.default_rng(11)
+    n_lists = len(lists.starts) - 1
+    mu = lists.basis_u.shape[1]
+    e = np.asarray(lists.entries, np.float64)
+    for _ in range(3):
+        chosen = np.sort(rng.choice(n_lists, n_lists // 3, replace=False))
+        a = rng.normal(size=(mu, 2)).astype(np.float32)
+        b = rng.normal(size=(e.shape[1] - mu, 2)).astype(np.float32)
+        ref_all = np.einsum("nr,nr->n", e[:, :mu] @ a, e[:, mu:] @ b)
+        ref_all *= np.asarray(lists.scales, np.float64)
+        want = np.concatenate([ref_all[lists.starts[i] : lists.starts[i + 1]] for i in chosen])
+        got = lists._scan(chosen, a, b)
+        np.testing.assert_allclose(got, want, rtol=F32_RTOL, atol=F32_RTOL * abs(want).max())
+        rows = np.concatenate([lists.rows[lo:hi] for lo, hi in lists._runs(chosen)])
+        want_rows = np.concatenate(
+            [lists.rows[lists.starts[i] : lists.starts[i + 1]] for i in chosen]
+        )
+        np.testing.assert_array_equal(rows, want_rows)
+
+
 def _top(score: np.ndarray, k: int, sign: float, rtol: float = F32_RTOL) -> tuple[set, set]:
     """Rows surely in the top ``k`` of ``sign · score`` (above the k-th by more than the
     entries' rounding, ``rtol`` of the largest score) and rows possibly in it (within it),

@@ -95,6 +95,11 @@ only propose rows (the re-rank scores every candidate exactly), so the rounding 
 each side's largest coordinate) only moves which near-ties are proposed."""
 SCAN_CHUNK = 1024
 """Entries converted and scored at a time (int8 → float32 stays in the cache)."""
+LISTS_RECALL_MARGIN = 0.01
+"""The margin over ``target_recall`` that FAISS's nprobe is calibrated to when the index has
+lists (``build.RECALL_MARGIN``, 0.03, without them). The calibration measures FAISS alone; with
+lists the re-rank also takes their candidates, which hold the dominant layers' top rows of both
+signs. TODO measured."""
 _BASIS_SAMPLE = 65_536
 _KMEANS_SAMPLE = 64
 _KMEANS_ITERS = 20
@@ -269,6 +274,12 @@ def list_candidates(scorer, sketches, opponents: bool = True, prepared=None) -> 
     return np.unique(np.concatenate(out))
 
 
+def _mapped(path: Path) -> np.ndarray:
+    """``path``'s array, memory-mapped read-only, as a plain ndarray view: slicing a
+    ``np.memmap`` costs a Python-level ``__array_finalize__`` per slice (≈ 100 a query)."""
+    return np.load(path, mmap_mode="r").view(np.ndarray)
+
+
 def open_lists(directory: Path, n_rows: int) -> list[FactorLists] | None:
     """Every layer's lists in ``directory`` (an index of ``n_rows`` rows), or None when it has
     none (a small run, ``lists=False``, or built before them)."""
@@ -296,8 +307,8 @@ class FactorLists:
             self.basis_w = z["basis_w"]
         if self.layer != li:
             raise ValueError(f"{lists_file} holds the lists of layer {self.layer}")
-        self.rows = np.load(directory / rows_file, mmap_mode="r")
-        self.entries = np.load(directory / entries_file, mmap_mode="r")
+        self.rows = _mapped(directory / rows_file)
+        self.entries = _mapped(directory / entries_file)
         n = self.n_entries
         width = self.basis_u.shape[1] + self.basis_w.shape[1]
         if len(self.rows) != n or self.entries.shape != (n, width):
@@ -308,7 +319,7 @@ class FactorLists:
         # int8 entries: per entry the product of its two sides' steps (float32: none)
         self.scales = None
         if self.entries.dtype == np.int8:
-            self.scales = np.load(directory / scales_file, mmap_mode="r")
+            self.scales = _mapped(directory / scales_file)
             if self.scales.shape != (n,):
                 raise ValueError(f"factor lists hold {self.scales.shape} scales, not ({n},)")
 
@@ -331,13 +342,40 @@ class FactorLists:
             chosen.append(lists[: int(np.searchsorted(taken, share * self.n_entries)) + 1])
         return np.unique(np.concatenate(chosen))
 
-    def entry_scores(self, lo: int, hi: int, both: np.ndarray, r: int) -> np.ndarray:
-        """Scores of entries ``lo:hi`` against a query ``both = [A 0; 0 B]`` (in the entries'
-        bases, ``r`` columns a side): ``Σ_t (ū·a_t)(w·b_t)``."""
-        x = self.entries[lo:hi]
-        y = (x if x.dtype == np.float32 else x.astype(np.float32)) @ both
-        s = np.einsum("nr,nr->n", y[:, :r], y[:, r:])
-        return s if self.scales is None else s * self.scales[lo:hi]
+    def _scan(self, lists: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Scores of every entry of ``lists`` (ascending) at this layer, in list order:
+        ``Σ_t (ū·a_t)(w·b_t)`` (``a``, ``b``: the query in the entries' bases). The chosen
+        lists' entries are converted to float32 into one :data:`SCAN_CHUNK`-row buffer across
+        list boundaries (one product per buffer, not one per list)."""
+        mu = a.shape[0]
+        buf = np.empty((SCAN_CHUNK, self.entries.shape[1]), np.float32)
+        out = np.empty(int(np.diff(self.starts)[lists].sum()), np.float32)
+        done = fill = 0
+
+        def flush() -> None:
+            nonlocal done, fill
+            x = buf[:fill]
+            out[done : done + fill] = np.einsum("nr,nr->n", x[:, :mu] @ a, x[:, mu:] @ b)
+            done, fill = done + fill, 0
+
+        for lo, hi in zip(self.starts[lists], self.starts[lists + 1], strict=True):
+            while lo < hi:
+                take = min(hi - lo, SCAN_CHUNK - fill)
+                np.copyto(buf[fill : fill + take], self.entries[lo : lo + take], casting="unsafe")
+                fill, lo = fill + take, lo + take
+                if fill == SCAN_CHUNK:
+                    flush()
+        if fill:
+            flush()
+        if self.scales is not None:
+            out *= np.concatenate([self.scales[lo:hi] for lo, hi in self._runs(lists)])
+        return out
+
+    def _runs(self, lists: np.ndarray) -> list[tuple[int, int]]:
+        """Entry ranges ``[lo, hi)`` of ``lists`` (ascending), consecutive lists merged."""
+        cut = np.flatnonzero(np.diff(lists) != 1) + 1
+        first, last = lists[np.r_[0, cut]], lists[np.r_[cut - 1, len(lists) - 1]]
+        return list(zip(self.starts[first].tolist(), self.starts[last + 1].tolist(), strict=True))
 
     def candidates(
         self, a: np.ndarray, b: np.ndarray, opponents: bool = True, k: int | None = None
@@ -348,27 +386,17 @@ class FactorLists:
         k = CANDIDATES if k is None else k
         a = self.basis_u.T @ np.asarray(a, np.float32)  # the query in the entries' bases
         b = self.basis_w.T @ np.asarray(b, np.float32)
-        r, mu = a.shape[1], a.shape[0]
-        both = np.zeros((self.entries.shape[1], 2 * r), np.float32)  # [A 0; 0 B]
-        both[:mu, :r] = a
-        both[mu:, r:] = b
         lists = self._scan_order(a, b, opponents)
-        # runs of consecutive chosen lists: one product over each contiguous slice, no copy
-        cut = np.flatnonzero(np.diff(lists) != 1) + 1
-        first, last = lists[np.r_[0, cut]], lists[np.r_[cut - 1, len(lists) - 1]]
-        scores, rows = [], []
-        for lo, hi in zip(self.starts[first], self.starts[last + 1], strict=True):
-            for c0 in range(lo, hi, SCAN_CHUNK):
-                c1 = min(c0 + SCAN_CHUNK, hi)
-                scores.append(self.entry_scores(c0, c1, both, r))
-            if hi > lo:
-                rows.append(self.rows[lo:hi])
-        if not scores:
+        if not len(lists) or not self.starts[lists[-1] + 1] > self.starts[lists[0]]:
             return np.zeros(0, np.int64)
-        score, row = np.concatenate(scores), np.concatenate(rows)
-        out = []
-        for sign in (1.0, -1.0) if opponents else (1.0,):
-            kk = min(k, len(score))
-            top = np.argpartition(-sign * score, kk - 1)[:kk]
-            out.append(row[top[sign * score[top] > 0]])
+        score = self._scan(lists, a, b)
+        row = np.concatenate([self.rows[lo:hi] for lo, hi in self._runs(lists)])
+        n, kk = len(score), min(k, len(score))
+        # one partition for both ends: the kk smallest first, the kk largest last
+        part = np.argpartition(score, sorted({kk - 1, n - kk}) if opponents else n - kk)
+        top = part[n - kk :]
+        out = [row[top[score[top] > 0]]]
+        if opponents:
+            low = part[:kk]
+            out.append(row[low[score[low] < 0]])
         return np.unique(np.concatenate(out)).astype(np.int64)

@@ -92,8 +92,9 @@ class RecordCache:
 
     def __init__(self, directory: Path, store) -> None:
         self.layers = store.layers
-        self.maps = [
-            np.load(directory / name, mmap_mode="r") for name in cache_files(len(store.layers))
+        self.maps = [  # plain ndarray views: indexing an np.memmap adds Python-level overhead
+            np.load(directory / name, mmap_mode="r").view(np.ndarray)
+            for name in cache_files(len(store.layers))
         ]
         for m in self.maps:
             if m.shape[0] != store.n_records:
