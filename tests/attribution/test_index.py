@@ -114,6 +114,20 @@ def test_ivf_recall_against_exact():
     np.testing.assert_array_equal(np.sort(got, 1), np.sort(ref, 1))
 
 
+def test_a_smaller_recall_margin_probes_no_more_lists():
+    """``recall_margin`` (less for an index with factor lists) is what the calibration reaches."""
+    x = _structured(20_000, 64, seed=4)
+    probes = {}
+    for margin in (RECALL_MARGIN, 0.0):
+        idx = build_index(
+            _chunked(x, 4000), 64, len(x), kind="ivf", nlist=64, seed=0, recall_margin=margin
+        )
+        assert idx.tuned_recall >= calibration_target(0.95, margin)
+        probes[margin] = idx.nprobe
+    assert probes[0.0] <= probes[RECALL_MARGIN]
+    assert calibration_target(0.95, 0.01) == pytest.approx(0.96)
+
+
 def test_calibration_rows_are_left_out_of_the_kmeans_sample():
     rng = np.random.default_rng(0)
     train = np.sort(rng.choice(30_000, size=10_000, replace=False))

@@ -225,6 +225,28 @@ def test_lists_find_the_top_rows_that_few_faiss_candidates_miss(tmp_path, monkey
     assert np.mean(found[True]) > np.mean(found[False]) + 0.2
 
 
+def test_an_ivf_index_with_lists_calibrates_faiss_to_the_lists_margin(tmp_path, monkeypatch):
+    """FAISS alone is not the recall of an index with lists: its nprobe is tuned to the
+    smaller margin, that of one without them to the usual one."""
+    from traceprop_engine.attribution.index import build, run_indexes
+
+    margins = []
+    real = run_indexes.build_index
+
+    def spy(*a, **k):
+        margins.append(k["recall_margin"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_indexes, "build_index", spy)
+    ix = RunIndexes(tmp_path, _store(tmp_path / "store.h5"))
+    for lists in (True, False):
+        s = IndexSettings(lists=lists, kind="ivf")
+        index = ix.build(s)
+        assert index.kind.value == "ivf" and (ix.scorer(s).lists is not None) == lists
+    assert margins == [index_lists.LISTS_RECALL_MARGIN, build.RECALL_MARGIN]
+    assert index_lists.LISTS_RECALL_MARGIN < build.RECALL_MARGIN
+
+
 def test_when_lists_are_built(tmp_path, monkeypatch):
     assert "lists" not in IndexSettings().to_dict()  # the default's fingerprint is unchanged
     assert IndexSettings().name == "kfac-cos"

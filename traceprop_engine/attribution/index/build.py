@@ -46,10 +46,10 @@ the calibration queries came from the k-means sample, which probed 41-82 % of th
 fitted 1e5 and 1e6 bench indexes for recall 1.000."""
 
 
-def calibration_target(target_recall: float) -> float:
-    """The calibration recall nprobe must reach: ``target_recall + RECALL_MARGIN``, but at most
+def calibration_target(target_recall: float, margin: float = RECALL_MARGIN) -> float:
+    """The calibration recall nprobe must reach: ``target_recall + margin``, but at most
     60 % of the way from the target to 1 (0.95 calibrates to 0.98, 0.99 to 0.996, not 1.0)."""
-    return min(target_recall + RECALL_MARGIN, target_recall + 0.6 * (1.0 - target_recall))
+    return min(target_recall + margin, target_recall + 0.6 * (1.0 - target_recall))
 
 
 def default_nlist(n: int) -> int:
@@ -110,6 +110,7 @@ def build_index(
     nlist: int | None = None,
     nprobe: int | None = None,
     target_recall: float = 0.95,
+    recall_margin: float = RECALL_MARGIN,
     pq_m: int | None = None,
     rerank: int = 100,
     fetch: Callable[[np.ndarray], np.ndarray] | None = None,
@@ -132,6 +133,8 @@ def build_index(
         nprobe: IVF lists probed per query; default: tuned to ``target_recall``.
         target_recall: recall@10 the tuned nprobe is to give; it is calibrated with a margin
             (:func:`calibration_target`), on proponent and opponent searches separately.
+        recall_margin: that margin (:data:`RECALL_MARGIN`; an index whose re-rank also takes
+            the factor lists' candidates needs less, ``lists.LISTS_RECALL_MARGIN``).
         pq_m: ivfpq sub-quantisers, default dim // 16 (the augmented vectors are zero-padded
             to a multiple of it).
         rerank: ivfpq candidates re-scored exactly with ``fetch``.
@@ -182,14 +185,14 @@ def build_index(
         extra_dims=extra,
     )
     if calib is not None:
-        _tune(vi, calib, target_recall)
+        _tune(vi, calib, target_recall, recall_margin)
     return vi
 
 
-def _tune(vi: VectorIndex, calib: _Calibration, target_recall: float) -> None:
+def _tune(vi: VectorIndex, calib: _Calibration, target_recall: float, margin: float) -> None:
     """Set ``nprobe`` to the smallest one whose calibration recall reaches
     :func:`calibration_target` on both the proponent and the opponent halves."""
-    goal = calibration_target(target_recall)
+    goal = calibration_target(target_recall, margin)
     chosen, rec = vi.tune_nprobe(
         calib.top.q, calib.top.ids, goal, exclude=calib.rows, groups=calib.groups
     )

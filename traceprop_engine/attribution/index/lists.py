@@ -99,7 +99,9 @@ LISTS_RECALL_MARGIN = 0.01
 """The margin over ``target_recall`` that FAISS's nprobe is calibrated to when the index has
 lists (``build.RECALL_MARGIN``, 0.03, without them). The calibration measures FAISS alone; with
 lists the re-rank also takes their candidates, which hold the dominant layers' top rows of both
-signs. TODO measured."""
+signs, so FAISS no longer bounds the recall. Measured on the 10⁶ synthetic store (40 real
+queries, recall@10 against brute force, AMD): nprobe 124 (the 0.03 margin) 0.997 / 0.988 at
+p50 20.9 ms; 37 (this margin) 0.997 / 0.975 at 16.2 ms; 24: 0.997 / 0.967 at 15.3 ms."""
 _BASIS_SAMPLE = 65_536
 _KMEANS_SAMPLE = 64
 _KMEANS_ITERS = 20

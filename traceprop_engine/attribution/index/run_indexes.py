@@ -35,9 +35,16 @@ from ..score import record_cache
 from ..score.record_cache import RecordCache, write_record_cache
 from ..score.rerank import as_bounds
 from ..score.scoring import ExactScorer
-from .build import build_index
+from .build import RECALL_MARGIN, build_index
 from .files import index_lock, publish_dir
-from .lists import FactorLists, build_lists, list_layers, open_lists, wants_lists
+from .lists import (
+    LISTS_RECALL_MARGIN,
+    FactorLists,
+    build_lists,
+    list_layers,
+    open_lists,
+    wants_lists,
+)
 from .vector_index import INDEX_META_FILE, VectorIndex
 
 log = logging.getLogger(__name__)
@@ -262,6 +269,8 @@ class RunIndexes:
                 len(ids),
                 kind=s.kind,
                 normalize=s.cosine,
+                # the lists propose the dominant layers' top rows beside FAISS's (lists.py)
+                recall_margin=LISTS_RECALL_MARGIN if scorer.lists else RECALL_MARGIN,
                 fetch=lambda rows: np.asarray(vectors[np.sort(rows)]),
                 progress=progress and (lambda d, n: progress("index", d, n)),
             )
