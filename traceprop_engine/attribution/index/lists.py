@@ -99,9 +99,12 @@ LISTS_RECALL_MARGIN = 0.01
 """The margin over ``target_recall`` that FAISS's nprobe is calibrated to when the index has
 lists (``build.RECALL_MARGIN``, 0.03, without them). The calibration measures FAISS alone; with
 lists the re-rank also takes their candidates, which hold the dominant layers' top rows of both
-signs, so FAISS no longer bounds the recall. Measured on the 10⁶ synthetic store (40 real
-queries, recall@10 against brute force, AMD): nprobe 124 (the 0.03 margin) 0.997 / 0.988 at
-p50 20.9 ms; 37 (this margin) 0.997 / 0.975 at 16.2 ms; 24: 0.997 / 0.967 at 15.3 ms."""
+signs, so FAISS no longer bounds the recall. Measured on the 10⁶ synthetic store (real queries,
+recall@10 of proponents / opponents against brute force on the first 24 / all 40, AMD):
+nprobe 124 (margin 0.03) 0.996 / 0.979 and 0.997 / 0.988 at rank p50 19.8 ms; 64: 0.996 / 0.963
+and 0.997 / 0.978 at 17.7 ms; 48: the same at 16.5 ms; 37 (margin 0.01): 0.996 / 0.958 and
+0.997 / 0.975 at 16.5 ms. A margin of 0.02 calibrated to nprobe 94 on that store (the
+calibration's opponent searches, negated stored rows, are harder than real queries)."""
 _BASIS_SAMPLE = 65_536
 _KMEANS_SAMPLE = 64
 _KMEANS_ITERS = 20

@@ -9,19 +9,19 @@ Kinds (all ``METRIC_INNER_PRODUCT``):
   the sampling pass) and queries get a 0, so all stored vectors lie on one sphere, k-means and
   list probing by L2 are meaningful, and the inner product inside the lists is still exactly
   ``⟨q, x⟩``. Plain IP k-means probes badly when norms vary (measured on 1e5 synthetic sketches:
-  recall@10 0.32 vs 0.97 at nprobe=16 of 512). The coarse quantiser is trained on a seeded sample; ``nprobe`` is
-  tuned at build time so that recall@10 against exact search reaches ``target_recall`` (default
-  0.95) plus a margin (``build.calibration_target``) on calibration queries: stored vectors left
-  out of the k-means sample, leave-one-out (the query's own row is dropped from both answers),
-  half of them negated so opponent searches are covered too, and each half must reach it
-  (their recall tracks held-out queries' within 0.02). Midpoints of pairs were too easy. The
-  exact answers are accumulated during the add pass: tuning costs no extra pass over the data.
+  recall@10 0.32 vs 0.97 at nprobe=16 of 512). The coarse quantiser is trained on a seeded
+  sample; ``nprobe`` is tuned at build time so that recall@10 against exact search reaches
+  ``target_recall`` (default 0.95) plus a margin (``build.calibration_target``; less with factor
+  lists, ``lists.LISTS_RECALL_MARGIN``) on calibration queries: stored vectors left out of the
+  k-means sample, leave-one-out (the query's own row is dropped from both answers), half of them
+  negated so opponent searches are covered too, and each half must reach it (their recall
+  tracks held-out queries' within 0.02). The exact answers are accumulated during the add pass:
+  tuning costs no extra pass over the data.
 - ``ivfpq``: ``IndexIVFPQ`` for stores larger than memory: compressed codes in RAM, then the
   ``rerank`` top candidates are re-scored exactly from the full vectors, read through a callback
   ``fetch(ids) -> (len(ids), dim)`` (e.g. rows of an HDF5 dataset).
 - ``hnsw``: ``IndexHNSWFlat`` (graph; fast queries, slow build — optional).
-- ``auto``: flat up to :data:`~traceprop_engine.attribution.index.build.AUTO_FLAT_MAX` vectors, ivf
-  above.
+- ``auto``: flat up to :data:`~.build.AUTO_FLAT_MAX` vectors, ivf above.
 
 Sign convention (DESIGN §1): positive score = proponent (up-weighting the example lowers the
 test loss); :meth:`VectorIndex.search_both` returns proponents and opponents (most negative).
