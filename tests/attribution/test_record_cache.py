@@ -462,9 +462,11 @@ def test_end_to_end_bench_command_makes_its_work_dir(tmp_path, capsys):
     row = row[0] if isinstance(row, list) else row
     assert row["n"] == 800 and row["max_abs_score_error"] < 1e-6
     assert row["lists"] and row["index"] == "kfac-cos-lists"  # built on request (the default K-FAC)
-    # the default against identity on the same store, one row each, both exact
+    # the default against identity on the same store, one row each, both exact; the whole
+    # ranking path is the command's default mode, without --end-to-end
     pre = ["--preconditioners", "kfac,identity", "--lists", "off", "--json", str(out)]
-    assert main([*argv, "--work-dir", str(work), *pre]) == 0
+    default_mode = [x for x in argv if x != "--end-to-end"]
+    assert main([*default_mode, "--work-dir", str(work), *pre]) == 0
     rows = json.loads(out.read_text())
     assert [r["index"] for r in rows] == ["kfac-cos-nolists", "identity-cos-nolists"]
     assert all(r["max_abs_score_error"] < 1e-6 and r["recall_at_10"] == 1.0 for r in rows)

@@ -42,3 +42,22 @@ def test_the_reduction_keeps_the_generated_vectors_principal_directions():
     np.testing.assert_allclose(
         y, gen.sample(10, np.random.default_rng(2)) @ b, rtol=1e-5, atol=1e-5
     )
+
+
+def test_vectors_only_is_the_faiss_alone_mode_of_the_command(tmp_path):
+    """``traceprop bench query --vectors-only``: FAISS over generated vectors (no store, no
+    re-rank); ``--end-to-end`` and ``--vectors-only`` exclude each other."""
+    import json
+
+    import pytest
+
+    from traceprop_engine.cli.main import main
+
+    out = tmp_path / "q.json"
+    argv = ["bench", "query", "--vectors-only", "--sizes", "2000", "--queries", "5"]
+    assert main([*argv, "--index-dims", "32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["n"] for r in rows} == {2000} and all(r["dim"] == 32 for r in rows)
+    assert all("max_abs_score_error" not in r for r in rows)  # no exact re-rank here
+    with pytest.raises(SystemExit):
+        main(["bench", "query", "--vectors-only", "--end-to-end"])
