@@ -147,6 +147,14 @@ def test_a_scan_of_scattered_lists_scores_each_entry_as_its_reduced_product(
             [lists.rows[lists.starts[i] : lists.starts[i + 1]] for i in chosen]
         )
         np.testing.assert_array_equal(rows, want_rows)
+    # a scan that chose nothing, or only empty lists, proposes nothing
+    a = np.ones((lists.basis_u.shape[0], 1), np.float32)
+    b = np.ones((lists.basis_w.shape[0], 1), np.float32)
+    s = lists.starts
+    monkeypatch.setattr(lists, "starts", np.r_[0, 0, s[1], s[1:]])  # lists 0 and 2 now empty
+    for chosen in (np.zeros(0, np.int64), np.array([0, 2])):
+        monkeypatch.setattr(lists, "_scan_order", lambda *_, c=chosen: c)
+        assert lists.candidates(a, b).shape == (0,)
 
 
 def _top(score: np.ndarray, k: int, sign: float, rtol: float = F32_RTOL) -> tuple[set, set]:

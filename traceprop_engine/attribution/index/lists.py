@@ -392,7 +392,7 @@ class FactorLists:
         a = self.basis_u.T @ np.asarray(a, np.float32)  # the query in the entries' bases
         b = self.basis_w.T @ np.asarray(b, np.float32)
         lists = self._scan_order(a, b, opponents)
-        if not len(lists) or not self.starts[lists[-1] + 1] > self.starts[lists[0]]:
+        if not np.diff(self.starts)[lists].sum():  # nothing chosen, or only empty lists
             return np.zeros(0, np.int64)
         score = self._scan(lists, a, b)
         row = np.concatenate([self.rows[lo:hi] for lo, hi in self._runs(lists)])
