@@ -146,6 +146,7 @@ def add_index_flags(p) -> None:
     )
     add_field_flag(p, S, "cosine", action=argparse.BooleanOptionalAction)
     add_field_flag(p, S, "per_record", action="store_true")
+    add_field_flag(p, S, "records")
     add_field_flag(p, S, "kind", "--index-kind")
     add_field_flag(p, S, "lists", action=argparse.BooleanOptionalAction)
 
@@ -159,6 +160,7 @@ def index_settings(a):
         damping=a.damping,
         cosine=a.cosine,
         per_record=a.per_record,
+        records=a.records,
         kind=a.index_kind,
         lists=getattr(a, "lists", None),
     )

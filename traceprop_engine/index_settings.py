@@ -21,6 +21,14 @@ class PreconditionerKind(str, Enum):
     EKFAC = "ekfac"
 
 
+class RecordChoice(str, Enum):
+    """Which of an example's records score it
+    (:func:`~traceprop_engine.attribution.score.record_weights.record_weights`)."""
+
+    ALL = "all"
+    LAST_EPOCH = "last-epoch"
+
+
 class IndexKind(str, Enum):
     """Which FAISS index to build (:mod:`traceprop_engine.attribution.index.vector_index`)."""
 
@@ -69,6 +77,11 @@ class IndexSettings:
     per_record: bool = knob(
         False, help="one vector per record (example x epoch) instead of per example"
     )
+    records: RecordChoice = knob(
+        RecordChoice.ALL,
+        help="which of an example's records score it: all (each weighted by its step's learning "
+        "rate) or last-epoch (only those of the last epoch the example was trained in)",
+    )
     kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
     index_side: int = knob(
         INDEX_SIDE,
@@ -101,6 +114,12 @@ class IndexSettings:
             parse_choice(PreconditionerKind, self.preconditioner, "preconditioner"),
         )
         object.__setattr__(self, "kind", parse_choice(IndexKind, self.kind, "index kind"))
+        object.__setattr__(self, "records", parse_choice(RecordChoice, self.records, "records"))
+        if self.per_record and self.records is not RecordChoice.ALL:
+            raise ConfigError(
+                f"records={self.records.value} chooses among an example's records; a per-record "
+                "index (per_record=True) has one row per record: use records=all"
+            )
 
     @property
     def name(self) -> str:
@@ -111,6 +130,8 @@ class IndexSettings:
             parts.append("cos")
         if self.per_record:
             parts.append("rec")
+        if self.records is not RecordChoice.ALL:
+            parts.append("last")
         if self.kind is not IndexKind.AUTO:
             parts.append(self.kind.value)
         if self.index_side != INDEX_SIDE:  # another projection: its own folder and cache entry
@@ -132,4 +153,5 @@ class IndexSettings:
             "index_dims": self.index_dims,
             # only when set: the default's fingerprint (and every index built before) unchanged
             **({} if self.lists is None else {"lists": self.lists}),
+            **({} if self.records is RecordChoice.ALL else {"records": self.records.value}),
         }

@@ -17,6 +17,7 @@ from .index_settings import (  # noqa: E402, F401
     IndexKind,
     IndexSettings,
     PreconditionerKind,
+    RecordChoice,
 )
 from .knobs import (  # noqa: F401 - field_help, parse_choice, MAX_SEED: imported from here too
     MAX_SEED,

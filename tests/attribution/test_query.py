@@ -30,17 +30,22 @@ def run_dir(data, tmp_path_factory):
     )
 
 
-def per_example_sketches(store):
-    """Σ_records lr·Ŝ_r per training example, per layer (float64), and the example ids."""
+def per_example_sketches(store, last_epoch: bool = False):
+    """Σ_records lr·Ŝ_r per training example, per layer (float64), and the example ids;
+    ``last_epoch``: only the records of the last epoch each example was trained in."""
     rec = store.records()
     ids = np.unique(rec["example_index"])
     row = {e: i for i, e in enumerate(ids)}
+    last = {}
+    for e, ep in zip(rec["example_index"], rec["epoch"], strict=True):
+        last[e] = max(last.get(e, ep), ep)
     out = []
     for li in range(len(store.layers)):
         x = store.sketches(li).astype(np.float64)
         acc = np.zeros((len(ids), *x.shape[1:]))
         for r, e in enumerate(rec["example_index"]):
-            acc[row[e]] += rec["lr"][r] * x[r]
+            if not last_epoch or rec["epoch"][r] == last[e]:
+                acc[row[e]] += rec["lr"][r] * x[r]
         out.append(acc)
     return ids, out
 
@@ -49,10 +54,10 @@ def inv_damped(m, lam):
     return np.linalg.inv(m + lam * np.eye(len(m)))
 
 
-def reference_scores(store, test, kind, damping=0.1):
+def reference_scores(store, test, kind, damping=0.1, last_epoch=False):
     """Σ_layers ⟨Ŝ_test, H⁻¹ Ŝ_i⟩ with H⁻¹ built explicitly (Kronecker / eigenbasis) per layer;
     the LM head (``output_head``) is left unwhitened by every kind."""
-    ids, per_ex = per_example_sketches(store)
+    ids, per_ex = per_example_sketches(store, last_epoch)
     total = np.zeros(len(ids))
     n_rec = store.n_records
     for li in range(len(store.layers)):
@@ -110,6 +115,31 @@ def test_index_scores_equal_brute_force(run_dir, kind):
         assert sum(json.loads(r["layer_scores"]).values()) == pytest.approx(
             r["score"], rel=1e-3, abs=1e-6
         )
+
+
+@pytest.mark.parametrize("kind", ["identity", "kfac"])
+def test_last_epoch_records_score_as_their_brute_force(run_dir, kind):
+    """``records="last-epoch"``: every example is scored by its records of the last epoch only
+    (lr-weighted), in the index's exact scores and in the ranked answer; on this two-epoch run
+    that is not the score of all records."""
+    run = open_run(run_dir)
+    s = IndexSettings(preconditioner=kind, cosine=False, records="last-epoch")
+    ev = int(run.eval_examples()["example_id"][0])
+    enc, _, _ = run.encode(eval_example=ev)
+    test, _ = run.query_sketches(enc)
+    ids, ref = reference_scores(run.store, test, kind, last_epoch=True)
+    _, every = reference_scores(run.store, test, kind)
+    assert np.abs(ref - every).max() > 0.1 * np.abs(every).max()  # the choice matters here
+    _, row_ids, _ = run.index(s)
+    got = np.zeros(len(ids))
+    got[np.searchsorted(ids, row_ids)] = run.all_scores(test, s)
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=RTOL * np.abs(ref).max())
+    res = run.query(eval_example=ev, top_k=5, settings=s)
+    order = np.argsort(-ref)[:5]
+    atol = RTOL * np.abs(ref).max()
+    got = res.proponents
+    assert_same_ranking(got["example_id"], got["score"], ids[order], ref[order], atol)
+    run.close()
 
 
 def test_query_sketch_equals_stored_record_and_ranks_itself_first(data, tmp_path):

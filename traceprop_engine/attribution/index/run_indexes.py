@@ -243,7 +243,7 @@ class RunIndexes:
             vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
             # the records again, memory-mapped: the re-rank reads scattered candidates from it
             cache_names: list[str] = []
-            scorer = ExactScorer(self.store, pre, ids, s.per_record)
+            scorer = ExactScorer(self.store, pre, ids, s.per_record, s.records)
             if self.store.n_records >= record_cache.MIN_RECORDS:
                 cache_names = write_record_cache(
                     self.store, out, progress and (lambda d, n: progress("records", d, n))
@@ -364,7 +364,7 @@ class RunIndexes:
         _, ids, pre = self.get(s)
         hit = self._scorers.get(s.name)
         if hit is None or hit.pre is not pre:
-            hit = self._scorers[s.name] = ExactScorer(self.store, pre, ids, s.per_record)
+            hit = self._scorers[s.name] = ExactScorer(self.store, pre, ids, s.per_record, s.records)
             try:  # an index built before the record cache existed reads the store instead
                 hit.cache = RecordCache.open(self.dir(s), self.store)
             except (OSError, ValueError) as e:

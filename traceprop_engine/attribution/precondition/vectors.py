@@ -21,6 +21,7 @@ from ...errors import StoreError
 from ...settings import IndexSettings, PreconditionerKind, SketchKind
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
+from ..score.record_weights import record_weights
 from .layer import EkfacMoments, LayerStats, record_product, stack_matmul
 from .preconditioner import Preconditioner
 
@@ -107,6 +108,7 @@ def write_vectors(
     _reserve(path)
     mm[:] = 0
     row_of = {int(e): i for i, e in enumerate(ids)} if not s.per_record else None
+    weights = record_weights(rec, s.records)
     for start in range(0, n_rec, CHUNK):
         stop = min(start + CHUNK, n_rec)
         vec = _vectors(store, pre, start, stop)
@@ -116,8 +118,8 @@ def write_vectors(
             rows = np.fromiter(
                 (row_of[int(e)] for e in rec[C.REC_EXAMPLE][start:stop]), np.int64, stop - start
             )
-            w = rec[C.REC_LR][start:stop].astype(np.float32)[:, None]
-            np.add.at(mm, rows, vec * w)  # lr-weighted sum over an example's records
+            w = weights[start:stop].astype(np.float32)[:, None]
+            np.add.at(mm, rows, vec * w)  # lr-weighted sum over an example's (chosen) records
         if progress:
             progress(stop, n_rec)
     mm.flush()

@@ -25,10 +25,12 @@ import numpy as np
 import scipy.sparse as sp
 
 from ... import constants as C
+from ...index_settings import RecordChoice
 from ..index.projection import transformed_factors
 from ..precondition.preconditioner import Preconditioner
 from ..query_sketches import factors_of
 from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
+from .record_weights import record_weights
 
 CHUNK = 4096  # records per streamed chunk
 NORM_BUFFER_BYTES = 1 << 30  # exact per-example norms accumulate at most this much in memory
@@ -42,9 +44,18 @@ class ExactScorer:
         pre: the fitted preconditioner of the index.
         ids: the index's row -> example id (per-example) or row -> record (per-record).
         per_record: rows are records (weight 1) instead of examples (weight = lr).
+        records: which of an example's records count (``IndexSettings.records``;
+            :func:`~traceprop_engine.attribution.score.record_weights.record_weights`).
     """
 
-    def __init__(self, store, pre: Preconditioner, ids: np.ndarray, per_record: bool = False):
+    def __init__(
+        self,
+        store,
+        pre: Preconditioner,
+        ids: np.ndarray,
+        per_record: bool = False,
+        records: RecordChoice | str = RecordChoice.ALL,
+    ):
         self.store = store
         self.pre = pre
         self.row_sq_norms: np.ndarray | None = None  # set by the query path (norms.npy)
@@ -65,7 +76,7 @@ class ExactScorer:
             row_of = np.full(int(rec[C.REC_EXAMPLE].max(initial=-1)) + 1, -1, dtype=np.int64)
             row_of[self.ids.astype(np.int64)] = np.arange(len(self.ids))
             self.rec_row = row_of[rec[C.REC_EXAMPLE]]
-            self.rec_weight = rec[C.REC_LR].astype(np.float64)
+            self.rec_weight = record_weights(rec, records)
         order = np.argsort(self.rec_row, kind="stable")
         self._by_row = order  # records sorted by row
         self._row_start = np.searchsorted(self.rec_row[order], np.arange(len(self.ids) + 1))

@@ -1,0 +1,79 @@
+"""Which of an example's records should score it? (``IndexSettings.records``; EVAL.md §1n)
+
+Reads finished ``traceprop eval lds`` folders and scores their main run (``runs/k126``) through
+the engine, for every preconditioner row of the evaluation (identity, K-FAC, EK-FAC; cosine and
+not), with ``records=all`` (the whole lr-weighted trajectory) and ``records=last-epoch`` (only
+each example's records of the last epoch it was trained in); prints the LDS of each against the
+evaluation's own retrained subsets, and the evaluation's full-gradient cosine and BM25 rows for
+reference.
+
+Usage: ``python benchmarks/records_probe.py /tmp/q/pft-hard60-s0 /tmp/q/hard60-s0 ...``
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+from gap_probe import subset_data
+
+from traceprop_engine import constants as C
+from traceprop_engine.attribution import open_run
+from traceprop_engine.evaluate.lds_report import lds_scores
+from traceprop_engine.settings import IndexSettings
+
+ROWS = {
+    "kfac-cos": ("kfac", True),
+    "cosine": ("identity", True),
+    "ekfac-cos": ("ekfac", True),
+    "kfac": ("kfac", False),
+}
+
+
+def reference(ev: Path) -> dict[str, float]:
+    """The evaluation's own rows of full-gradient cosine and BM25 (``results.csv``)."""
+    out = {}
+    with open(ev / "results.csv") as f:
+        for row in csv.DictReader(f):
+            if row["method"] in ("full-gradient cosine", "bm25", "kfac-cos"):
+                out[row["method"]] = float(row["lds"])
+    return out
+
+
+def probe(ev: Path) -> dict[str, float]:
+    masks, losses, n_train = subset_data(ev)
+    run = open_run(ev / "runs" / "k126")
+    try:
+        ex = run.examples()
+        eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
+        sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+        epochs = int(run.store.records()[C.REC_EPOCH].max()) + 1
+        out = {"epochs": float(epochs)}
+        for name, (pre, cos) in ROWS.items():
+            for records in ("all", "last-epoch"):
+                ix = IndexSettings(preconditioner=pre, cosine=cos, records=records)
+                _, ids, _ = run.index(ix)
+                scores = np.zeros((len(eval_ids), n_train))
+                for r, sk in enumerate(sketches):
+                    scores[r, ids] = run.all_scores(sk, ix)
+                out[f"{name}, {records}"] = float(np.nanmean(lds_scores(scores, masks, losses)))
+    finally:
+        run.close()
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit(__doc__)
+    for d in argv:
+        ev = Path(d)
+        rows = {**probe(ev), **{f"eval's {k}": v for k, v in reference(ev).items()}}
+        print(f"== {ev.name}", flush=True)
+        for k, v in rows.items():
+            print(f"  {k:35s} {v:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,30 @@
+"""How much each stored record counts in its example's score (``IndexSettings.records``).
+
+An example's vector and exact score are the weighted sum of its records, one per time it was
+trained on (per epoch), each the sketch of that step's gradient:
+
+- ``all`` (the default): every record, weighted by its step's learning rate (TracIn over the
+  whole trajectory).
+- ``last-epoch``: only the records of the last epoch each example was trained in, weighted by
+  learning rate. A run cut short mid-epoch keeps, for the examples the last epoch did not
+  reach, their records of the epoch before. A run of one epoch is the same as ``all``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import constants as C
+from ...index_settings import RecordChoice
+
+
+def record_weights(rec: dict[str, np.ndarray], records: RecordChoice | str) -> np.ndarray:
+    """``(n_records,)`` float64 weights of the store's records ``rec`` (``Store.records()``)."""
+    lr = rec[C.REC_LR].astype(np.float64)
+    if RecordChoice(records) is RecordChoice.ALL or not len(lr):
+        return lr
+    ex = rec[C.REC_EXAMPLE].astype(np.int64)
+    epoch = rec[C.REC_EPOCH].astype(np.int64)
+    last = np.full(int(ex.max()) + 1, np.iinfo(np.int64).min)
+    np.maximum.at(last, ex, epoch)  # each example's last epoch
+    return np.where(epoch == last[ex], lr, 0.0)
