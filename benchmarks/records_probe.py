@@ -1,8 +1,7 @@
 """Which of an example's records should score it? (``IndexSettings.records``; EVAL.md §1n)
 
 Reads finished ``traceprop eval lds`` folders and scores their main run (``runs/k126``) through
-the engine, for every preconditioner row of the evaluation (identity, K-FAC, EK-FAC; cosine and
-not), with ``records=all`` (the whole lr-weighted trajectory) and ``records=last-epoch`` (only
+the engine, for the default (K-FAC, cosine) and identity-cosine, with ``records=all`` (the whole lr-weighted trajectory) and ``records=last-epoch`` (only
 each example's records of the last epoch it was trained in); prints the LDS of each against the
 evaluation's own retrained subsets, and the evaluation's full-gradient cosine and BM25 rows for
 reference.
@@ -24,12 +23,7 @@ from traceprop_engine.attribution import open_run
 from traceprop_engine.evaluate.lds_report import lds_scores
 from traceprop_engine.settings import IndexSettings
 
-ROWS = {
-    "kfac-cos": ("kfac", True),
-    "cosine": ("identity", True),
-    "ekfac-cos": ("ekfac", True),
-    "kfac": ("kfac", False),
-}
+ROWS = {"kfac-cos": ("kfac", True), "cosine": ("identity", True)}
 
 
 def reference(ev: Path) -> dict[str, float]:
@@ -54,7 +48,7 @@ def probe(ev: Path) -> dict[str, float]:
         for name, (pre, cos) in ROWS.items():
             for records in ("all", "last-epoch"):
                 ix = IndexSettings(preconditioner=pre, cosine=cos, records=records)
-                _, ids, _ = run.index(ix)
+                _, ids, _ = run.index(ix, rebuild=True)  # never an index of older weights
                 scores = np.zeros((len(eval_ids), n_train))
                 for r, sk in enumerate(sketches):
                     scores[r, ids] = run.all_scores(sk, ix)

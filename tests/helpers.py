@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from traceprop_engine import Store, Tracker
+from traceprop_engine import constants as C
 from traceprop_engine.capture.layers import build_layers
 from traceprop_engine.samples.data import generate_sample_data
 from traceprop_engine.settings import TrackSettings, TrainSettings
@@ -464,3 +465,21 @@ def write_synthetic_store(path, seed=0, sketch="factored"):
         w.write_covariance(cov)
     w.close(C.STATUS_COMPLETED)
     return path
+
+
+def reference_record_weights(rec: dict, records: str = "last-epoch") -> np.ndarray:
+    """Each record's weight in its example's score, written out plainly (the brute forces'
+    reference for ``IndexSettings.records``): ``all``, the step's learning rate; ``last-epoch``
+    (the default), the mean learning rate of the record's epoch for the records of the last
+    epoch its example was trained in, 0 for the others."""
+    ex, ep, lr = (np.asarray(rec[k]) for k in (C.REC_EXAMPLE, C.REC_EPOCH, C.REC_LR))
+    lr = lr.astype(np.float64)
+    if str(getattr(records, "value", records)) == "all":
+        return lr
+    last, total, count = {}, {}, {}
+    for e, p, r in zip(ex.tolist(), ep.tolist(), lr.tolist(), strict=True):
+        last[e] = max(last.get(e, p), p)
+        total[p] = total.get(p, 0.0) + r
+        count[p] = count.get(p, 0) + 1
+    pairs = zip(ex.tolist(), ep.tolist(), strict=True)
+    return np.array([total[p] / count[p] if p == last[e] else 0.0 for e, p in pairs])

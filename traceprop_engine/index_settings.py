@@ -58,8 +58,9 @@ class IndexSettings:
     """How the index of a run is built (part of its fingerprint).
 
     Default: K-FAC preconditioning from the run's inline statistics with cosine scores
-    (normalised, so a few large-gradient examples do not top every query); a run without K-FAC
-    statistics is answered with identity instead (``AttributionRun.settings``).
+    (normalised, so a few large-gradient examples do not top every query), each example scored
+    by its records of the last epoch it was trained in; a run without K-FAC statistics is
+    answered with identity instead (``AttributionRun.settings``).
     """
 
     preconditioner: PreconditionerKind = knob(
@@ -78,9 +79,10 @@ class IndexSettings:
         False, help="one vector per record (example x epoch) instead of per example"
     )
     records: RecordChoice = knob(
-        RecordChoice.ALL,
-        help="which of an example's records score it: all (each weighted by its step's learning "
-        "rate) or last-epoch (only those of the last epoch the example was trained in)",
+        RecordChoice.LAST_EPOCH,
+        help="which of an example's records score it: last-epoch (those of the last epoch the "
+        "example was trained in) or all (the whole trajectory); each weighted by its step's "
+        "learning rate",
     )
     kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
     index_side: int = knob(
@@ -115,11 +117,8 @@ class IndexSettings:
         )
         object.__setattr__(self, "kind", parse_choice(IndexKind, self.kind, "index kind"))
         object.__setattr__(self, "records", parse_choice(RecordChoice, self.records, "records"))
-        if self.per_record and self.records is not RecordChoice.ALL:
-            raise ConfigError(
-                f"records={self.records.value} chooses among an example's records; a per-record "
-                "index (per_record=True) has one row per record: use records=all"
-            )
+        if self.per_record and self.records is not RecordChoice.ALL:  # one row per record
+            object.__setattr__(self, "records", RecordChoice.ALL)
 
     @property
     def name(self) -> str:
@@ -130,8 +129,8 @@ class IndexSettings:
             parts.append("cos")
         if self.per_record:
             parts.append("rec")
-        if self.records is not RecordChoice.ALL:
-            parts.append("last")
+        if self.records is RecordChoice.ALL and not self.per_record:
+            parts.append("all")
         if self.kind is not IndexKind.AUTO:
             parts.append(self.kind.value)
         if self.index_side != INDEX_SIDE:  # another projection: its own folder and cache entry
@@ -153,5 +152,6 @@ class IndexSettings:
             "index_dims": self.index_dims,
             # only when set: the default's fingerprint (and every index built before) unchanged
             **({} if self.lists is None else {"lists": self.lists}),
+            # records: every index built before the choice scored all records (no key)
             **({} if self.records is RecordChoice.ALL else {"records": self.records.value}),
         }

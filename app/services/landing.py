@@ -13,13 +13,13 @@ GROUND_TRUTH = "facts-data/ground_truth.json"
 
 # one owner for the words the landing page and the Influencers help use
 PRECONDITIONERS = {
-    "kfac": "the default: the training gradients with each layer's input and output-gradient "
-    "covariance divided out (K-FAC from the run's own statistics; the output head is left as "
+    "kfac": "the default: each example's training gradients of the last epoch it was trained "
+    "in, with each layer's input and output-gradient covariance divided out (K-FAC from the run's own statistics; the output head is left as "
     "recorded), compared by cosine, so directions that every example moves along count less. "
     "On our LDS benchmarks it is at or above identity on every LoRA fine-tune (nine of nine, "
     "+0.046 on the mean) and level with it on full fine-tunes (benchmarks/EVAL.md §1k).",
-    "identity": "the training gradients as recorded, compared by cosine (TracIn along the "
-    "trajectory). It needs no covariance: a run trained without statistics uses it. The "
+    "identity": "the training gradients as recorded, compared by cosine (TracIn). It needs no "
+    "covariance: a run trained without statistics uses it. The "
     "second opinion most unlike K-FAC.",
     "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC): level "
     "with K-FAC on our benchmarks (within 0.01 on the mean).",

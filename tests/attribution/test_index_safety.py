@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import facts_data, fast_settings
+from helpers import facts_data, fast_settings, reference_record_weights
 
 from traceprop_engine import IndexBuildError, RunError
 from traceprop_engine.attribution.index.run_indexes import IDS_FILE, VECTORS_FILE
@@ -53,9 +53,11 @@ def run_dir(data, tmp_path_factory):
 
 
 def brute_force_vectors(run) -> tuple[np.ndarray, np.ndarray]:
-    """Σ_records lr·Ŝ_r per training example, all layers flattened and concatenated (the
-    identity-preconditioned vectors), computed directly from the store in float64."""
+    """Σ_records w_r·Ŝ_r per training example (``w_r``: the default records' weights, the last
+    epoch's), all layers flattened and concatenated (the identity-preconditioned vectors),
+    computed directly from the store in float64."""
     rec = run.store.records()
+    weight = reference_record_weights(rec)
     ids = np.unique(rec["example_index"])
     row = {int(e): i for i, e in enumerate(ids)}
     parts = []
@@ -63,7 +65,7 @@ def brute_force_vectors(run) -> tuple[np.ndarray, np.ndarray]:
         x = run.store.sketches(li).astype(np.float64).reshape(run.store.n_records, -1)
         acc = np.zeros((len(ids), x.shape[1]))
         for r, e in enumerate(rec["example_index"]):
-            acc[row[int(e)]] += rec["lr"][r] * x[r]
+            acc[row[int(e)]] += weight[r] * x[r]
         parts.append(acc)
     return ids, np.concatenate(parts, axis=1)
 

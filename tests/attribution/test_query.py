@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import assert_same_ranking, facts_data, fast_settings
+from helpers import assert_same_ranking, facts_data, fast_settings, reference_record_weights
 
 from traceprop_engine import QueryError, RunError
 from traceprop_engine.attribution.query import open_run
@@ -30,22 +30,19 @@ def run_dir(data, tmp_path_factory):
     )
 
 
-def per_example_sketches(store, last_epoch: bool = False):
-    """Σ_records lr·Ŝ_r per training example, per layer (float64), and the example ids;
-    ``last_epoch``: only the records of the last epoch each example was trained in."""
+def per_example_sketches(store, records: str = "last-epoch"):
+    """Σ_records w_r·Ŝ_r per training example, per layer (float64), and the example ids;
+    ``w_r``: ``reference_record_weights`` of ``records`` (the default: the last epoch's)."""
     rec = store.records()
     ids = np.unique(rec["example_index"])
     row = {e: i for i, e in enumerate(ids)}
-    last = {}
-    for e, ep in zip(rec["example_index"], rec["epoch"], strict=True):
-        last[e] = max(last.get(e, ep), ep)
+    weight = reference_record_weights(rec, records)
     out = []
     for li in range(len(store.layers)):
         x = store.sketches(li).astype(np.float64)
         acc = np.zeros((len(ids), *x.shape[1:]))
         for r, e in enumerate(rec["example_index"]):
-            if not last_epoch or rec["epoch"][r] == last[e]:
-                acc[row[e]] += rec["lr"][r] * x[r]
+            acc[row[e]] += weight[r] * x[r]
         out.append(acc)
     return ids, out
 
@@ -54,10 +51,10 @@ def inv_damped(m, lam):
     return np.linalg.inv(m + lam * np.eye(len(m)))
 
 
-def reference_scores(store, test, kind, damping=0.1, last_epoch=False):
+def reference_scores(store, test, kind, damping=0.1, records="last-epoch"):
     """Σ_layers ⟨Ŝ_test, H⁻¹ Ŝ_i⟩ with H⁻¹ built explicitly (Kronecker / eigenbasis) per layer;
     the LM head (``output_head``) is left unwhitened by every kind."""
-    ids, per_ex = per_example_sketches(store, last_epoch)
+    ids, per_ex = per_example_sketches(store, records)
     total = np.zeros(len(ids))
     n_rec = store.n_records
     for li in range(len(store.layers)):
@@ -118,18 +115,18 @@ def test_index_scores_equal_brute_force(run_dir, kind):
 
 
 @pytest.mark.parametrize("kind", ["identity", "kfac"])
-def test_last_epoch_records_score_as_their_brute_force(run_dir, kind):
-    """``records="last-epoch"``: every example is scored by its records of the last epoch only
-    (lr-weighted), in the index's exact scores and in the ranked answer; on this two-epoch run
-    that is not the score of all records."""
+def test_all_records_score_as_their_brute_force(run_dir, kind):
+    """``records="all"``: every example is scored by all its records, each weighted by its
+    step's learning rate (the whole trajectory), in the exact scores and the ranked answer; on
+    this two-epoch run that is not the default's score (the last epoch's records)."""
     run = open_run(run_dir)
-    s = IndexSettings(preconditioner=kind, cosine=False, records="last-epoch")
+    s = IndexSettings(preconditioner=kind, cosine=False, records="all")
     ev = int(run.eval_examples()["example_id"][0])
     enc, _, _ = run.encode(eval_example=ev)
     test, _ = run.query_sketches(enc)
-    ids, ref = reference_scores(run.store, test, kind, last_epoch=True)
-    _, every = reference_scores(run.store, test, kind)
-    assert np.abs(ref - every).max() > 0.1 * np.abs(every).max()  # the choice matters here
+    ids, ref = reference_scores(run.store, test, kind, records="all")
+    _, last = reference_scores(run.store, test, kind)
+    assert np.abs(ref - last).max() > 0.1 * np.abs(last).max()  # the choice matters here
     _, row_ids, _ = run.index(s)
     got = np.zeros(len(ids))
     got[np.searchsorted(ids, row_ids)] = run.all_scores(test, s)

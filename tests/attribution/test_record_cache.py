@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import write_factor_store
+from helpers import reference_record_weights, write_factor_store
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.index.projection import principal_basis, split_sides
@@ -49,7 +49,7 @@ def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
 
 def _layer_vectors(store, pre, ids) -> list[np.ndarray]:
     """Per layer the (n, dim) exact per-example vectors ``L (Σ_r w_r X_r) R`` from full
-    sketches, in float64."""
+    sketches, in float64 (``w_r``: the default records' weights)."""
     rec = store.records()
     row = np.searchsorted(ids, rec[C.REC_EXAMPLE])
     parts = []
@@ -59,7 +59,7 @@ def _layer_vectors(store, pre, ids) -> list[np.ndarray]:
         if lp.left is not None:
             x = lp.left @ x @ lp.right
         acc = np.zeros((len(ids), x[0].size))
-        np.add.at(acc, row, x.reshape(len(x), -1) * rec[C.REC_LR].astype(np.float64)[:, None])
+        np.add.at(acc, row, x.reshape(len(x), -1) * reference_record_weights(rec)[:, None])
         parts.append(acc)
     return parts
 

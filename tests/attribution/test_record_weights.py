@@ -29,20 +29,27 @@ def test_last_epoch_keeps_each_examples_own_last_epoch():
         [3, 3, 3, 2, 2, 2, 2, 1, 1, 0.5],
     )
     np.testing.assert_array_equal(record_weights(rec, "all"), rec[C.REC_LR])
-    np.testing.assert_array_equal(
-        record_weights(rec, "last-epoch"), [0, 0, 0, 0, 0, 2, 2, 1, 1, 0.5]
+    # each kept record weighs its epoch's mean rate: epoch 1 2, epoch 2 (1 + 1 + 0.5) / 3
+    np.testing.assert_allclose(
+        record_weights(rec, "last-epoch"), [0, 0, 0, 0, 0, 2, 2, 2.5 / 3, 2.5 / 3, 2.5 / 3]
     )
-    one = _records([4, 2, 7], [0, 0, 0], [1, 2, 3])  # one epoch: every record
-    np.testing.assert_array_equal(record_weights(one, "last-epoch"), [1, 2, 3])
+    one = _records([4, 2, 7], [0, 0, 0], [1, 2, 3])  # one epoch: every record, its mean rate
+    np.testing.assert_allclose(record_weights(one, "last-epoch"), [2, 2, 2])
+    zero = _records([0, 1, 0, 1], [0, 0, 1, 1], [0, 0, 0, 0])  # lr 0: every score stays 0
+    np.testing.assert_array_equal(record_weights(zero, "last-epoch"), [0, 0, 0, 0])
     empty = _records([], [], [])
     assert record_weights(empty, "last-epoch").shape == (0,)
 
 
-def test_the_setting_names_its_index_and_refuses_per_record_rows():
-    s = IndexSettings(records="last-epoch")
-    assert s.name == "kfac-cos-last" and s.to_dict()["records"] == "last-epoch"
-    assert "records" not in IndexSettings(records="all").to_dict()
-    with pytest.raises(ConfigError, match="per-record"):
-        IndexSettings(records="last-epoch", per_record=True)
+def test_the_setting_names_its_index_and_leaves_per_record_rows_alone():
+    s = IndexSettings()
+    assert s.records.value == "last-epoch"  # the default
+    assert s.name == "kfac-cos" and s.to_dict()["records"] == "last-epoch"
+    every = IndexSettings(records="all")  # what every index built before the choice holds
+    assert every.name == "kfac-cos-all" and "records" not in every.to_dict()
+    # a per-record index has one row per record: nothing to choose among
+    rec = IndexSettings(per_record=True, records="last-epoch")
+    assert rec.records.value == "all" and rec.name == "kfac-cos-rec"
+    assert "records" not in rec.to_dict()
     with pytest.raises(ConfigError, match="records"):
         IndexSettings(records="first-epoch")

@@ -13,6 +13,7 @@ from helpers import (
     check_causal,
     per_example_grads,
     record_causal_step,
+    reference_record_weights,
     single_causal_losses,
     tiny_bert_classifier,
     tiny_neox,
@@ -147,13 +148,14 @@ def test_a_run_with_an_embedding_record_is_queried_through_it(tmp_path):
     ident = IndexSettings(preconditioner="identity", cosine=False)
     s = run.scores(input_ids=query, settings=ident)
     rec = run.store.records()
+    weight = reference_record_weights(rec)  # the default: the last epoch's records
     want = np.zeros(6)
     for r in range(run.store.n_records):
         dot = sum(
             float(np.dot(sk[li].ravel(), run.store.sketches(li, r, r + 1).ravel()))
             for li in range(len(run.store.layers))
         )
-        want[rec[C.REC_EXAMPLE][r]] += float(rec[C.REC_LR][r]) * dot
+        want[rec[C.REC_EXAMPLE][r]] += weight[r] * dot
     np.testing.assert_allclose(s, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
     # the default (K-FAC) answers too, with the embedding's statistics
     assert np.all(np.isfinite(run.scores(input_ids=query)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import engine_neox
+from helpers import engine_neox, reference_record_weights
 from transformers import GPTNeoXForCausalLM
 
 from traceprop_engine import QueryError, Tracker, TrackSettings
@@ -158,16 +158,18 @@ def test_query_by_token_ids_without_a_tokenizer(run_dir):
 
 
 def _brute_force(run_dir: Path, query_sketches: list[np.ndarray]) -> np.ndarray:
-    """Identity preconditioner: Σ_records lr · ⟨sketch_query, sketch_record⟩, per example."""
+    """Identity preconditioner: Σ_records w · ⟨sketch_query, sketch_record⟩, per example (``w``:
+    the default records' weights, the last epoch's)."""
     st = Store(run_dir / "store.h5")
     rec = st.records()
+    weight = reference_record_weights(rec)
     out = np.zeros(len(TEXTS))
     for r in range(st.n_records):
         dot = sum(
             float(np.dot(query_sketches[li].ravel(), st.sketches(li, r, r + 1).ravel()))
             for li in range(len(st.layers))
         )
-        out[rec[C.REC_EXAMPLE][r]] += float(rec[C.REC_LR][r]) * dot
+        out[rec[C.REC_EXAMPLE][r]] += weight[r] * dot
     st.close()
     return out
 

@@ -225,7 +225,8 @@ def test_factor_scores_match_the_run_index_on_a_trained_run(tmp_path):
     run_dir = train(fast_settings(data, tmp_path / "r", epochs=2))
     run = open_run(run_dir)
     try:
-        s = IndexSettings(preconditioner="kfac", cosine=False)
+        # factor_scores sums every record, lr-weighted: the index of all records
+        s = IndexSettings(preconditioner="kfac", cosine=False, records="all")
         _, ids, pre = run.index(s)
         enc, _, _ = run.encode(eval_example=int(run.eval_examples()["example_id"][0]))
         sk, _ = run.query_sketches(enc)

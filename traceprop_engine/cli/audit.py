@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..flags import add_preconditioner_flag, choices, positive_int
+from ..flags import add_field_flag, add_preconditioner_flag, choices, positive_int
 
 
 def add_audit(sub) -> None:
@@ -106,6 +106,7 @@ def _print_verify(rep: dict) -> None:
 
 def add_rank(sub) -> None:
     from ..attribution import RankBy
+    from ..settings import IndexSettings
 
     r = sub.add_parser(
         "rank",
@@ -119,6 +120,7 @@ def add_rank(sub) -> None:
     r.add_argument("run", help="run directory")
     r.add_argument("--by", default=RankBy.SELF_INFLUENCE.value, choices=choices(RankBy))
     add_preconditioner_flag(r)
+    add_field_flag(r, IndexSettings, "records")  # all: the trajectory, for self-influence audits
     r.add_argument("--top-k", type=positive_int, default=20)
     r.add_argument("--csv", help="write the full ranking as CSV")
     r.set_defaults(func=_cmd_rank)
@@ -130,7 +132,7 @@ def _cmd_rank(a) -> int:
 
     run = open_run(a.run)
     by = RankBy(a.by)
-    df = rank_examples(run, by, IndexSettings(preconditioner=a.preconditioner))
+    df = rank_examples(run, by, IndexSettings(preconditioner=a.preconditioner, records=a.records))
     col = by.column
     for n in run.notes:
         print(f"note: {n}", file=sys.stderr)

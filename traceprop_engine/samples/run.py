@@ -69,16 +69,26 @@ def build_sample_run(root: Path | None = None, seed: int = 0) -> Path:
     record = RunRecord.reopen(run_dir)
     record.relative_to(root)
     record.save()
-    run = open_run(run_dir)
-    for pc in SAMPLE_PRECONDITIONERS:
-        run.index(IndexSettings(preconditioner=pc), rebuild=True)
-    for pc in SAMPLE_RAW_INDEXES:  # so the app opens on them without building
-        run.index(IndexSettings(preconditioner=pc, cosine=False), rebuild=True)
-    report = ground_truth_hits(run, data)
-    (run_dir / "sample_quality.json").write_text(json.dumps(report, indent=2))
-    run.close()
-    log.info("sample run quality: %s", report["summary"])
+    index_sample_run(run_dir, data)
     return run_dir
+
+
+def index_sample_run(run_dir: Path, data: Path) -> dict:
+    """(Re)build the sample run's indexes (every preconditioner, cosine and, for the app, raw
+    identity and K-FAC) with the current defaults, and write its ``sample_quality.json``;
+    returns that report. Also what refreshes a committed sample after an index default changes."""
+    run = open_run(run_dir)
+    try:
+        for pc in SAMPLE_PRECONDITIONERS:
+            run.index(IndexSettings(preconditioner=pc), rebuild=True)
+        for pc in SAMPLE_RAW_INDEXES:  # so the app opens on them without building
+            run.index(IndexSettings(preconditioner=pc, cosine=False), rebuild=True)
+        report = ground_truth_hits(run, data)
+    finally:
+        run.close()
+    (run_dir / "sample_quality.json").write_text(json.dumps(report, indent=2))
+    log.info("sample run quality: %s", report["summary"])
+    return report
 
 
 def ground_truth_hits(run, data_dir: Path, k: int = 3) -> dict:
