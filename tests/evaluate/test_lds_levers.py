@@ -89,7 +89,7 @@ def test_record_products_reproduce_the_engines_cosine_and_dot(evaluated):
         prods = RecordProducts(run.store, tests, n_train)
         lr = record_weights(prods.records, "lr")
         for cosine, norm in ((True, "cosine"), (False, "dot")):
-            ix = IndexSettings(preconditioner="identity", cosine=cosine)
+            ix = IndexSettings(preconditioner="identity", cosine=cosine, records="all")
             _, ids, _ = run.index(ix)
             want = np.stack([run.all_scores(sk, ix) for sk in sks])
             got = prods.scores(lr, norm)[:, ids]

@@ -4,9 +4,11 @@
 other ways than identity-cosine (the default until stop 39: identity preconditioner, ``Σ_records lr·Ŝ`` per example, one
 cosine over all layers), all from the same records and query sketches:
 
-- ``weights``: how an example's records are summed: ``lr`` (the default, TracIn along the
-  trajectory), ``last-epoch`` (lr, records of the last epoch only: closest to the final
-  model), ``uniform`` (every record 1), ``late`` (lr·(epoch + 1): later epochs count more).
+- ``weights``: how an example's records are summed: ``lr`` (TracIn along the whole trajectory,
+  the engine's ``records=all``), ``last-epoch`` (lr, records of the run's last epoch only:
+  closest to the final model; the engine's default ``records=last-epoch`` since stop 42 keeps
+  each example's own last epoch at its epoch's mean rate), ``uniform`` (every record 1),
+  ``late`` (lr·(epoch + 1): later epochs count more).
 - ``norm``: ``cosine`` (one cosine over all layers, the default), ``layer`` (each layer's
   query and example vectors scaled to unit norm, the per-layer cosines summed: every layer
   counts the same) or ``dot`` (no normalisation).
@@ -44,7 +46,8 @@ LEVERS: tuple[tuple[str, str], ...] = (
     ("late", "cosine"),
     ("late", "layer"),
 )
-"""(weights, norm) of the lever rows; ``("lr", "cosine")`` is the default's own ``cosine`` row."""
+"""(weights, norm) of the lever rows; ``("lr", "cosine")`` is identity-cosine with ``records=all``
+(the engine's ``cosine`` row scores the last epoch's records)."""
 
 
 def record_weights(records: dict, kind: str) -> np.ndarray:
