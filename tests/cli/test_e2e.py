@@ -80,13 +80,16 @@ def test_train_index_query_csv_carry_lineage(e2e):
     p = cli("index", run)
     assert "vectors" in p.stdout and "index kfac-cos:" in p.stdout  # the default: K-FAC
     out_csv, out_json = root / "top.csv", root / "top.json"
-    # identity: on this tiny run K-FAC scores every example of this query above 0, and the
-    # export is checked with rows of both signs
+    # identity over all records: on this tiny run K-FAC, and identity over the last epoch's
+    # records (the default), score every example of this query above 0, and the export is
+    # checked with rows of both signs
     p = cli(
         "query",
         run,
         "--preconditioner",
         "identity",
+        "--records",
+        "all",
         "--prompt",
         "Q: What does the animal Bix3 eat?\nA:",
         "--completion",

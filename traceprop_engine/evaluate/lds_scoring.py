@@ -85,7 +85,14 @@ def _compact_methods(
                 if p != "identity":
                     _, _, pre = run.index(IndexSettings(preconditioner=p, damping=s.damping))
                 with FactorStore(_factor_file(run.store, c, run_dir)) as fs:
-                    es = factor_scores(tests, fs, pre, dtype=np.float64, with_bound=False)
+                    es = factor_scores(  # the same records as the full-sketch default row
+                        tests,
+                        fs,
+                        pre,
+                        dtype=np.float64,
+                        with_bound=False,
+                        records=IndexSettings().records,
+                    )
                     row["factor_bytes_per_record"] = fs.nbytes_per_record()
                     row["lossless"] = fs.lossless
                     row["relative_residual"] = [layer.relative_residual for layer in fs.layers]

@@ -34,6 +34,7 @@ from ...errors import ConfigError, StoreError
 from ...store.factor_file import CHUNK, FactorStore
 from ...store.reader import Store
 from ..precondition.preconditioner import Preconditioner
+from .record_weights import record_weights
 
 __all__ = ["LOWRANK_RTOL", "ExampleScores", "factor_scores", "sketch_scores"]
 
@@ -90,10 +91,12 @@ def _pulled_back(
     return [by_name[n].pullback(t) for n, t in zip(names, ts, strict=True)]
 
 
-def _per_example(rec: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _per_example(
+    rec: dict[str, np.ndarray], records: str = "all"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ex = rec[C.REC_EXAMPLE]
     ids = np.unique(ex)
-    return ids, np.searchsorted(ids, ex), rec[C.REC_LR].astype(np.float64)
+    return ids, np.searchsorted(ids, ex), record_weights(rec, records)
 
 
 def _accumulate(out: np.ndarray, rows: np.ndarray, w: np.ndarray, per_record: np.ndarray) -> None:
@@ -251,6 +254,7 @@ def factor_scores(
     chunk: int = CHUNK,
     dtype: type = np.float32,
     with_bound: bool = True,
+    records: str = "all",
 ) -> ExampleScores:
     """Brute-force influence scores of every training example, straight from the factors.
 
@@ -269,6 +273,9 @@ def factor_scores(
         chunk: records per streamed chunk.
         dtype: arithmetic dtype of the per-record products (float64 for exact checks).
         with_bound: also accumulate the guaranteed error bound.
+        records: which records count (``IndexSettings.records``): ``all`` (each at its step's
+            learning rate, the ``lr_r`` above) or ``last-epoch`` (an index's default;
+            :func:`~traceprop_engine.attribution.score.record_weights.record_weights`).
 
     Returns:
         :class:`ExampleScores` (cosine similarity is not supported: the norms of the per-example
@@ -278,7 +285,7 @@ def factor_scores(
     ts = _pulled_back(
         test_sketches, names, [layer.record_shape for layer in factors.layers], preconditioner
     )
-    ids, rows, w = _per_example(factors.records())
+    ids, rows, w = _per_example(factors.records(), records)
     q = ts[0].shape[0]
     out = np.zeros((q, len(ids)))
     bound = np.zeros((q, len(ids))) if with_bound else None
@@ -316,8 +323,10 @@ def sketch_scores(
     *,
     chunk: int = CHUNK,
     dtype: type = np.float32,
+    records: str = "all",
 ) -> ExampleScores:
-    """The same brute-force scores from the full stored sketches: ``Σ lr ⟨T', Ŝ⟩`` (the reference)."""
+    """The same brute-force scores from the full stored sketches: ``Σ lr ⟨T', Ŝ⟩`` (the reference;
+    ``records`` as for :func:`factor_scores`)."""
     if store.sketch != "factored":
         raise ConfigError(
             f"{store.path} holds dense sketches; sketch_scores works on factored stores"
@@ -326,7 +335,7 @@ def sketch_scores(
     ts = _pulled_back(
         test_sketches, names, [layer.record_shape for layer in store.layers], preconditioner
     )
-    ids, rows, w = _per_example(store.records())
+    ids, rows, w = _per_example(store.records(), records)
     q = ts[0].shape[0]
     out = np.zeros((q, len(ids)))
     flat = [t.reshape(q, -1).T.astype(dtype) for t in ts]  # (k_out·k_in, q)
