@@ -81,8 +81,8 @@ class IndexSettings:
     records: RecordChoice = knob(
         RecordChoice.LAST_EPOCH,
         help="which of an example's records score it: last-epoch (those of the last epoch the "
-        "example was trained in) or all (the whole trajectory); each weighted by its step's "
-        "learning rate",
+        "example was trained in, each at that epoch's mean learning rate) or all (the whole "
+        "trajectory, each at its step's learning rate)",
     )
     kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
     index_side: int = knob(

@@ -3,9 +3,9 @@
 An example's vector and exact score are the weighted sum of its records, one per time it was
 trained on (per epoch), each the sketch of that step's gradient:
 
-- ``all`` (the default): every record, weighted by its step's learning rate (TracIn over the
-  whole trajectory).
-- ``last-epoch``: only the records of the last epoch each example was trained in, each weighted
+- ``all``: every record, weighted by its step's learning rate (TracIn over the whole
+  trajectory; the only choice before stop 42).
+- ``last-epoch`` (the default): only the records of the last epoch each example was trained in, each weighted
   by that epoch's mean learning rate. A run cut short mid-epoch keeps, for the examples the last
   epoch did not reach, their records of the epoch before. The mean, not the step's own rate: a
   schedule that decays within the epoch would otherwise weight an example by where the shuffle
