@@ -7,6 +7,10 @@ evaluation's own retrained subsets, and the evaluation's full-gradient cosine an
 reference.
 
 Usage: ``python benchmarks/records_probe.py /tmp/q/pft-hard60-s0 /tmp/q/hard60-s0 ...``
+
+``--matrix``: instead, every preconditioner (identity, K-FAC, EK-FAC) with cosine and dot under
+the default's records (``last-epoch``), beside all the evaluation's reference rows (full-gradient
+dot and cosine on the final model, BM25, same label, random): the issue-26 table for the default.
 """
 
 from __future__ import annotations
@@ -24,19 +28,25 @@ from traceprop_engine.evaluate.lds_report import lds_scores
 from traceprop_engine.settings import IndexSettings
 
 ROWS = {"kfac-cos": ("kfac", True), "cosine": ("identity", True)}
+MATRIX = {
+    f"{pre}-{'cos' if cos else 'dot'}": (pre, cos)
+    for pre in ("identity", "kfac", "ekfac")
+    for cos in (True, False)
+}
+REFERENCES = ("full-gradient cosine", "full-gradient dot", "bm25", "same label", "random")
 
 
-def reference(ev: Path) -> dict[str, float]:
-    """The evaluation's own rows of full-gradient cosine and BM25 (``results.csv``)."""
+def reference(ev: Path, names=("full-gradient cosine", "bm25", "kfac-cos")) -> dict[str, float]:
+    """The evaluation's own rows of these methods (``results.csv``), where it has them."""
     out = {}
     with open(ev / "results.csv") as f:
         for row in csv.DictReader(f):
-            if row["method"] in ("full-gradient cosine", "bm25", "kfac-cos"):
+            if row["method"] in names:
                 out[row["method"]] = float(row["lds"])
     return out
 
 
-def probe(ev: Path) -> dict[str, float]:
+def probe(ev: Path, rows=None, choices=("all", "last-epoch")) -> dict[str, float]:
     masks, losses, n_train = subset_data(ev)
     run = open_run(ev / "runs" / "k126")
     try:
@@ -45,8 +55,8 @@ def probe(ev: Path) -> dict[str, float]:
         sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
         epochs = int(run.store.records()[C.REC_EPOCH].max()) + 1
         out = {"epochs": float(epochs)}
-        for name, (pre, cos) in ROWS.items():
-            for records in ("all", "last-epoch"):
+        for name, (pre, cos) in (rows or ROWS).items():
+            for records in choices:
                 ix = IndexSettings(preconditioner=pre, cosine=cos, records=records)
                 _, ids, _ = run.index(ix, rebuild=True)  # never an index of older weights
                 scores = np.zeros((len(eval_ids), n_train))
@@ -59,11 +69,17 @@ def probe(ev: Path) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
+    matrix = "--matrix" in argv
+    argv = [a for a in argv if a != "--matrix"]
     if not argv:
         raise SystemExit(__doc__)
     for d in argv:
         ev = Path(d)
-        rows = {**probe(ev), **{f"eval's {k}": v for k, v in reference(ev).items()}}
+        if matrix:
+            got = probe(ev, MATRIX, ("last-epoch",))
+            rows = {**got, **{f"eval's {k}": v for k, v in reference(ev, REFERENCES).items()}}
+        else:
+            rows = {**probe(ev), **{f"eval's {k}": v for k, v in reference(ev).items()}}
         print(f"== {ev.name}", flush=True)
         for k, v in rows.items():
             print(f"  {k:35s} {v:.3f}", flush=True)

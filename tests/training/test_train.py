@@ -121,7 +121,7 @@ def test_sigterm_cancels_a_cli_run(data, tmp_path):
     # stderr goes to a file: an unread pipe fills up and blocks the run inside write().
     with open(tmp_path / "sig.log", "wb") as log:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-        deadline = time.time() + 60
+        deadline = time.time() + 180  # left as soon as done; room for a loaded box
         while time.time() < deadline and len(read_progress(out)) < 2:
             time.sleep(0.2)
         assert read_progress(out), "the run never made progress"
@@ -150,7 +150,7 @@ def test_sigkill_keeps_the_flushed_records_readable(data, tmp_path):
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     ckpt = out / "checkpoint" / "checkpoint.json"
-    deadline = time.time() + 60
+    deadline = time.time() + 180  # left as soon as done; room for a loaded box
     while time.time() < deadline and (len(read_progress(out)) < 6 or not ckpt.exists()):
         time.sleep(0.2)
     assert len(read_progress(out)) >= 6, "the run never made progress"
