@@ -15,7 +15,10 @@ rows for the same subsets are read from the directory's ``results.json`` (its sc
 lr-weighted sum of sketches recorded along the training trajectory, not final-model gradients).
 
 Peers:
-  kronfluence  EK-FAC (``FactorArguments(strategy="ekfac")``), every Linear, pairwise scores;
+  kronfluence  EK-FAC, K-FAC and identity (``FactorArguments(strategy=...)``), every Linear,
+               pairwise scores, and each divided by the square root of the train example's
+               self-influence under the same strategy (train-side normalisation: Traceprop's
+               cosine, since LDS ignores a query's scale);
   logix        LoGRA random-init rank 8 on every Linear, grad log + grad covariance,
                ``compute_influence_all(precondition=True)``;
   bergson      post-hoc build (projection_dim 8, no optimizer normaliser) of train and eval
@@ -142,6 +145,17 @@ def scores_kronfluence(model, pad, train_encs, eval_encs, work: Path) -> dict[st
             scores_name=f"s_{strategy}"
         )  # compute_* writes to disk, returns None
         out[f"kronfluence {strategy}"] = s["all_modules"].double().numpy()
+        # its train-side normalisation (what Traceprop's cosine does): pairwise / sqrt(self)
+        an.compute_self_scores(
+            scores_name=f"self_{strategy}",
+            factors_name=strategy,
+            train_dataset=train,
+            per_device_train_batch_size=8,
+            overwrite_output_dir=True,
+        )
+        own = an.load_self_scores(scores_name=f"self_{strategy}")["all_modules"].double().numpy()
+        norm = np.sqrt(np.maximum(own, 1e-30))
+        out[f"kronfluence {strategy}, cosine"] = out[f"kronfluence {strategy}"] / norm[None, :]
     return out
 
 
