@@ -10,9 +10,12 @@ the engine with K-FAC-cosine under the default's records, rebuilding the index f
   the trace normalisation makes the identity), or its output side only (``out``). The engine
   leaves the head unwhitened (``Preconditioner.fit``); here that is patched for the run.
 
+- ``--raw``: without the per-layer trace normalisation (each whitened layer at the per-example
+  Fisher's own scale, as kronfluence scores), with the head as recorded and whitened.
+
 Prints the LDS of each against the evaluation's own retrained subsets.
 
-Usage: ``python benchmarks/precondition_probe.py [--damping 0.1,1] [--head] DIR ...``
+Usage: ``python benchmarks/precondition_probe.py [--damping 0.1,1] [--head] [--raw] DIR ...``
 """
 
 from __future__ import annotations
@@ -26,12 +29,23 @@ from gap_probe import subset_data
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import open_run
+from traceprop_engine.attribution.precondition import kfac as K
 from traceprop_engine.attribution.precondition import preconditioner as P
 from traceprop_engine.evaluate.lds_report import lds_scores
 from traceprop_engine.settings import IndexSettings
 
 _FIT = P.Preconditioner.fit.__func__
-HEAD = {"mode": None}
+_SCALE = K._layer_scale
+HEAD = {"mode": None, "raw": False}
+
+
+def _layer_scale(mean_sq_norm: float, preconditioned_sq_norm: float, name: str) -> float:
+    """The engine's per-layer trace normalisation, or 1 (``HEAD["raw"]``: each whitened layer
+    keeps the per-example Fisher's own scale, as kronfluence's scores do)."""
+    return 1.0 if HEAD["raw"] else _SCALE(mean_sq_norm, preconditioned_sq_norm, name)
+
+
+K._layer_scale = _layer_scale
 
 
 def _isotropic(m: np.ndarray) -> np.ndarray:
@@ -63,7 +77,7 @@ def probe(ev: Path, variants: list[tuple[str, str | None, float | None]]) -> dic
         sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
         out = {}
         for name, head, damping in variants:
-            HEAD["mode"] = head
+            HEAD["mode"], HEAD["raw"] = head, name.endswith("raw scale")
             ix = IndexSettings(preconditioner="kfac", cosine=True, damping=damping)
             _, ids, _ = run.index(ix, rebuild=True)  # the fingerprint does not know the patch
             scores = np.zeros((len(eval_ids), n_train))
@@ -71,7 +85,7 @@ def probe(ev: Path, variants: list[tuple[str, str | None, float | None]]) -> dic
                 scores[r, ids] = run.all_scores(sk, ix)
             out[name] = float(np.nanmean(lds_scores(scores, masks, losses)))
     finally:
-        HEAD["mode"] = None
+        HEAD["mode"], HEAD["raw"] = None, False
         run.close()
     return out
 
@@ -81,11 +95,16 @@ def main() -> None:
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--damping", default="", help="comma-separated damping values")
     ap.add_argument("--head", action="store_true", help="the head's whitening variants")
+    ap.add_argument(
+        "--raw", action="store_true", help="without the per-layer trace normalisation, head too"
+    )
     a = ap.parse_args()
     variants: list[tuple[str, str | None, float | None]] = [("default", None, None)]
     variants += [(f"damping {x}", None, float(x)) for x in a.damping.split(",") if x]
     if a.head:
         variants += [(f"head whitened: {m}", m, None) for m in ("both", "in", "out")]
+    if a.raw:
+        variants += [("raw scale", None, None), ("head whitened: both, raw scale", "both", None)]
     for d in a.dirs:
         print(f"== {Path(d).name}", flush=True)
         for k, v in probe(Path(d), variants).items():

@@ -38,6 +38,14 @@ STATUS_COMPLETED = "completed"
 STATUS_FAILED = "failed"
 STATUS_CANCELLED = "cancelled"
 
+# what a run trained (store attribute MODEL_ORIGIN, written by the Tracker; absent in stores
+# written before 2026-12-06): IndexSettings.weighting='auto' whitens every layer at the Fisher's
+# own scale for a pretrained model fine-tuned in full (benchmarks/EVAL.md §1p)
+MODEL_ORIGIN = "model_origin"
+ORIGIN_SCRATCH = "scratch"
+ORIGIN_ADAPTER = "adapter"
+ORIGIN_PRETRAINED_FULL = "pretrained-full"
+
 # the per-example loss definition, part of the format
 LOSS_DEFINITION = (
     "per-example loss = mean token cross-entropy over the example's target tokens "

@@ -29,6 +29,15 @@ class RecordChoice(str, Enum):
     LAST_EPOCH = "last-epoch"
 
 
+class LayerWeighting(str, Enum):
+    """How K-FAC / EK-FAC weigh the layers against each other
+    (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
+
+    AUTO = "auto"  # fisher for a pretrained model fine-tuned in full, recorded otherwise
+    RECORDED = "recorded"  # each layer keeps its records' share; the output head unwhitened
+    FISHER = "fisher"  # every layer, the head too, at the per-example Fisher's own scale
+
+
 class IndexKind(str, Enum):
     """Which FAISS index to build (:mod:`traceprop_engine.attribution.index.vector_index`)."""
 
@@ -84,6 +93,14 @@ class IndexSettings:
         "example was trained in, each at that epoch's mean learning rate) or all (the whole "
         "trajectory, each at its step's learning rate)",
     )
+    weighting: LayerWeighting = knob(
+        LayerWeighting.AUTO,
+        help="how K-FAC / EK-FAC weigh the layers: recorded (each layer keeps its records' share "
+        "of the score, the output head scored as recorded), fisher (every layer, the output head "
+        "too, whitened at the per-example Fisher's own scale, as kronfluence scores) or auto "
+        "(fisher for a pretrained model fine-tuned in full, recorded otherwise: from scratch the "
+        "head carries the attribution and fisher drops LDS to ~0.1; benchmarks/EVAL.md §1p)",
+    )
     kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
     index_side: int = knob(
         INDEX_SIDE,
@@ -117,6 +134,8 @@ class IndexSettings:
         )
         object.__setattr__(self, "kind", parse_choice(IndexKind, self.kind, "index kind"))
         object.__setattr__(self, "records", parse_choice(RecordChoice, self.records, "records"))
+        weighting = parse_choice(LayerWeighting, self.weighting, "weighting")
+        object.__setattr__(self, "weighting", weighting)
         if self.per_record and self.records is not RecordChoice.ALL:  # one row per record
             object.__setattr__(self, "records", RecordChoice.ALL)
 
@@ -131,6 +150,8 @@ class IndexSettings:
             parts.append("rec")
         if self.records is RecordChoice.ALL and not self.per_record:
             parts.append("all")
+        if self.weighting is LayerWeighting.FISHER:
+            parts.append("fisher")
         if self.kind is not IndexKind.AUTO:
             parts.append(self.kind.value)
         if self.index_side != INDEX_SIDE:  # another projection: its own folder and cache entry
@@ -154,4 +175,7 @@ class IndexSettings:
             **({} if self.lists is None else {"lists": self.lists}),
             # records: every index built before the choice scored all records (no key)
             **({} if self.records is RecordChoice.ALL else {"records": self.records.value}),
+            # weighting: only fisher changes the vectors of an index built before it (auto is
+            # resolved per store first, AttributionRun.settings)
+            **({"weighting": "fisher"} if self.weighting is LayerWeighting.FISHER else {}),
         }

@@ -16,6 +16,7 @@ from .index_settings import (  # noqa: E402, F401
     INDEX_SIDE,
     IndexKind,
     IndexSettings,
+    LayerWeighting,
     PreconditionerKind,
     RecordChoice,
 )

@@ -102,10 +102,11 @@ def test_recorded_statistics_are_the_projected_token_sums(tmp_path, kw):
     store.close()
 
 
-def _kron_scores(G_test, X, A, S, n, records, damping):
+def _kron_scores(G_test, X, A, S, n, records, damping, normalise=True):
     """Explicit ``f² vec(G_t)ᵀ H⁻¹ vec(X_i)``, ``H = c S̄ ⊗ Ā`` + per-factor damping, written out
     with an explicit (d_out d_in)² inverse; ``f²`` the per-layer trace normalisation
-    ``mean ‖Ŝ‖² / mean vec(Ŝ)ᵀ H⁻¹ vec(Ŝ)`` over the records (precondition.py's docstring)."""
+    ``mean ‖Ŝ‖² / mean vec(Ŝ)ᵀ H⁻¹ vec(Ŝ)`` over the records (precondition.py's docstring), or 1
+    without ``normalise`` (``weighting='fisher'``)."""
     flat = records.reshape(len(records), -1)
     msq = float(np.mean(np.sum(flat**2, axis=1)))
     a_bar, s_bar = A / n, S / n
@@ -116,7 +117,7 @@ def _kron_scores(G_test, X, A, S, n, records, damping):
         np.linalg.inv(c * s_bar + lam_s * np.eye(len(s_bar))),
         np.linalg.inv(a_bar + lam_a * np.eye(len(a_bar))),
     )
-    f2 = msq / float(np.mean(np.einsum("ni,ij,nj->n", flat, h_inv, flat)))
+    f2 = msq / float(np.mean(np.einsum("ni,ij,nj->n", flat, h_inv, flat))) if normalise else 1.0
     return f2 * G_test.reshape(len(G_test), -1) @ h_inv @ X.reshape(len(X), -1).T
 
 
@@ -148,4 +149,27 @@ def test_unprojected_kfac_scores_equal_the_explicit_kronecker_inverse(tmp_path, 
             store.sketches(li).astype(np.float64) * lr[:, None, None],
         )
         np.testing.assert_allclose(got, want, rtol=RTOL_SCORE, atol=RTOL_SCORE * abs(want).max())
+    store.close()
+
+
+def test_fisher_weighting_whitens_the_head_and_keeps_each_layers_fisher_scale(tmp_path):
+    """``weighting='fisher'``: every layer, the LM head too, scores ``vec(G_t)ᵀ H⁻¹ vec(X_i)``
+    with the explicit Kronecker inverse and no per-layer trace normalisation (``f = 1``)."""
+    store, layers, ref, grads = _track(tmp_path, rank=0, k_in=1 << 20, k_out=1 << 20)
+    s = IndexSettings(
+        preconditioner="kfac", cosine=False, index_side=0, index_dims=0, weighting="fisher"
+    )
+    pre = fit_preconditioner(store, s)
+    lr = np.repeat(LRS, 3)
+    for li, (lp, r) in enumerate(zip(pre.layers, ref, strict=True)):
+        G = np.stack([g[li] for g in grads])
+        X = G * lr[:, None, None]
+        want = _kron_scores(G[:2], X, r["A"], r["S"], r["n"], G, 0.1, normalise=False)
+        got = np.einsum(
+            "qoi,noi->qn",
+            lp.pullback(G[:2]),
+            store.sketches(li).astype(np.float64) * lr[:, None, None],
+        )
+        np.testing.assert_allclose(got, want, rtol=RTOL_SCORE, atol=RTOL_SCORE * abs(want).max())
+    assert layers[-1].output_head and pre.layers[-1].kind.value == "kfac"  # the head whitened
     store.close()

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..settings import IndexSettings, PreconditionerKind, SketchKind
+from .. import constants as C
+from ..settings import IndexSettings, LayerWeighting, PreconditionerKind, SketchKind
 
 NO_STATISTICS_NOTE = (
     "this run has no K-FAC statistics (trained with --no-covariance, or stopped before they were "
@@ -32,14 +33,29 @@ def usable_preconditioners(store) -> list[PreconditionerKind]:
 def resolve_settings(store, s: IndexSettings | None) -> IndexSettings:
     """``s`` (default: ``IndexSettings()``) as this store can answer it: K-FAC, the default, on a
     run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); EK-FAC there
-    stays an error where it is fitted."""
+    stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a pretrained
+    model fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise; identity,
+    which whitens nothing, is always ``recorded``."""
     s = s or IndexSettings()
     if (
         s.preconditioner is PreconditionerKind.KFAC
         and s.preconditioner not in usable_preconditioners(store)
     ):
-        return dataclasses.replace(s, preconditioner=PreconditionerKind.IDENTITY)
+        s = dataclasses.replace(s, preconditioner=PreconditionerKind.IDENTITY)
+    if s.preconditioner is PreconditionerKind.IDENTITY or s.weighting is LayerWeighting.AUTO:
+        fisher = s.preconditioner is not PreconditionerKind.IDENTITY and pretrained_full(store)
+        weighting = LayerWeighting.FISHER if fisher else LayerWeighting.RECORDED
+        s = dataclasses.replace(s, weighting=weighting)
     return s
+
+
+def pretrained_full(store) -> bool:
+    """Whether the run fine-tuned a pretrained model in full: the store's ``model_origin``, or in
+    a store written before it, an input embedding among the tracked layers (recorded under
+    ``embedding='auto'`` only for such a run)."""
+    if store.model_origin:
+        return store.model_origin == C.ORIGIN_PRETRAINED_FULL
+    return any(layer.kind == "embedding" for layer in store.layers)
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ class AttributionRun(TestSideMixin):
         out = []
         if self.store.is_partial:  # says so when it has no covariance
             out.append(self.store.describe_partial())
-        elif self.settings() != IndexSettings():  # the default fell back to identity
+        elif self.settings().preconditioner is not IndexSettings().preconditioner:  # fell back
             out.append(NO_STATISTICS_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]

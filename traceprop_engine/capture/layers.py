@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import constants as C
 from ..errors import ConfigError
 from ..settings import EmbeddingMode, FactorSpace, SketchKind, TrackSettings
 from .sketch import layer_seed, random_projection, sparse_jl, vocab_projection
@@ -191,6 +192,15 @@ def _pretrained(model: nn.Module) -> bool:
     in ``from_pretrained``; a model built from a config has ``""``), through a peft wrapper too."""
     cfg = getattr(model, "config", None)
     return bool(getattr(cfg, "_name_or_path", "") or getattr(cfg, "name_or_path", ""))
+
+
+def model_origin(model: nn.Module) -> str:
+    """What a run trains (the store's ``MODEL_ORIGIN``): ``ORIGIN_SCRATCH`` (a model built from a
+    config), ``ORIGIN_ADAPTER`` (a peft adapter on any model) or ``ORIGIN_PRETRAINED_FULL`` (a
+    model loaded from saved weights, every parameter trained)."""
+    if hasattr(model, "peft_config"):
+        return C.ORIGIN_ADAPTER
+    return C.ORIGIN_PRETRAINED_FULL if _pretrained(model) else C.ORIGIN_SCRATCH
 
 
 def embedding_layer(model: nn.Module, settings: TrackSettings) -> tuple[str, nn.Module] | None:

@@ -51,7 +51,7 @@ from ..settings import TrackSettings
 from ..store.writer import StoreWriter
 from .buffer import BackgroundSink, SketchBuffer
 from .hooks import Capture
-from .layers import build_layers, resolved_embedding, target_counts
+from .layers import build_layers, model_origin, resolved_embedding, target_counts
 from .optimizer_scale import (
     adam_row_scales,
     check_optimizer_aware,
@@ -142,6 +142,8 @@ class Tracker:
         self.writer = writer or StoreWriter(
             store_path, self.layers, manifest or {}, sketch=self.settings.sketch.value
         )
+        if writer is None:  # what was trained: AttributionRun.settings' weighting=auto reads it
+            self.writer.set_attrs(**{C.MODEL_ORIGIN: model_origin(model)})
         self._sink = BackgroundSink(self.writer) if background else self.writer.append
         device = next(model.parameters()).device
         self.buffer = SketchBuffer(
@@ -159,9 +161,8 @@ class Tracker:
         self._closed = False
         self.status = C.STATUS_RUNNING
         self._in_step = False
-        self._epoch = (
-            0  # inferred epoch (when step() is not given one): a repeated id starts the next
-        )
+        # inferred epoch (when step() is not given one): a repeated id starts the next
+        self._epoch = 0
         self._seen: set[int] = set()
         self._embeddings = [x for x in self.layers if x.embedding]  # usually none
         self._embedding_warned = False
@@ -312,8 +313,7 @@ class Tracker:
                 "micro-batch in its own block, one after the other"
             )
         idx = example_ids(example_index)
-        b = len(idx)
-        check_step_args(b, lr, padding_mask, loss_scale)
+        check_step_args(b := len(idx), lr, padding_mask, loss_scale)
         top = int(idx.max())
         if self._n_examples is not None and top >= self._n_examples:
             raise ConfigError(

@@ -144,6 +144,7 @@ class Store(PartialStatus):
             self.n_records = int(a["n_records"])
             self.sketch = str(a["sketch"])
             self.manifest = json.loads(a["manifest"])
+            self.model_origin = str(a.get(C.MODEL_ORIGIN, ""))  # "": written before 2026-12-06
             self.layers = [
                 LayerInfo.read(i, self._f[f"{C.G_LAYERS}/{k}"])
                 for i, k in enumerate(sorted(self._f[C.G_LAYERS]))

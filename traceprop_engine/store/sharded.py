@@ -73,6 +73,7 @@ class ShardedStore(PartialStatus):
         self.sketch = first.sketch
         self.schema_version = first.schema_version
         self.manifest = first.manifest
+        self.model_origin = first.model_origin
         self._offsets = np.concatenate(
             [[0], np.cumsum([sh.n_records for sh in self.shards])]
         ).astype(np.int64)

@@ -65,6 +65,7 @@ def fit_layer(
     damping: float | None = None,
     shape: tuple[int, ...] | None = None,
     name: str = "",
+    layer_scale: bool = True,
 ) -> LayerPreconditioner:
     """Fit one layer's preconditioner from its K-FAC sums (see the module docstring).
 
@@ -79,6 +80,8 @@ def fit_layer(
         damping: fraction of the mean eigenvalue added as damping; default 0.1.
         shape: per-record sketch shape; inferred from ``A``/``S`` or ``sketch_moments``.
         name: layer name, kept for error messages and persistence.
+        layer_scale: the per-layer trace normalisation of a factored K-FAC / EK-FAC fit; False
+            keeps the per-example Fisher's own scale (``IndexSettings.weighting='fisher'``).
 
     Returns:
         The fitted :class:`LayerPreconditioner`.
@@ -106,9 +109,10 @@ def fit_layer(
         # batches taken then hold nothing to whiten it with; scored as recorded
         log.warning("layer %s: %s; it is scored unwhitened (identity)", name, unfit)
         return LayerPreconditioner(name, PreconditionerKind.IDENTITY, shape, info={"unfit": unfit})
-    if kind is PreconditionerKind.KFAC:
-        return _fit_kfac(a_bar, s_bar, shape, mean_sq_norm, damping, name, sketch_moments)
-    return _fit_ekfac(sketch_moments, shape, damping, name)
+    if kind is PreconditionerKind.KFAC:  # the moments serve only its trace normalisation
+        moments = sketch_moments if layer_scale else None
+        return _fit_kfac(a_bar, s_bar, shape, mean_sq_norm, damping, name, moments)
+    return _fit_ekfac(sketch_moments, shape, damping, name, layer_scale)
 
 
 def _without_statistics(kind, a_bar, s_bar, mean_sq_norm, moments) -> str:
@@ -249,12 +253,18 @@ def _fit_kfac(
 
 
 def _fit_ekfac(
-    moments: EkfacMoments | None, shape: tuple[int, ...], damping: float, name: str
+    moments: EkfacMoments | None,
+    shape: tuple[int, ...],
+    damping: float,
+    name: str,
+    layer_scale: bool = True,
 ) -> LayerPreconditioner:
-    """EK-FAC: the K-FAC eigenbases with the streamed eigenvalue correction ``Λ``."""
+    """EK-FAC: the K-FAC eigenbases with the streamed eigenvalue correction ``Λ`` (without
+    ``layer_scale``, no trace normalisation: ``f = 1``)."""
     kind = PreconditionerKind.EKFAC
     lam_ab = _moments_for(kind, moments, shape, name)
     lam, inv, f = _damped_inverse(lam_ab, damping, name)
+    f = f if layer_scale else 1.0
     return LayerPreconditioner(
         name,
         kind,

@@ -111,10 +111,13 @@ class Preconditioner:
         layers: Sequence[LayerStats],
         damping: float | None = None,
         index_side: int = 0,
+        fisher: bool = False,
     ) -> Preconditioner:
         """Fit every layer with the same kind and damping (see
         :func:`~traceprop_engine.attribution.precondition.kfac.fit_layer`), but an LM head
-        (``output_head``), which every kind leaves unwhitened (identity).
+        (``output_head``), which every kind leaves unwhitened (identity). With ``fisher``
+        (``IndexSettings.weighting``) the head is whitened like the others and no layer is
+        trace-normalised: every factored layer at the per-example Fisher's own scale.
 
         ``index_side = m > 0`` adds an ``m × m`` index projection to every factored layer whose
         sketch is larger (:meth:`LayerPreconditioner.with_index_projection`), seeded by the
@@ -123,7 +126,7 @@ class Preconditioner:
 
         fitted = [
             fit_layer(
-                PreconditionerKind.IDENTITY if st.output_head else kind,
+                PreconditionerKind.IDENTITY if st.output_head and not fisher else kind,
                 st.A,
                 st.S,
                 st.n_tokens,
@@ -132,6 +135,7 @@ class Preconditioner:
                 damping=damping,
                 shape=st.shape,
                 name=st.name,
+                layer_scale=not fisher,
             )
             for st in layers
         ]

@@ -18,7 +18,7 @@ import polars as pl
 
 from ... import constants as C
 from ...errors import StoreError
-from ...settings import IndexSettings, PreconditionerKind, SketchKind
+from ...settings import IndexSettings, LayerWeighting, PreconditionerKind, SketchKind
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
 from ..score.record_weights import record_weights
@@ -34,6 +34,7 @@ def fit_preconditioner(
 ) -> Preconditioner:
     """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
     kind = s.preconditioner
+    fisher = s.weighting is LayerWeighting.FISHER  # AUTO: resolved by AttributionRun.settings
     if kind not in usable_preconditioners(store):
         raise StoreError(
             f"{store.path} has no covariance (trained with --no-covariance, or the run stopped "
@@ -46,7 +47,7 @@ def fit_preconditioner(
         dense = SketchKind(layer.sketch) is SketchKind.DENSE
         cov = store.covariance(li) if not dense else None
         moments = None  # K-FAC: for its per-layer trace normalisation; EK-FAC: its eigenvalues
-        if kind is not PreconditionerKind.IDENTITY and not layer.output_head:
+        if kind is not PreconditionerKind.IDENTITY and (fisher or not layer.output_head):
             moments = (
                 EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
                 if cov
@@ -71,7 +72,7 @@ def fit_preconditioner(
                 output_head=layer.output_head,
             )
         )
-    pre = Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side)
+    pre = Preconditioner.fit(kind, stats, s.damping, index_side=s.index_side, fisher=fisher)
     if not store.n_records:
         return pre
     # the index projection: the records' principal directions instead of random ones

@@ -1,0 +1,93 @@
+"""``IndexSettings.weighting``: what the Tracker says a run trained (``model_origin``), how
+``auto`` resolves from it (fisher for a pretrained model fine-tuned in full, recorded
+otherwise), and that a resolved fisher index is its own index with its own scores."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_neox, train_own_loop
+from peft import LoraConfig, get_peft_model
+from transformers import GPTNeoXForCausalLM
+
+from traceprop_engine import TrackSettings
+from traceprop_engine import constants as C
+from traceprop_engine.attribution.query import open_run
+from traceprop_engine.capture.layers import model_origin
+from traceprop_engine.cli.main import main
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.settings import IndexSettings, LayerWeighting
+
+ROWS = [torch.randint(1, 97, (6,), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+
+def _saved_and_loaded(tmp_path) -> GPTNeoXForCausalLM:
+    tiny_neox().save_pretrained(tmp_path / "pretrained")
+    return GPTNeoXForCausalLM.from_pretrained(tmp_path / "pretrained").train()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """A run from scratch and one of the same architecture loaded from saved weights."""
+    tmp = tmp_path_factory.mktemp("weighting")
+    settings = TrackSettings(k_in=8, k_out=8, covariance_stride=1)
+    torch.manual_seed(0)
+    scratch = train_own_loop(tiny_neox().train(), tmp / "scratch", settings, ROWS)
+    full = train_own_loop(_saved_and_loaded(tmp), tmp / "full", settings, ROWS)
+    return {"scratch": scratch, "full": full}
+
+
+def test_model_origin_tells_scratch_pretrained_and_adapter_apart(tmp_path):
+    assert model_origin(tiny_neox()) == C.ORIGIN_SCRATCH
+    loaded = _saved_and_loaded(tmp_path)
+    assert model_origin(loaded) == C.ORIGIN_PRETRAINED_FULL
+    lora = get_peft_model(loaded, LoraConfig(r=2, target_modules=["query_key_value"]))
+    assert model_origin(lora) == C.ORIGIN_ADAPTER
+
+
+def test_auto_resolves_per_run_and_a_fisher_index_is_its_own(runs, capsys):
+    scratch, full = open_run(runs["scratch"]), open_run(runs["full"])
+    assert scratch.store.model_origin == C.ORIGIN_SCRATCH
+    assert full.store.model_origin == C.ORIGIN_PRETRAINED_FULL
+    assert scratch.settings().weighting is LayerWeighting.RECORDED
+    assert scratch.settings().name == "kfac-cos"  # the default index of a run from scratch
+    assert full.settings().weighting is LayerWeighting.FISHER
+    assert full.settings().name == "kfac-cos-fisher"
+    # identity whitens nothing: always recorded, whatever was asked
+    ident = IndexSettings(preconditioner="identity", weighting="fisher")
+    assert full.settings(ident).weighting is LayerWeighting.RECORDED
+    query = ROWS[1].tolist()
+    default = full.scores(input_ids=query)
+    fisher = full.scores(input_ids=query, settings=IndexSettings(weighting="fisher"))
+    recorded = full.scores(input_ids=query, settings=IndexSettings(weighting="recorded"))
+    np.testing.assert_array_equal(default, fisher)  # the same index, the same code path
+    assert not np.allclose(fisher, recorded, rtol=1e-3)  # the head whitened, scales kept
+    # the query's top answer carries the index it came from
+    assert full.query(input_ids=query, top_k=2).query["preconditioner"] == "kfac"
+    assert main(["index", str(runs["full"]), "--weighting", "recorded"]) == 0
+    assert "index kfac-cos:" in capsys.readouterr().out
+    assert main(["index", str(runs["full"])]) == 0
+    assert "index kfac-cos-fisher:" in capsys.readouterr().out
+
+
+def test_a_store_written_before_model_origin_reads_it_from_its_layers(runs, tmp_path):
+    """No ``model_origin`` attribute: an input embedding among the tracked layers (recorded by
+    ``embedding='auto'`` only for a pretrained model fine-tuned in full) means fisher."""
+    import shutil
+
+    for name, want in (("full", LayerWeighting.FISHER), ("scratch", LayerWeighting.RECORDED)):
+        old = shutil.copytree(runs[name], tmp_path / name, ignore=shutil.ignore_patterns("index"))
+        with h5py.File(old / C.STORE_FILE, "r+") as f:
+            del f.attrs[C.MODEL_ORIGIN]
+        run = open_run(old)
+        assert run.store.model_origin == ""
+        assert run.settings().weighting is want
+
+
+def test_bad_weighting_is_a_clear_error():
+    with pytest.raises(ConfigError, match="weighting must be one of"):
+        IndexSettings(weighting="kronfluence")
+    assert "weighting" not in IndexSettings().to_dict()  # every default index built before
+    assert IndexSettings(weighting="fisher").to_dict()["weighting"] == "fisher"
