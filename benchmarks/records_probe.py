@@ -11,6 +11,10 @@ Usage: ``python benchmarks/records_probe.py /tmp/q/pft-hard60-s0 /tmp/q/hard60-s
 ``--matrix``: instead, every preconditioner (identity, K-FAC, EK-FAC) with cosine and dot under
 the default's records (``last-epoch``), beside all the evaluation's reference rows (full-gradient
 dot and cosine on the final model, BM25, same label, random): the issue-26 table for the default.
+
+``--weighting``: the same for identity-cosine, K-FAC-cosine at the default weighting (``auto``,
+resolved per run) and at ``recorded`` and ``fisher``, EK-FAC-cosine and K-FAC dot (EVAL.md §1p).
+The flag comes first.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ MATRIX = {
     f"{pre}-{'cos' if cos else 'dot'}": (pre, cos)
     for pre in ("identity", "kfac", "ekfac")
     for cos in (True, False)
+}
+# --weighting: the default's weighting (auto, resolved per run) beside both choices
+WEIGHTING = {
+    "identity-cos": ("identity", True),
+    "kfac-cos": ("kfac", True),
+    "kfac-cos, recorded": ("kfac", True, "recorded"),
+    "kfac-cos, fisher": ("kfac", True, "fisher"),
+    "ekfac-cos": ("ekfac", True),
+    "kfac-dot": ("kfac", False),
 }
 REFERENCES = ("full-gradient cosine", "full-gradient dot", "bm25", "same label", "random")
 
@@ -55,9 +68,10 @@ def probe(ev: Path, rows=None, choices=("all", "last-epoch")) -> dict[str, float
         sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
         epochs = int(run.store.records()[C.REC_EPOCH].max()) + 1
         out = {"epochs": float(epochs)}
-        for name, (pre, cos) in (rows or ROWS).items():
+        for name, (pre, cos, *weighting) in (rows or ROWS).items():
             for records in choices:
-                ix = IndexSettings(preconditioner=pre, cosine=cos, records=records)
+                w = weighting[0] if weighting else "auto"
+                ix = IndexSettings(preconditioner=pre, cosine=cos, records=records, weighting=w)
                 _, ids, _ = run.index(ix, rebuild=True)  # never an index of older weights
                 scores = np.zeros((len(eval_ids), n_train))
                 for r, sk in enumerate(sketches):
@@ -69,14 +83,14 @@ def probe(ev: Path, rows=None, choices=("all", "last-epoch")) -> dict[str, float
 
 
 def main(argv: list[str]) -> None:
-    matrix = "--matrix" in argv
-    argv = [a for a in argv if a != "--matrix"]
+    matrix = {"--matrix": MATRIX, "--weighting": WEIGHTING}.get(next(iter(argv), ""))
+    argv = [a for a in argv if a not in ("--matrix", "--weighting")]
     if not argv:
         raise SystemExit(__doc__)
     for d in argv:
         ev = Path(d)
         if matrix:
-            got = probe(ev, MATRIX, ("last-epoch",))
+            got = probe(ev, matrix, ("last-epoch",))
             rows = {**got, **{f"eval's {k}": v for k, v in reference(ev, REFERENCES).items()}}
         else:
             rows = {**probe(ev), **{f"eval's {k}": v for k, v in reference(ev).items()}}

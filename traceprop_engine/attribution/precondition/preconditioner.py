@@ -39,6 +39,11 @@ Kinds:
   classification too: K-FAC 0.48 → 0.61 on docs8 seed 0 with the classifier unwhitened); the
   other layers whitened and the head as recorded match or beat identity there
   (benchmarks/EVAL.md §1g).
+- **``fisher``** (``IndexSettings.weighting``; ``auto`` picks it for a pretrained model
+  fine-tuned in full): neither of the two above. Every factored layer, the head too, is
+  whitened at the per-example Fisher's own scale (``f = 1``), as kronfluence scores. On a
+  pretrained model that moves weight from the input embedding and the head to the transformer
+  blocks, and LDS rose by 0.06 / 0.10; from scratch it fell to about 0.1 (EVAL.md §1p).
 - dense sketches (``x ∈ R^k``, no covariance): ``identity`` is ``v = x``; ``ekfac`` the diagonal
   Fisher in the coordinate basis, ``v_j = f x_j / sqrt(Λ_j + λ)``, ``Λ_j = mean_i x_ij²``,
   ``λ = damping × mean(Λ)``; ``kfac`` the isotropic Fisher, which the trace normalisation makes
