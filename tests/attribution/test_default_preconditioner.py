@@ -55,7 +55,9 @@ def test_a_run_without_statistics_falls_back_to_identity_and_says_so(runs, capsy
     assert usable_preconditioners(run.store) == [PreconditionerKind.IDENTITY]
     assert run.settings().preconditioner is PreconditionerKind.IDENTITY
     assert run.settings(IndexSettings(cosine=False)) == IndexSettings(
-        preconditioner="identity", cosine=False, weighting="recorded"  # auto resolved
+        preconditioner="identity",
+        cosine=False,
+        weighting="recorded",  # auto resolved
     )
     assert NO_STATISTICS_NOTE in run.notes
     res = run.query(**QUERY, top_k=3)

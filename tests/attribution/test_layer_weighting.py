@@ -65,7 +65,9 @@ def test_auto_resolves_per_run_and_a_fisher_index_is_its_own(runs, capsys):
     np.testing.assert_array_equal(default, fisher)  # the same index, the same code path
     assert not np.allclose(fisher, recorded, rtol=1e-3)  # the head whitened, scales kept
     # the query's top answer carries the index it came from
-    assert full.query(input_ids=query, top_k=2).query["preconditioner"] == "kfac"
+    res = full.query(input_ids=query, top_k=2)
+    assert (res.query["preconditioner"], res.query["weighting"]) == ("kfac", "fisher")
+    assert scratch.query(input_ids=query, top_k=2).query["weighting"] == "recorded"
     assert main(["index", str(runs["full"]), "--weighting", "recorded"]) == 0
     assert "index kfac-cos:" in capsys.readouterr().out
     assert main(["index", str(runs["full"])]) == 0

@@ -187,6 +187,7 @@ class AttributionRun(TestSideMixin):
             "query_loss": ts.loss,
             "top_k": top_k,
             **s.to_dict(),
+            "weighting": s.weighting.value,  # resolved (recorded / fisher), also where omitted
             "n_vectors": int(index.n),
         }
         return QueryResult(

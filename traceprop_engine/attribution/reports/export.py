@@ -90,6 +90,7 @@ QUERY_FIELDS = (
     "eval_example",
     "label",
     "preconditioner",
+    "weighting",
     "top_k",
     "query_loss",
 )
