@@ -40,7 +40,7 @@ STATUS_CANCELLED = "cancelled"
 
 # what a run trained (store attribute MODEL_ORIGIN, written by the Tracker; absent in stores
 # written before 2026-12-06): IndexSettings.weighting='auto' whitens every layer at the Fisher's
-# own scale for a pretrained model fine-tuned in full (benchmarks/EVAL.md §1p)
+# own scale for a pretrained causal LM fine-tuned in full (benchmarks/EVAL.md §1p)
 MODEL_ORIGIN = "model_origin"
 ORIGIN_SCRATCH = "scratch"
 ORIGIN_ADAPTER = "adapter"

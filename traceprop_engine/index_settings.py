@@ -33,7 +33,7 @@ class LayerWeighting(str, Enum):
     """How K-FAC / EK-FAC weigh the layers against each other
     (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
 
-    AUTO = "auto"  # fisher for a pretrained model fine-tuned in full, recorded otherwise
+    AUTO = "auto"  # fisher for a pretrained causal LM fine-tuned in full, recorded otherwise
     RECORDED = "recorded"  # each layer keeps its records' share; the output head unwhitened
     FISHER = "fisher"  # every layer, the head too, at the per-example Fisher's own scale
 
@@ -98,8 +98,9 @@ class IndexSettings:
         help="how K-FAC / EK-FAC weigh the layers: recorded (each layer keeps its records' share "
         "of the score, the output head scored as recorded), fisher (every layer, the output head "
         "too, whitened at the per-example Fisher's own scale, as kronfluence scores) or auto "
-        "(fisher for a pretrained model fine-tuned in full, recorded otherwise: from scratch the "
-        "head carries the attribution and fisher drops LDS to ~0.1; benchmarks/EVAL.md §1p)",
+        "(fisher for a pretrained causal LM fine-tuned in full, recorded otherwise: from scratch "
+        "the head carries the attribution and fisher drops LDS to ~0.1, and it lowered LoRA runs "
+        "and a pretrained classifier too; benchmarks/EVAL.md §1p)",
     )
     kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
     index_side: int = knob(

@@ -1,5 +1,5 @@
 """``IndexSettings.weighting``: what the Tracker says a run trained (``model_origin``), how
-``auto`` resolves from it (fisher for a pretrained model fine-tuned in full, recorded
+``auto`` resolves from it (fisher for a pretrained causal LM fine-tuned in full, recorded
 otherwise), and that a resolved fisher index is its own index with its own scores."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from transformers import GPTNeoXForCausalLM
 
 from traceprop_engine import TrackSettings
 from traceprop_engine import constants as C
+from traceprop_engine.attribution.overview import resolve_settings
 from traceprop_engine.attribution.query import open_run
 from traceprop_engine.capture.layers import model_origin
 from traceprop_engine.cli.main import main
@@ -55,6 +56,9 @@ def test_auto_resolves_per_run_and_a_fisher_index_is_its_own(runs, capsys):
     assert scratch.settings().name == "kfac-cos"  # the default index of a run from scratch
     assert full.settings().weighting is LayerWeighting.FISHER
     assert full.settings().name == "kfac-cos-fisher"
+    # a pretrained classifier fine-tuned in full stays recorded (fisher lowered LDS there)
+    classifier = resolve_settings(full.store, None, "classification")
+    assert classifier.weighting is LayerWeighting.RECORDED
     # identity whitens nothing: always recorded, whatever was asked
     ident = IndexSettings(preconditioner="identity", weighting="fisher")
     assert full.settings(ident).weighting is LayerWeighting.RECORDED

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import constants as C
-from ..settings import IndexSettings, LayerWeighting, PreconditionerKind, SketchKind
+from ..settings import IndexSettings, LayerWeighting, PreconditionerKind, SketchKind, Task
 
 NO_STATISTICS_NOTE = (
     "this run has no K-FAC statistics (trained with --no-covariance, or stopped before they were "
@@ -30,12 +30,13 @@ def usable_preconditioners(store) -> list[PreconditionerKind]:
     return [PreconditionerKind.IDENTITY]
 
 
-def resolve_settings(store, s: IndexSettings | None) -> IndexSettings:
+def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") -> IndexSettings:
     """``s`` (default: ``IndexSettings()``) as this store can answer it: K-FAC, the default, on a
     run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); EK-FAC there
-    stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a pretrained
-    model fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise; identity,
-    which whitens nothing, is always ``recorded``."""
+    stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a causal LM
+    pretrained and fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise (a
+    pretrained classifier fine-tuned in full fell from 0.78 to 0.56 with fisher, EVAL.md §1p);
+    identity, which whitens nothing, is always ``recorded``."""
     s = s or IndexSettings()
     if (
         s.preconditioner is PreconditionerKind.KFAC
@@ -43,7 +44,8 @@ def resolve_settings(store, s: IndexSettings | None) -> IndexSettings:
     ):
         s = dataclasses.replace(s, preconditioner=PreconditionerKind.IDENTITY)
     if s.preconditioner is PreconditionerKind.IDENTITY or s.weighting is LayerWeighting.AUTO:
-        fisher = s.preconditioner is not PreconditionerKind.IDENTITY and pretrained_full(store)
+        whitens = s.preconditioner is not PreconditionerKind.IDENTITY
+        fisher = whitens and task == Task.CAUSAL_LM.value and pretrained_full(store)
         weighting = LayerWeighting.FISHER if fisher else LayerWeighting.RECORDED
         s = dataclasses.replace(s, weighting=weighting)
     return s

@@ -120,8 +120,9 @@ class AttributionRun(TestSideMixin):
     # -- index (training side) ----------------------------------------------------------------
     def settings(self, s: IndexSettings | None = None) -> IndexSettings:
         """``s`` (default: ``IndexSettings()``, K-FAC cosine) as this run answers it: identity
-        where the run has no K-FAC statistics (:func:`~.overview.resolve_settings`)."""
-        return resolve_settings(self.indexes.store, s)
+        where the run has no K-FAC statistics, ``weighting`` resolved for this run
+        (:func:`~.overview.resolve_settings`)."""
+        return resolve_settings(self.indexes.store, s, self.task)
 
     def index_dir(self, s: IndexSettings | None = None) -> Path:
         """The folder of the index ``s`` (default settings) of this run; it may not exist yet."""

@@ -39,7 +39,7 @@ Kinds:
   classification too: K-FAC 0.48 → 0.61 on docs8 seed 0 with the classifier unwhitened); the
   other layers whitened and the head as recorded match or beat identity there
   (benchmarks/EVAL.md §1g).
-- **``fisher``** (``IndexSettings.weighting``; ``auto`` picks it for a pretrained model
+- **``fisher``** (``IndexSettings.weighting``; ``auto`` picks it for a pretrained causal LM
   fine-tuned in full): neither of the two above. Every factored layer, the head too, is
   whitened at the per-example Fisher's own scale (``f = 1``), as kronfluence scores. On a
   pretrained model that moves weight from the input embedding and the head to the transformer
