@@ -483,3 +483,16 @@ def reference_record_weights(rec: dict, records: str = "last-epoch") -> np.ndarr
         count[p] = count.get(p, 0) + 1
     pairs = zip(ex.tolist(), ep.tolist(), strict=True)
     return np.array([total[p] / count[p] if p == last[e] else 0.0 for e, p in pairs])
+
+
+def store_only_run(indexes):
+    """An ``AttributionRun`` over a bare store's ``RunIndexes`` (no run folder, no model): what
+    the exact-score and list tests query; a causal LM's run for the settings' resolution."""
+    from types import SimpleNamespace
+
+    from traceprop_engine.attribution.query import AttributionRun
+
+    run = AttributionRun.__new__(AttributionRun)
+    run.indexes = indexes
+    run.manifest = SimpleNamespace(task="causal-lm")
+    return run

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import write_factor_store
+from helpers import store_only_run, write_factor_store
 
 from traceprop_engine.attribution.index import lists as index_lists
 from traceprop_engine.attribution.index.lists import (
@@ -56,9 +56,7 @@ def _store(path: Path, epochs: int = 1, rank: int = 1, head: float = 10.0) -> St
 
 
 def _run(ix: RunIndexes) -> AttributionRun:
-    run = AttributionRun.__new__(AttributionRun)
-    run.indexes = ix
-    return run
+    return store_only_run(ix)
 
 
 def _queries(rng, q: int = 1, rank: int = 2) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import reference_record_weights, write_factor_store
+from helpers import reference_record_weights, store_only_run, write_factor_store
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.index.projection import principal_basis, split_sides
@@ -103,10 +103,8 @@ def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, r
     sq, cos = _brute(store, pre, ids, tests)
     np.testing.assert_allclose(ix.row_sq_norms(s), sq, rtol=1e-9)  # exact, from the factors
     rows = rng.permutation(len(ids))[:40]  # scattered rows, unsorted: the re-rank's reads
-    from traceprop_engine.attribution.query import AttributionRun
 
-    run = AttributionRun.__new__(AttributionRun)
-    run.indexes = ix
+    run = store_only_run(ix)
     got = run.exact_scores(tests, s, rows=rows)
     np.testing.assert_allclose(got, cos[:, rows], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(run.exact_scores(tests, s), cos, rtol=1e-9, atol=1e-12)
@@ -201,7 +199,6 @@ def test_low_rank_float32_queries_take_the_factored_route_and_match_brute_force(
     """A query's sketch is float32 and has rank ≤ its tokens: the re-rank scores it through its
     truncated SVD (O((k_out + k_in)·t) per record). Only singular values at float32 rounding are
     dropped, so the scores match the float64 brute force to float32 precision."""
-    from traceprop_engine.attribution.query import AttributionRun
     from traceprop_engine.attribution.score import factor_scores
 
     store = _store(tmp_path / "store.h5", "int8", 1)
@@ -225,8 +222,7 @@ def test_low_rank_float32_queries_take_the_factored_route_and_match_brute_force(
         return out
 
     monkeypatch.setattr(factor_scores.LowRankTest, "maybe", classmethod(spy))
-    run = AttributionRun.__new__(AttributionRun)
-    run.indexes = ix
+    run = store_only_run(ix)
     rows = rng.permutation(len(ids))[:40]
     got = run.exact_scores(tests, s, rows=rows)
     assert calls == [6] * len(SHAPES)  # 2 queries x rank 3 per layer: the factored route
@@ -334,12 +330,10 @@ def test_layer_norms_bound_every_layer_and_sum_to_the_row_norms(tmp_path, kind, 
 
 def _full_and_bounded(ix, s, tests, top_k, opponents=True):
     """``signed_hits`` of every candidate scored at every layer, and of the bounded re-rank."""
-    from traceprop_engine.attribution.query import AttributionRun
     from traceprop_engine.attribution.score.ranking import signed_hits
     from traceprop_engine.attribution.score.rerank import rerank_candidates
 
-    run = AttributionRun.__new__(AttributionRun)
-    run.indexes = ix
+    run = store_only_run(ix)
     cand = np.arange(ix.get(s)[0].n, dtype=np.int64)  # every row a candidate: the hard case
     full = run.exact_scores(tests, s, rows=cand, per_layer=True)[0]
     kept, per = rerank_candidates(ix, s, tests, cand, top_k, opponents)
