@@ -153,8 +153,13 @@ def _rewrite_cov_tokens(f):
     g.attrs["cov_tokens"] = float(g.attrs["cov_tokens"]) * 2  # the damping's scale
 
 
+def _rewrite_model_origin(f):
+    f.attrs["model_origin"] = "pretrained-full"  # would turn the default index to fisher
+
+
 @pytest.mark.parametrize(
-    "rewrite", [_rewrite_p_out, _rewrite_lineage, _rewrite_tokens, _rewrite_cov_tokens]
+    "rewrite",
+    [_rewrite_p_out, _rewrite_lineage, _rewrite_tokens, _rewrite_cov_tokens, _rewrite_model_origin],
 )
 def test_a_rewritten_projection_or_example_table_is_not_vouched_for(run, rewrite):
     """Written through HDF5 (the chunk checksums are recomputed): used to verify as unchanged."""

@@ -136,7 +136,17 @@ DIGEST_COVERAGE = {
     "and the attributes they are read with",
 }
 """What a store's digest covers, by version: 1 = ``content_sha256`` alone, 2 = ``content_sha256_v2``."""
-_ROOT_ATTRS = ("format", "schema_version", "status", "sketch", "n_records", "layer_names")
+# model_origin decides the default index's weighting; a store written before it has none, and
+# _attrs_json skips what is absent, so its digest is unchanged
+_ROOT_ATTRS = (
+    "format",
+    "schema_version",
+    "status",
+    "sketch",
+    "n_records",
+    "layer_names",
+    C.MODEL_ORIGIN,
+)
 
 
 def _feed(h, ds: h5py.Dataset, stop: int | None = None) -> None:
