@@ -16,7 +16,8 @@ layer's Kronecker product, kronfluence's heuristic) with each of:
 - the output head whitened or left alone (identity);
 - each layer's absolute curvature scale kept (kronfluence) or normalised away (the engine's
   per-layer trace normalisation: a layer's preconditioned self-scores keep its identity mean);
-- the run's own projections applied to the gradients and factors first (what the engine can see).
+- the run's own projections applied to the gradients and factors first (what the engine can see),
+  and there the run's own inline statistics instead of the final model's.
 
 Usage: ``python benchmarks/kfac_probe.py DIR ... [--samples 2]``.
 """
@@ -169,6 +170,8 @@ def probe(ev: Path, samples: int) -> dict[str, float]:
     try:
         enc_ev, enc_tr = encodings(run, n_train)
         layers = [i for i in run.store.layers if i.kind in ("linear", "embedding")]
+        inline = [run.store.covariance(info.index) for info in layers]  # projected, trajectory
+        inline = [(c.S / c.n_tokens, c.A / c.n_tokens) for c in inline]
         model_dir, task = run.dir / C.MODEL_DIR, run.task
     finally:
         run.close()
@@ -236,6 +239,9 @@ def probe(ev: Path, samples: int) -> dict[str, float]:
     pf = [project(g, *p) for g, p in zip(gf, projs, strict=True)]
     pemp = [project_factors(f, *p) for f, p in zip(emp, projs, strict=True)]
     rows["all, projected: identity"] = lds(scores(pq, pf, ident, False, False))
+    rows["all, projected: K-FAC, the run's inline statistics, raw scale, head whitened"] = lds(
+        scores(pq, pf, inline, False, False)
+    )
     rows["all, projected: K-FAC, raw scale, head whitened"] = lds(
         scores(pq, pf, pemp, False, False)
     )
