@@ -76,6 +76,12 @@ def test_auto_resolves_per_run_and_a_fisher_index_is_its_own(runs, capsys):
     assert "index kfac-cos:" in capsys.readouterr().out
     assert main(["index", str(runs["full"])]) == 0
     assert "index kfac-cos-fisher:" in capsys.readouterr().out
+    # rank's self-influence under either weighting: every example ranked, either way
+    assert main(["rank", str(runs["full"]), "--weighting", "recorded", "--top-k", "6"]) == 0
+    recorded_rank = capsys.readouterr().out
+    assert main(["rank", str(runs["full"]), "--top-k", "6"]) == 0
+    fisher_rank = capsys.readouterr().out
+    assert recorded_rank.count("\n") == fisher_rank.count("\n") == 7  # header + 6 rows
 
 
 def test_a_store_written_before_model_origin_reads_it_from_its_layers(runs, tmp_path):

@@ -121,6 +121,7 @@ def add_rank(sub) -> None:
     r.add_argument("--by", default=RankBy.SELF_INFLUENCE.value, choices=choices(RankBy))
     add_preconditioner_flag(r)
     add_field_flag(r, IndexSettings, "records")  # all: the trajectory, for self-influence audits
+    add_field_flag(r, IndexSettings, "weighting")
     r.add_argument("--top-k", type=positive_int, default=20)
     r.add_argument("--csv", help="write the full ranking as CSV")
     r.set_defaults(func=_cmd_rank)
@@ -132,7 +133,8 @@ def _cmd_rank(a) -> int:
 
     run = open_run(a.run)
     by = RankBy(a.by)
-    df = rank_examples(run, by, IndexSettings(preconditioner=a.preconditioner, records=a.records))
+    s = IndexSettings(preconditioner=a.preconditioner, records=a.records, weighting=a.weighting)
+    df = rank_examples(run, by, s)
     col = by.column
     for n in run.notes:
         print(f"note: {n}", file=sys.stderr)
