@@ -26,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 from gap_probe import subset_data
+from records_probe import eval_sketches, index_lds
 
-from traceprop_engine import constants as C
 from traceprop_engine.attribution import open_run
 from traceprop_engine.attribution.precondition import kfac as K
 from traceprop_engine.attribution.precondition import preconditioner as P
-from traceprop_engine.evaluate.lds_report import lds_scores
 from traceprop_engine.settings import IndexSettings
 
 _FIT = P.Preconditioner.fit.__func__
@@ -53,7 +52,7 @@ def _isotropic(m: np.ndarray) -> np.ndarray:
     return np.eye(k, dtype=m.dtype) * (np.trace(m) / k)
 
 
-def _fit_whitening_head(cls, kind, layers, damping=None, index_side=0):
+def _fit_whitening_head(cls, kind, layers, damping=None, index_side=0, **kw):
     """``Preconditioner.fit`` with the output head fitted like any layer (``HEAD["mode"]``)."""
     mode, out = HEAD["mode"], []
     for st in layers:
@@ -62,28 +61,22 @@ def _fit_whitening_head(cls, kind, layers, damping=None, index_side=0):
             s = _isotropic(st.S) if mode == "in" else st.S
             st = dataclasses.replace(st, output_head=False, A=a, S=s)
         out.append(st)
-    return _FIT(cls, kind, out, damping, index_side)
+    return _FIT(cls, kind, out, damping, index_side, **kw)
 
 
 P.Preconditioner.fit = classmethod(_fit_whitening_head)
 
 
 def probe(ev: Path, variants: list[tuple[str, str | None, float | None]]) -> dict[str, float]:
-    masks, losses, n_train = subset_data(ev)
+    masks, losses, _ = subset_data(ev)
     run = open_run(ev / "runs" / "k126")
     try:
-        ex = run.examples()
-        eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-        sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+        sketches = eval_sketches(run)
         out = {}
         for name, head, damping in variants:
             HEAD["mode"], HEAD["raw"] = head, name.endswith("raw scale")
             ix = IndexSettings(preconditioner="kfac", cosine=True, damping=damping)
-            _, ids, _ = run.index(ix, rebuild=True)  # the fingerprint does not know the patch
-            scores = np.zeros((len(eval_ids), n_train))
-            for r, sk in enumerate(sketches):
-                scores[r, ids] = run.all_scores(sk, ix)
-            out[name] = float(np.nanmean(lds_scores(scores, masks, losses)))
+            out[name] = index_lds(run, ix, sketches, masks, losses)
     finally:
         HEAD["mode"], HEAD["raw"] = None, False
         run.close()

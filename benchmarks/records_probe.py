@@ -59,24 +59,35 @@ def reference(ev: Path, names=("full-gradient cosine", "bm25", "kfac-cos")) -> d
     return out
 
 
+def eval_sketches(run) -> list:
+    """The query sketches of the run's eval rows, in example order."""
+    ex = run.examples()
+    eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
+    return [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+
+
+def index_lds(run, ix: IndexSettings, sketches: list, masks, losses) -> float:
+    """The LDS of the engine's exact scores under ``ix``, its index rebuilt first (never one of
+    older weights, nor one a probe's patch leaves the fingerprint blind to)."""
+    _, ids, _ = run.index(ix, rebuild=True)
+    scores = np.zeros((len(sketches), masks.shape[1]))
+    for r, sk in enumerate(sketches):
+        scores[r, ids] = run.all_scores(sk, ix)
+    return float(np.nanmean(lds_scores(scores, masks, losses)))
+
+
 def probe(ev: Path, rows=None, choices=("all", "last-epoch")) -> dict[str, float]:
-    masks, losses, n_train = subset_data(ev)
+    masks, losses, _ = subset_data(ev)
     run = open_run(ev / "runs" / "k126")
     try:
-        ex = run.examples()
-        eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-        sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+        sketches = eval_sketches(run)
         epochs = int(run.store.records()[C.REC_EPOCH].max()) + 1
         out = {"epochs": float(epochs)}
         for name, (pre, cos, *weighting) in (rows or ROWS).items():
             for records in choices:
                 w = weighting[0] if weighting else "auto"
                 ix = IndexSettings(preconditioner=pre, cosine=cos, records=records, weighting=w)
-                _, ids, _ = run.index(ix, rebuild=True)  # never an index of older weights
-                scores = np.zeros((len(eval_ids), n_train))
-                for r, sk in enumerate(sketches):
-                    scores[r, ids] = run.all_scores(sk, ix)
-                out[f"{name}, {records}"] = float(np.nanmean(lds_scores(scores, masks, losses)))
+                out[f"{name}, {records}"] = index_lds(run, ix, sketches, masks, losses)
     finally:
         run.close()
     return out
