@@ -43,12 +43,13 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
         and s.preconditioner not in usable_preconditioners(store)
     ):
         s = dataclasses.replace(s, preconditioner=PreconditionerKind.IDENTITY)
-    if s.preconditioner is PreconditionerKind.IDENTITY or s.weighting is LayerWeighting.AUTO:
-        whitens = s.preconditioner is not PreconditionerKind.IDENTITY
-        fisher = whitens and task == Task.CAUSAL_LM.value and pretrained_full(store)
+    weighting = s.weighting
+    if s.preconditioner is PreconditionerKind.IDENTITY:
+        weighting = LayerWeighting.RECORDED
+    elif weighting is LayerWeighting.AUTO:
+        fisher = task == Task.CAUSAL_LM.value and pretrained_full(store)
         weighting = LayerWeighting.FISHER if fisher else LayerWeighting.RECORDED
-        s = dataclasses.replace(s, weighting=weighting)
-    return s
+    return dataclasses.replace(s, weighting=weighting)
 
 
 def pretrained_full(store) -> bool:

@@ -47,7 +47,9 @@ def fit_preconditioner(
         dense = SketchKind(layer.sketch) is SketchKind.DENSE
         cov = store.covariance(li) if not dense else None
         moments = None  # K-FAC: for its per-layer trace normalisation; EK-FAC: its eigenvalues
-        if kind is not PreconditionerKind.IDENTITY and (fisher or not layer.output_head):
+        whitened = kind is not PreconditionerKind.IDENTITY and (fisher or not layer.output_head)
+        # fisher leaves factored K-FAC without the normalisation: no pass over the records
+        if whitened and (kind is PreconditionerKind.EKFAC or dense or not fisher):
             moments = (
                 EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
                 if cov
