@@ -112,7 +112,9 @@ def rotate(g: np.ndarray, qs: np.ndarray, qa: np.ndarray) -> np.ndarray:
     return np.einsum("ao,nab,bi->noi", qs, g, qa, optimize=True)
 
 
-def layer_scores(gq, gf, factors, ekfac: bool, normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+def layer_scores(
+    gq, gf, factors, ekfac: bool, normalise: bool, damping: float = DAMPING
+) -> tuple[np.ndarray, np.ndarray]:
     """``(pairwise (n_q, n_f), self (n_f,))`` of one layer; ``factors`` None: identity."""
     if factors is None:
         q, f = gq.reshape(len(gq), -1), gf.reshape(len(gf), -1)
@@ -121,7 +123,7 @@ def layer_scores(gq, gf, factors, ekfac: bool, normalise: bool) -> tuple[np.ndar
     a, qa = np.linalg.eigh(factors[1])
     rq, rf = rotate(gq, qs, qa), rotate(gf, qs, qa)
     lam = (rf**2).mean(0) if ekfac else np.clip(s, 0, None)[:, None] * np.clip(a, 0, None)[None]
-    inv = 1.0 / (lam + DAMPING * lam.mean())
+    inv = 1.0 / (lam + damping * lam.mean())
     q = rq.reshape(len(rq), -1)
     f = (rf * inv[None]).reshape(len(rf), -1)
     pair, own = q @ f.T, (rf.reshape(len(rf), -1) * f).sum(1)
@@ -131,10 +133,13 @@ def layer_scores(gq, gf, factors, ekfac: bool, normalise: bool) -> tuple[np.ndar
     return pair, own
 
 
-def scores(gq: list, gf: list, factors: list, ekfac: bool, normalise: bool) -> np.ndarray:
+def scores(
+    gq: list, gf: list, factors: list, ekfac: bool, normalise: bool, damping: float = DAMPING
+) -> np.ndarray:
     """Train-side cosine over every layer: ``Σ_l pair_l / √(Σ_l self_l)``."""
     parts = [
-        layer_scores(q, f, x, ekfac, normalise) for q, f, x in zip(gq, gf, factors, strict=True)
+        layer_scores(q, f, x, ekfac, normalise, damping)
+        for q, f, x in zip(gq, gf, factors, strict=True)
     ]
     return sum(p for p, _ in parts) / np.sqrt(sum(o for _, o in parts) + 1e-300)[None]
 
@@ -200,8 +205,8 @@ def probe(ev: Path, samples: int) -> dict[str, float]:
         def unwhite(f, keep=keep):
             return [None if i in head else f[i] for i in keep]
 
-        def row(label, q, f, fac, ek=False, nm=False, sname=sname):
-            rows[f"{sname}: {label}"] = lds(scores(q, f, fac, ek, nm))
+        def row(label, q, f, fac, ek=False, nm=False, damping=DAMPING, sname=sname):
+            rows[f"{sname}: {label}"] = lds(scores(q, f, fac, ek, nm, damping))
 
         q, f = sel(gq), sel(gf)
         w = [1.0 / c for c in sel(curv)]
@@ -223,10 +228,7 @@ def probe(ev: Path, samples: int) -> dict[str, float]:
         row("K-FAC, raw scale, head whitened (kronfluence)", q, f, sel(emp))
         row("EK-FAC, raw scale, head whitened", q, f, sel(emp), ek=True)
         for damp in (0.01, 1.0):
-            global DAMPING
-            keep_damping, DAMPING = DAMPING, damp
-            row(f"K-FAC, raw scale, head whitened, damping {damp}", q, f, sel(emp))
-            DAMPING = keep_damping
+            row(f"K-FAC, raw scale, head whitened, damping {damp}", q, f, sel(emp), damping=damp)
     if samples:
         tru = fit_factors(model_dir, task, names, enc_tr, samples)
         rows["all: K-FAC true Fisher, raw scale, head whitened"] = lds(
