@@ -23,6 +23,7 @@ from traceprop_engine.evaluate.lds import run_lds
 from traceprop_engine.evaluate.lds_levers import (
     RecordProducts,
     final_gradients,
+    final_model_methods,
     record_weights,
     same_label_scores,
     trained_parameters,
@@ -40,6 +41,7 @@ from traceprop_engine.training.models import collate, load_saved_model, model_in
 
 SCORE_RTOL = 1e-4  # float32 store products against the engine's float64 exact scorer
 GRAD_ATOL = 1e-5  # a padded batch of two against two single-example backward passes (float32)
+STREAM_RTOL = 1e-5  # streamed float32 products against float64 products of the same gradients
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +120,27 @@ def test_final_gradients_sum_to_the_gradient_of_a_padded_batch(evaluated):
     want = torch.cat([x.reshape(-1) for x in torch.autograd.grad(loss, params)]).numpy()
     assert g.shape == (2, want.size)
     np.testing.assert_allclose(g.sum(0), want, atol=GRAD_ATOL)
+
+
+def test_full_gradient_rows_stream_the_training_gradients(evaluated):
+    """The streamed rows equal the products of the held (n, P) gradient matrices."""
+    s, _ = evaluated
+    run_dir = Path(s.out) / "runs" / "k4"
+    run = open_run(run_dir)
+    try:
+        encs_tr = [run.encode(eval_example=i)[0] for i in range(5)]
+        encs_ev = [run.encode(eval_example=i)[0] for i in (0, 2)]
+    finally:
+        run.close()
+    g_tr = final_gradients(run_dir / C.MODEL_DIR, encs_tr, "causal-lm").astype(np.float64)
+    g_ev = final_gradients(run_dir / C.MODEL_DIR, encs_ev, "causal-lm").astype(np.float64)
+    rows = {r["method"]: r for r in final_model_methods(run_dir, [0, 2], 5)}
+    want = g_ev @ g_tr.T
+    got = rows["full-gradient dot"]["scores"]
+    np.testing.assert_allclose(got, want, rtol=STREAM_RTOL, atol=STREAM_RTOL * np.abs(want).max())
+    cos = want / np.linalg.norm(g_ev, axis=1)[:, None] / np.linalg.norm(g_tr, axis=1)[None]
+    np.testing.assert_allclose(rows["full-gradient cosine"]["scores"], cos, atol=STREAM_RTOL)
+    assert rows["full-gradient dot"]["n_params"] == g_tr.shape[1]
 
 
 def test_same_label_scores():

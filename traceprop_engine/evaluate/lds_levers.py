@@ -140,6 +140,12 @@ def lever_methods(run_dir: Path, eval_ids: list[int], n_train: int, k):
 
 def final_gradients(model_dir: Path, encs: list, task: str) -> np.ndarray:
     """``(n, P)`` float32: per example the gradient of its loss w.r.t. every trainable parameter."""
+    return np.stack([g.numpy() for g in final_gradient_rows(model_dir, encs, task)])
+
+
+def final_gradient_rows(model_dir: Path, encs: list, task: str):
+    """Yield, per example, the ``(P,)`` float32 torch gradient of its loss w.r.t. every trainable
+    parameter (one example at a time: nothing of size ``n × P`` is held)."""
     import torch
 
     from ..training.losses import example_losses
@@ -150,19 +156,17 @@ def final_gradients(model_dir: Path, encs: list, task: str) -> np.ndarray:
     model.eval()
     params = trained_parameters(model)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-    out = np.empty((len(encs), sum(p.numel() for p in params)), np.float32)
     with torch.enable_grad():
-        for i, enc in enumerate(encs):
+        for enc in encs:
             batch = collate([enc], pad, task, "cpu")
             loss = example_losses(model(**model_inputs(batch)), batch, task).sum()
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-            out[i] = torch.cat(
+            yield torch.cat(
                 [
-                    (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                    (g if g is not None else torch.zeros_like(p)).reshape(-1).float()
                     for g, p in zip(grads, params, strict=True)
                 ]
-            ).numpy()
-    return out
+            )
 
 
 def trained_parameters(model) -> list:
@@ -187,13 +191,20 @@ def final_model_methods(run_dir: Path, eval_ids: list[int], n_train: int):
         task = run.task
     finally:
         run.close()
-    g_tr = final_gradients(run_dir / C.MODEL_DIR, encs_tr, task)
-    g_ev = final_gradients(run_dir / C.MODEL_DIR, encs_ev, task)
-    dot = (g_ev.astype(np.float64) @ g_tr.T.astype(np.float64)).astype(np.float64)
-    base = {"family": "final-model", "k": None, "preconditioner": None, "n_params": g_tr.shape[1]}
+    # the eval rows' gradients are held (few rows); the training rows' are streamed one at a
+    # time, so a model of 22 M parameters needs n_eval × P floats, not (n_eval + n_train) × P
+    import torch
+
+    g_ev = torch.from_numpy(final_gradients(run_dir / C.MODEL_DIR, encs_ev, task))
+    dot = np.empty((len(encs_ev), n_train))
+    nt = np.empty(n_train)
+    for i, g in enumerate(final_gradient_rows(run_dir / C.MODEL_DIR, encs_tr, task)):
+        dot[:, i] = (g_ev @ g).double().numpy()  # float32 products, as the gradients are
+        nt[i] = float(torch.linalg.vector_norm(g, dtype=torch.float64))
+    base = {"family": "final-model", "k": None, "preconditioner": None, "n_params": g_ev.shape[1]}
     yield {**base, "method": "full-gradient dot", "scores": dot}
-    nt = np.maximum(np.linalg.norm(g_tr.astype(np.float64), axis=1), 1e-30)
-    ne = np.maximum(np.linalg.norm(g_ev.astype(np.float64), axis=1), 1e-30)
+    nt = np.maximum(nt, 1e-30)
+    ne = np.maximum(torch.linalg.vector_norm(g_ev, dim=1, dtype=torch.float64).numpy(), 1e-30)
     yield {**base, "method": "full-gradient cosine", "scores": dot / ne[:, None] / nt[None, :]}
 
 
