@@ -148,6 +148,7 @@ def add_index_flags(p) -> None:
     add_field_flag(p, S, "per_record", action="store_true")
     add_field_flag(p, S, "records")
     add_field_flag(p, S, "weighting")
+    add_field_flag(p, S, "statistics")
     add_field_flag(p, S, "kind", "--index-kind")
     add_field_flag(p, S, "lists", action=argparse.BooleanOptionalAction)
 
@@ -163,6 +164,7 @@ def index_settings(a):
         per_record=a.per_record,
         records=a.records,
         weighting=getattr(a, "weighting", "auto"),
+        statistics=getattr(a, "statistics", "auto"),
         kind=a.index_kind,
         lists=getattr(a, "lists", None),
     )

@@ -38,6 +38,16 @@ class LayerWeighting(str, Enum):
     FISHER = "fisher"  # every layer, the head too, at the per-example Fisher's own scale
 
 
+class StatisticsSource(str, Enum):
+    """Which K-FAC statistics K-FAC / EK-FAC whiten with
+    (:mod:`traceprop_engine.attribution.model_side.statistics`)."""
+
+    AUTO = "auto"  # both where the weighting resolves to fisher, inline otherwise
+    INLINE = "inline"  # the run's own, recorded in the training backward (the store's)
+    FINAL = "final"  # fitted on the final model over the stored training examples
+    BOTH = "both"  # the mean of the inline and the final model's per-token statistics
+
+
 class IndexKind(str, Enum):
     """Which FAISS index to build (:mod:`traceprop_engine.attribution.index.vector_index`)."""
 
@@ -102,6 +112,15 @@ class IndexSettings:
         "the head carries the attribution and fisher drops LDS to ~0.1, and it lowered LoRA runs "
         "and a pretrained classifier too; benchmarks/EVAL.md §1p)",
     )
+    statistics: StatisticsSource = knob(
+        StatisticsSource.AUTO,
+        help="the K-FAC statistics K-FAC / EK-FAC whiten with: inline (the run's own, recorded "
+        "during training), final (fitted on the final model over up to 1024 of the stored "
+        "training examples, once, cached beside the indexes), both (the mean of the two) or "
+        "auto (both where the weighting resolves to fisher, inline otherwise: on a pretrained "
+        "causal LM fine-tuned in full the inline statistics alone lost up to 0.05 LDS; "
+        "benchmarks/EVAL.md §1q)",
+    )
     kind: IndexKind = knob(IndexKind.AUTO, help="FAISS index (auto: exact up to 200k vectors)")
     index_side: int = knob(
         INDEX_SIDE,
@@ -137,6 +156,8 @@ class IndexSettings:
         object.__setattr__(self, "records", parse_choice(RecordChoice, self.records, "records"))
         weighting = parse_choice(LayerWeighting, self.weighting, "weighting")
         object.__setattr__(self, "weighting", weighting)
+        statistics = parse_choice(StatisticsSource, self.statistics, "statistics")
+        object.__setattr__(self, "statistics", statistics)
         if self.per_record and self.records is not RecordChoice.ALL:  # one row per record
             object.__setattr__(self, "records", RecordChoice.ALL)
 
@@ -153,6 +174,8 @@ class IndexSettings:
             parts.append("all")
         if self.weighting is LayerWeighting.FISHER:
             parts.append("fisher")
+        if self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH):
+            parts.append(f"stats-{self.statistics.value}")
         if self.kind is not IndexKind.AUTO:
             parts.append(self.kind.value)
         if self.index_side != INDEX_SIDE:  # another projection: its own folder and cache entry
@@ -179,4 +202,11 @@ class IndexSettings:
             # weighting: only fisher changes the vectors of an index built before it (auto is
             # resolved per store first, AttributionRun.settings)
             **({"weighting": "fisher"} if self.weighting is LayerWeighting.FISHER else {}),
+            # statistics: inline is what every index built before it used (auto is resolved
+            # per run first, AttributionRun.settings)
+            **(
+                {"statistics": self.statistics.value}
+                if self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH)
+                else {}
+            ),
         }

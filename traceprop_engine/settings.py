@@ -19,6 +19,7 @@ from .index_settings import (  # noqa: E402, F401
     LayerWeighting,
     PreconditionerKind,
     RecordChoice,
+    StatisticsSource,
 )
 from .knobs import (  # noqa: F401 - field_help, parse_choice, MAX_SEED: imported from here too
     MAX_SEED,

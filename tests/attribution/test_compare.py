@@ -121,7 +121,7 @@ def test_exports_carry_their_query():
     assert got[0]["query_preconditioner"] == "kfac" and got[0]["query_eval_example"] == ""
     js = json.loads(export_with_query(rows, q, "json"))
     assert js["query"] == q and [r["source"] for r in js["rows"]] == rows["source"].to_list()
-    assert rows_with_query(rows, q).width == rows.width + 9
+    assert rows_with_query(rows, q).width == rows.width + 10
     with pytest.raises(ValueError, match="format"):
         export_with_query(rows, q, "xlsx")
 

@@ -58,6 +58,7 @@ def test_a_run_without_statistics_falls_back_to_identity_and_says_so(runs, capsy
         preconditioner="identity",
         cosine=False,
         weighting="recorded",  # auto resolved
+        statistics="inline",
     )
     assert NO_STATISTICS_NOTE in run.notes
     res = run.query(**QUERY, top_k=3)

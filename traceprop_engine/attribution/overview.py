@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import constants as C
-from ..settings import IndexSettings, LayerWeighting, PreconditionerKind, SketchKind, Task
+from ..settings import (
+    IndexSettings,
+    LayerWeighting,
+    PreconditionerKind,
+    SketchKind,
+    StatisticsSource,
+    Task,
+)
 
 NO_STATISTICS_NOTE = (
     "this run has no K-FAC statistics (trained with --no-covariance, or stopped before they were "
@@ -36,7 +43,10 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a causal LM
     pretrained and fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise (a
     pretrained classifier fine-tuned in full fell from 0.78 to 0.56 with fisher, EVAL.md §1p);
-    identity, which whitens nothing, is always ``recorded``."""
+    identity, which whitens nothing, is always ``recorded``. ``statistics='auto'`` becomes
+    ``both`` (the mean of the inline and the final model's statistics) where the weighting is
+    ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
+    §1q); identity uses none and is always ``inline``."""
     s = s or IndexSettings()
     if (
         s.preconditioner is PreconditionerKind.KFAC
@@ -49,7 +59,13 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     elif weighting is LayerWeighting.AUTO:
         fisher = task == Task.CAUSAL_LM.value and pretrained_full(store)
         weighting = LayerWeighting.FISHER if fisher else LayerWeighting.RECORDED
-    return dataclasses.replace(s, weighting=weighting)
+    statistics = s.statistics
+    if s.preconditioner is PreconditionerKind.IDENTITY:
+        statistics = StatisticsSource.INLINE
+    elif statistics is StatisticsSource.AUTO:
+        both = weighting is LayerWeighting.FISHER and store.n_examples > 0
+        statistics = StatisticsSource.BOTH if both else StatisticsSource.INLINE
+    return dataclasses.replace(s, weighting=weighting, statistics=statistics)
 
 
 def pretrained_full(store) -> bool:

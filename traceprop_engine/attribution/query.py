@@ -27,7 +27,7 @@ import polars as pl
 from .. import constants as C
 from ..errors import QueryError, RunError
 from ..run import RunManifest
-from ..settings import IndexSettings
+from ..settings import IndexSettings, StatisticsSource
 from ..store.sharded import open_run_store
 from .index.lists import list_candidates
 from .index.run_indexes import Progress, RunIndexes
@@ -80,6 +80,7 @@ class AttributionRun(TestSideMixin):
         self.store = open_run_store(self.dir, self.manifest.shards)
         self.device = device
         self.indexes = RunIndexes(self.dir, self.store)
+        self.indexes.statistics = self.statistics
         self._encoder: QueryEncoder | None = None  # the model side (torch), made on first use
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
@@ -131,8 +132,33 @@ class AttributionRun(TestSideMixin):
     def fit_preconditioner(
         self, s: IndexSettings, progress: Callable[[int, int], None] | None = None
     ) -> Preconditioner:
-        """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
-        return fit_preconditioner(self.store, s, progress)
+        """Fit from the statistics ``s`` names (EK-FAC streams the sketches once for its
+        eigenvalues)."""
+        s = self.settings(s)
+        return fit_preconditioner(self.store, s, progress, self.statistics(s, self.index_root(s)))
+
+    def index_root(self, s: IndexSettings | None = None) -> Path:
+        """The folder holding the index ``s`` (and the final model's statistics):
+        ``RUN/index``, or the user's cache for a run that cannot be written."""
+        return self.index_dir(s).parent
+
+    def statistics(
+        self,
+        s: IndexSettings,
+        root: Path,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list | None:
+        """The K-FAC statistics ``s`` (resolved) whitens with: None for the store's own (inline),
+        the final model's (cached under ``root``), or the mean of both
+        (:mod:`~.model_side.statistics`)."""
+        if s.statistics not in (StatisticsSource.FINAL, StatisticsSource.BOTH):
+            return None
+        from .model_side.statistics import final_statistics, mean_statistics
+
+        final = final_statistics(self, root, progress)
+        if s.statistics is StatisticsSource.FINAL:
+            return final
+        return mean_statistics([self.store.covariance(li) for li in range(len(final))], final)
 
     def build_index(
         self,
@@ -189,6 +215,7 @@ class AttributionRun(TestSideMixin):
             "top_k": top_k,
             **s.to_dict(),
             "weighting": s.weighting.value,  # resolved (recorded / fisher), also where omitted
+            "statistics": s.statistics.value,  # resolved (inline / final / both)
             "n_vectors": int(index.n),
         }
         return QueryResult(

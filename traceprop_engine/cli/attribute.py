@@ -25,6 +25,7 @@ def add_index(sub) -> None:
 
 
 _UNITS = {
+    "statistics": "ex",
     "preconditioner": "rec",
     "vectors": "rec",
     "records": "layer",

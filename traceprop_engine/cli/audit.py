@@ -122,6 +122,7 @@ def add_rank(sub) -> None:
     add_preconditioner_flag(r)
     add_field_flag(r, IndexSettings, "records")  # all: the trajectory, for self-influence audits
     add_field_flag(r, IndexSettings, "weighting")
+    add_field_flag(r, IndexSettings, "statistics")
     r.add_argument("--top-k", type=positive_int, default=20)
     r.add_argument("--csv", help="write the full ranking as CSV")
     r.set_defaults(func=_cmd_rank)
@@ -133,7 +134,12 @@ def _cmd_rank(a) -> int:
 
     run = open_run(a.run)
     by = RankBy(a.by)
-    s = IndexSettings(preconditioner=a.preconditioner, records=a.records, weighting=a.weighting)
+    s = IndexSettings(
+        preconditioner=a.preconditioner,
+        records=a.records,
+        weighting=a.weighting,
+        statistics=a.statistics,
+    )
     df = rank_examples(run, by, s)
     col = by.column
     for n in run.notes:

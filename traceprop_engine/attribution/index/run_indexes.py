@@ -70,8 +70,9 @@ OLD_BUILD_NOTE = (
 _READ_ROWS = 65536  # vectors read from the memory map at a time
 
 Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``, stage one of "preconditioner", "vectors", "records",
-"lists", "index"."""
+"""``progress(stage, done, total)``, stage one of "statistics" (the final model's K-FAC
+statistics, where the settings use them), "preconditioner", "vectors", "records", "lists",
+"index"."""
 
 
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -103,6 +104,9 @@ class RunIndexes:
         self._vector_maps: dict[str, np.ndarray] = {}  # the memory-mapped vectors.npy of each
         self._build_formats: dict[str, int] = {}  # build.json's build_format of each
         self._where: dict[str, Path] = {}  # index root of each name not under RUN/index
+        # IndexSettings.statistics final / both: (settings, index root, progress) -> the
+        # statistics to fit with (None: the store's); set by AttributionRun, which has the model
+        self.statistics: Callable[..., list | None] | None = None
 
     def dir(self, s: IndexSettings) -> Path:
         """The folder of the index ``s`` (it may not exist yet): ``RUN/index/<name>``, or the
@@ -220,6 +224,17 @@ class RunIndexes:
                 "if there was one, was left as it was"
             ) from e
 
+    def _fit(self, s: IndexSettings, root: Path, progress) -> Preconditioner:
+        """The preconditioner of ``s``, from the statistics it names (:attr:`statistics`)."""
+        covariances = None
+        if self.statistics is not None:
+            covariances = self.statistics(
+                s, root, progress and (lambda d, n: progress("statistics", d, n))
+            )
+        return fit_preconditioner(
+            self.store, s, progress and (lambda d, n: progress("preconditioner", d, n)), covariances
+        )
+
     def _build_locked(self, s: IndexSettings, final: Path, progress) -> VectorIndex:
         root = final.parent
         for leftover in (*root.glob(f".{s.name}.tmp-*"), *root.glob(f".{s.name}.old-*")):
@@ -228,9 +243,7 @@ class RunIndexes:
         out = make_temp_dir(root, f".{s.name}.tmp-")  # the umask's mode, not 0700
         try:
             t0 = time.perf_counter()
-            pre = fit_preconditioner(
-                self.store, s, progress and (lambda d, n: progress("preconditioner", d, n))
-            )
+            pre = self._fit(s, root, progress)
             pre.save(out / PRECOND_FILE)
             ids = write_vectors(
                 self.store,

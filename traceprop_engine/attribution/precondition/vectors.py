@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import polars as pl
 from ... import constants as C
 from ...errors import StoreError
 from ...settings import IndexSettings, LayerWeighting, PreconditionerKind, SketchKind
+from ...store.format import Covariance
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
 from ..score.record_weights import record_weights
@@ -30,9 +31,14 @@ CHUNK = 4096
 
 
 def fit_preconditioner(
-    store, s: IndexSettings, progress: Callable[[int, int], None] | None = None
+    store,
+    s: IndexSettings,
+    progress: Callable[[int, int], None] | None = None,
+    covariances: Sequence[Covariance | None] | None = None,
 ) -> Preconditioner:
-    """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues)."""
+    """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues), or
+    per layer from ``covariances`` where given (``IndexSettings.statistics`` final / both:
+    :mod:`~traceprop_engine.attribution.model_side.statistics`)."""
     kind = s.preconditioner
     fisher = s.weighting is LayerWeighting.FISHER  # AUTO: resolved by AttributionRun.settings
     if kind not in usable_preconditioners(store):
@@ -45,7 +51,8 @@ def fit_preconditioner(
     for li, layer in enumerate(store.layers):
         # dense layers have no K-FAC factors: a diagonal (EK-FAC) or isotropic (K-FAC) fit
         dense = SketchKind(layer.sketch) is SketchKind.DENSE
-        cov = store.covariance(li) if not dense else None
+        stored = covariances is None
+        cov = None if dense else store.covariance(li) if stored else covariances[li]
         moments = None  # K-FAC: for its per-layer trace normalisation; EK-FAC: its eigenvalues
         whitened = kind is not PreconditionerKind.IDENTITY and (fisher or not layer.output_head)
         # fisher leaves factored K-FAC without the normalisation: no pass over the records

@@ -91,6 +91,7 @@ QUERY_FIELDS = (
     "label",
     "preconditioner",
     "weighting",
+    "statistics",
     "top_k",
     "query_loss",
 )
