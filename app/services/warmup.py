@@ -87,6 +87,10 @@ def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
         with lock:
             ex = run.examples()
             _step()
+            if worker and run.settings().statistics.value in ("final", "both"):
+                # the final model's K-FAC statistics need the model: the worker fits and
+                # caches them, and no torch is imported here
+                model_worker.call("warm", run_dir)
             run.index()  # loaded (or built) while the worker imports torch
         if not worker:  # the model here; a worker loads it with the first request below
             _step()

@@ -183,3 +183,23 @@ def test_a_store_without_example_tokens_keeps_the_inline_statistics(runs, tmp_pa
 def test_bad_statistics_is_a_clear_error():
     with pytest.raises(ConfigError, match="statistics"):
         IndexSettings(statistics="latest")
+
+
+def test_a_query_worker_fits_them_and_this_process_never_loads_the_model(runs, monkeypatch):
+    """The app's process stays free of torch: its worker's warm-up caches the statistics."""
+    from traceprop_engine.attribution import QueryWorker
+
+    run = open_run(runs["full"])
+    try:
+        (run.index_root() / ST.CACHE_FILE).unlink(missing_ok=True)
+        with QueryWorker() as worker:
+            worker.call("warm", runs["full"])
+
+        def no_pass(*a, **k):
+            raise AssertionError("fitted here although the worker cached them")
+
+        monkeypatch.setattr(ST, "fit_final_statistics", no_pass)
+        run.index(rebuild=True)
+        assert run._encoder is None  # no model loaded in this process
+    finally:
+        run.close()

@@ -113,10 +113,16 @@ def mean_statistics(
 
 def cache_key(run, limit: int = FINAL_EXAMPLES) -> dict:
     """What the cached statistics were fitted from: the store, the model, the examples."""
+    # the fingerprint run.json records for the model (every load is checked against it), so a
+    # process that never loads the model (the app's) reads statistics a query worker cached
+    model = run.manifest.model.fingerprint
+    if model is None:  # a run that stopped before saving it: its checkpoint's model
+        run.model()
+        model = run.encoder.model_fingerprint
     return {
         "format": CACHE_FORMAT,
         "store": run.store.fingerprint,
-        "model": run.encoder.model_fingerprint,
+        "model": model,
         "examples": int(limit),
         "batch": BATCH,
     }
@@ -164,7 +170,6 @@ def final_statistics(
     """The final model's statistics from ``root/final-statistics.npz`` when it holds them for
     this store and model, else fitted (:func:`fit_final_statistics`) and cached there (a root
     that cannot be written only loses the cache)."""
-    run.model()  # sets the model's fingerprint (and checks it) before the key is made
     key = cache_key(run)
     path = root / CACHE_FILE
     got = load_cached(path, key, len(run.store.layers))
