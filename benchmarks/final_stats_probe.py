@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from gap_probe import subset_data
-from records_probe import eval_sketches, index_lds, reference
+from records_probe import eval_sketches, index_lds, print_rows, reference
 
 from traceprop_engine.attribution import open_run
 from traceprop_engine.settings import IndexSettings
@@ -51,9 +51,7 @@ def main(argv: list[str]) -> None:
     for d in argv:
         ev = Path(d)
         rows = {**probe(ev), **{f"eval's {k}": v for k, v in reference(ev).items()}}
-        print(f"== {ev.name}", flush=True)
-        for k, v in rows.items():
-            print(f"  {k:45s} {v:.3f}", flush=True)
+        print_rows(ev.name, rows, 45)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,13 @@ def index_lds(run, ix: IndexSettings, sketches: list, masks, losses) -> float:
     return float(np.nanmean(lds_scores(scores, masks, losses)))
 
 
+def print_rows(name: str, rows: dict[str, float], width: int = 35) -> None:
+    """One evaluation folder's rows, as every probe prints them."""
+    print(f"== {name}", flush=True)
+    for k, v in rows.items():
+        print(f"  {k:{width}s} {v:.3f}", flush=True)
+
+
 def probe(ev: Path, rows=None, choices=("all", "last-epoch")) -> dict[str, float]:
     masks, losses, _ = subset_data(ev)
     run = open_run(ev / "runs" / "k126")
@@ -105,9 +112,7 @@ def main(argv: list[str]) -> None:
             rows = {**got, **{f"eval's {k}": v for k, v in reference(ev, REFERENCES).items()}}
         else:
             rows = {**probe(ev), **{f"eval's {k}": v for k, v in reference(ev).items()}}
-        print(f"== {ev.name}", flush=True)
-        for k, v in rows.items():
-            print(f"  {k:35s} {v:.3f}", flush=True)
+        print_rows(ev.name, rows)
 
 
 if __name__ == "__main__":

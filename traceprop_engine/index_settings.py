@@ -162,6 +162,12 @@ class IndexSettings:
             object.__setattr__(self, "records", RecordChoice.ALL)
 
     @property
+    def uses_final_statistics(self) -> bool:
+        """Whether the index needs the final model's K-FAC statistics (``final`` or ``both``;
+        ``auto`` is resolved per run first, ``AttributionRun.settings``)."""
+        return self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH)
+
+    @property
     def name(self) -> str:
         parts = [self.preconditioner.value]
         if self.damping is not None:
@@ -174,7 +180,7 @@ class IndexSettings:
             parts.append("all")
         if self.weighting is LayerWeighting.FISHER:
             parts.append("fisher")
-        if self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH):
+        if self.uses_final_statistics:
             parts.append(f"stats-{self.statistics.value}")
         if self.kind is not IndexKind.AUTO:
             parts.append(self.kind.value)
@@ -204,9 +210,5 @@ class IndexSettings:
             **({"weighting": "fisher"} if self.weighting is LayerWeighting.FISHER else {}),
             # statistics: inline is what every index built before it used (auto is resolved
             # per run first, AttributionRun.settings)
-            **(
-                {"statistics": self.statistics.value}
-                if self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH)
-                else {}
-            ),
+            **({"statistics": self.statistics.value} if self.uses_final_statistics else {}),
         }

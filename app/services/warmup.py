@@ -87,7 +87,7 @@ def warm(run_dir: str | os.PathLike, worker: bool = False) -> None:
         with lock:
             ex = run.examples()
             _step()
-            if worker and run.settings().statistics.value in ("final", "both"):
+            if worker and run.settings().uses_final_statistics:
                 # the final model's K-FAC statistics need the model: the worker fits and
                 # caches them, and no torch is imported here
                 model_worker.call("warm", run_dir)

@@ -151,7 +151,7 @@ class AttributionRun(TestSideMixin):
         """The K-FAC statistics ``s`` (resolved) whitens with: None for the store's own (inline),
         the final model's (cached under ``root``), or the mean of both
         (:mod:`~.model_side.statistics`)."""
-        if s.statistics not in (StatisticsSource.FINAL, StatisticsSource.BOTH):
+        if not s.uses_final_statistics:
             return None
         from .model_side.statistics import final_statistics, mean_statistics
 

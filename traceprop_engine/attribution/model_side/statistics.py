@@ -25,7 +25,6 @@ import numpy as np
 
 from ... import constants as C
 from ...errors import StoreError
-from ...permissions import make_temp_dir
 from ...store.format import Covariance
 
 FINAL_EXAMPLES = 1024
@@ -154,14 +153,12 @@ def save_cached(path: Path, key: dict, covs: Sequence[Covariance | None]) -> Non
             arrays[f"A{li}"], arrays[f"S{li}"] = c.A, c.S
             arrays[f"n{li}"] = np.array(c.n_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(path.parent, f".{CACHE_FILE}.tmp-")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npz")
     try:
-        np.savez(tmp / CACHE_FILE, **arrays)
-        os.replace(tmp / CACHE_FILE, path)
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
     finally:
-        for leftover in tmp.glob("*"):
-            leftover.unlink()
-        tmp.rmdir()
+        tmp.unlink(missing_ok=True)
 
 
 def final_statistics(

@@ -218,7 +218,7 @@ class _Runs:
 def _warm(run, eval_example: int | None = None) -> None:
     run.model()
     s = run.settings()
-    if s.statistics.value in ("final", "both"):  # fitted and cached here, where torch is
+    if s.uses_final_statistics:  # fitted and cached here, where torch is
         run.statistics(s, run.index_root(s))
     evals = run.eval_examples()["example_id"].to_list()
     ex = eval_example if eval_example is not None else (evals[0] if evals else None)

@@ -47,11 +47,11 @@ def fit_preconditioner(
             "before it was written): use --preconditioner identity"
         )
     n = max(store.n_records, 1)
+    stored = covariances is None  # else final / both: the caller's per layer
     stats = []
     for li, layer in enumerate(store.layers):
         # dense layers have no K-FAC factors: a diagonal (EK-FAC) or isotropic (K-FAC) fit
         dense = SketchKind(layer.sketch) is SketchKind.DENSE
-        stored = covariances is None
         cov = None if dense else store.covariance(li) if stored else covariances[li]
         moments = None  # K-FAC: for its per-layer trace normalisation; EK-FAC: its eigenvalues
         whitened = kind is not PreconditionerKind.IDENTITY and (fisher or not layer.output_head)
