@@ -31,6 +31,7 @@ from traceprop_engine.evaluate.lds_levers import (
 from traceprop_engine.evaluate.lds_settings import LdsSettings
 from traceprop_engine.evaluate.prose_data import (
     FAMILIES,
+    PACKAGE_FAMILIES,
     PROSE_EVAL_FILE,
     PROSE_TRAIN_FILE,
     generate_docstring_classes,
@@ -152,12 +153,12 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _family_docs(family: str):
+def _family_docs(family: str, families=FAMILIES):
     """Every docstring (whitespace collapsed) of the family's modules and their classes."""
     import importlib
     import inspect
 
-    for name in FAMILIES[family]:
+    for name in families[family]:
         mod = importlib.import_module(name)
         for obj in vars(mod).values():
             for m in [obj, *(vars(obj).values() if inspect.isclass(obj) else ())]:
@@ -180,6 +181,34 @@ def test_docstring_classes_are_stdlib_prose_deterministic_and_disjoint(tmp_path)
         assert any(r["text"] in docs for docs in _family_docs(r["label"])), r
     with pytest.raises(ConfigError, match="fewer than"):
         generate_docstring_classes(tmp_path / "c", n_train_per_class=10_000)
+
+
+def test_package_docstring_classes_read_the_installed_libraries(tmp_path):
+    """pkgdocs6: the same generator over six installed libraries, labelled by library; the
+    versions it read are recorded, and a signature wrapped over lines is not prose."""
+    info = generate_docstring_classes(
+        tmp_path / "a", seed=2, n_train_per_class=4, n_eval_per_class=1, families=PACKAGE_FAMILIES
+    )
+    generate_docstring_classes(
+        tmp_path / "b", seed=2, n_train_per_class=4, n_eval_per_class=1, families=PACKAGE_FAMILIES
+    )
+    assert (tmp_path / "a" / PROSE_TRAIN_FILE).read_bytes() == (
+        tmp_path / "b" / PROSE_TRAIN_FILE
+    ).read_bytes()
+    train = _jsonl(tmp_path / "a" / PROSE_TRAIN_FILE)
+    assert len(train) == 4 * 6 and {r["label"] for r in train} == set(PACKAGE_FAMILIES)
+    assert set(info["versions"]) == {"numpy", "polars", "torch", "h5py", "transformers", "plotly"}
+    assert info["versions"]["numpy"] == np.__version__
+    for r in train[:6]:
+        assert any(r["text"] in d for d in _family_docs(r["label"], PACKAGE_FAMILIES)), r
+    from traceprop_engine.evaluate.prose_data import _first_paragraph
+
+    wrapped = (
+        "nested_iters(op, axes, flags=None, op_flags=None, op_dtypes=None,\n"
+        "             order='K', casting='safe', buffersize=0)\n\nCreate nditers for use in loops."
+    )
+    assert _first_paragraph(wrapped) is None
+    assert _first_paragraph(wrapped.replace("(", " ").replace(")", " ")) is not None
 
 
 def test_lexical_hard_variant_adds_contrast_and_echo_rows(tmp_path):

@@ -11,6 +11,10 @@ Each set writes ``train/`` and ``eval/`` under a folder beside the evaluation di
 - ``lexical48``: the same, ``variant="lexical"``, 48 entities (5 rows each; data seed = seed).
 - ``docs8``: :func:`~.prose_data.generate_docstring_classes`, 20 training and 6 eval docstrings
   of each of 8 standard-library families (classification; data seed = seed).
+- ``pkgdocs6``: the same generator over :data:`~.prose_data.PACKAGE_FAMILIES`, 24 training and
+  6 eval docstrings of each of six installed libraries (numpy, polars, torch, h5py,
+  transformers, plotly), labelled by library: a second classification set of real prose, by
+  other authors, added in stop 46 and not looked at before (classification; data seed = seed).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8")
-CLASSIFICATION_SETS = ("docs8",)
+SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8", "pkgdocs6")
+CLASSIFICATION_SETS = ("docs8", "pkgdocs6")
 
 
 def set_data_dir(out: str | Path) -> Path:
@@ -49,6 +53,12 @@ def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
         from .prose_data import generate_docstring_classes
 
         generate_docstring_classes(d, seed=seed, n_train_per_class=20, n_eval_per_class=6)
+    elif name == "pkgdocs6":
+        from .prose_data import PACKAGE_FAMILIES, generate_docstring_classes
+
+        generate_docstring_classes(
+            d, seed=seed, n_train_per_class=24, n_eval_per_class=6, families=PACKAGE_FAMILIES
+        )
     else:
         raise ConfigError(f"unknown LDS set {name!r}; one of {', '.join(SETS)}")
     return str(d / "train"), str(d / "eval")

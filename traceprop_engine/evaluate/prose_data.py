@@ -28,7 +28,13 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["FAMILIES", "PROSE_EVAL_FILE", "PROSE_TRAIN_FILE", "generate_docstring_classes"]
+__all__ = [
+    "FAMILIES",
+    "PACKAGE_FAMILIES",
+    "PROSE_EVAL_FILE",
+    "PROSE_TRAIN_FILE",
+    "generate_docstring_classes",
+]
 
 PROSE_TRAIN_FILE = "train/docs.jsonl"
 PROSE_EVAL_FILE = "eval/docs.jsonl"
@@ -92,6 +98,47 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     ),
     "time": ("datetime", "time", "calendar", "zoneinfo", "timeit"),
 }
+# A second set of the same kind from other authors and another vocabulary: the docstrings of six
+# libraries Traceprop installs, labelled by library (``pkgdocs6``). Each module listed is where
+# the documented objects are defined (``polars.DataFrame`` lives in ``polars.dataframe.frame``).
+PACKAGE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "arrays": ("numpy", "numpy.linalg", "numpy.fft", "numpy.ma"),
+    "frames": (
+        "polars.dataframe.frame",
+        "polars.series.series",
+        "polars.expr.expr",
+        "polars.lazyframe.frame",
+    ),
+    "nn": (
+        "torch.nn.functional",
+        "torch.nn.modules.module",
+        "torch.nn.modules.loss",
+        "torch.nn.modules.linear",
+        "torch.nn.modules.conv",
+        "torch.nn.modules.activation",
+        "torch.optim.optimizer",
+        "torch.optim.lr_scheduler",
+    ),
+    "hdf5": (
+        "h5py._hl.dataset",
+        "h5py._hl.group",
+        "h5py._hl.files",
+        "h5py._hl.attrs",
+        "h5py._hl.base",
+        "h5py._hl.filters",
+        "h5py._hl.selections",
+        "h5py._hl.vds",
+    ),
+    "models": (
+        "transformers.modeling_utils",
+        "transformers.tokenization_utils_base",
+        "transformers.trainer",
+        "transformers.configuration_utils",
+        "transformers.generation.utils",
+        "transformers.training_args",
+    ),
+    "plots": ("plotly.basedatatypes", "plotly.io._kaleido", "plotly.subplots"),
+}
 _MIN_CHARS, _MAX_CHARS = 60, 400
 
 
@@ -102,6 +149,8 @@ def _first_paragraph(doc: str | None) -> str | None:
     if ">>>" in para or "::" in para or re.search(r"^\s*[\w.]+\(.*\)\s*(->.*)?$", para, re.M):
         return None  # a signature line or code, not prose
     text = " ".join(para.split())
+    if re.fullmatch(r"[\w.]+\(.*\)\s*(->.*)?", text):
+        return None  # a signature wrapped over lines (numpy's C functions)
     if not _MIN_CHARS <= len(text) <= _MAX_CHARS or len(text.split()) < 8:
         return None
     return text
@@ -131,11 +180,28 @@ def _module_docs(name: str) -> list[str]:
     return out
 
 
-def collect_docstrings() -> dict[str, list[str]]:
-    """``{family: [first paragraphs]}``, each text once over all families (first family wins)."""
+def _versions(families: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """The installed version of each distribution whose modules ``families`` reads (the rows of
+    a library's set depend on it, as the standard library's depend on the Python version)."""
+    from importlib import metadata
+
+    out = {}
+    for top in sorted({m.split(".")[0] for mods in families.values() for m in mods}):
+        try:
+            out[top] = metadata.version(top)
+        except metadata.PackageNotFoundError:
+            continue  # a standard-library module: the "python" entry says which
+    return out
+
+
+def collect_docstrings(
+    families: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, list[str]]:
+    """``{family: [first paragraphs]}`` of ``families`` (default :data:`FAMILIES`), each text
+    once over all families (first family wins)."""
     seen: set[str] = set()
     out: dict[str, list[str]] = {}
-    for fam, modules in FAMILIES.items():
+    for fam, modules in (families or FAMILIES).items():
         texts = []
         for name in modules:
             for t in _module_docs(name):
@@ -147,7 +213,12 @@ def collect_docstrings() -> dict[str, list[str]]:
 
 
 def generate_docstring_classes(
-    out_dir: Path, *, seed: int = 0, n_train_per_class: int = 30, n_eval_per_class: int = 8
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    n_train_per_class: int = 30,
+    n_eval_per_class: int = 8,
+    families: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     """Write the docstring classification set: ``train/docs.jsonl``, ``eval/docs.jsonl``.
 
@@ -160,6 +231,9 @@ def generate_docstring_classes(
         seed: seed of the draw and of the row order.
         n_train_per_class: training rows per family.
         n_eval_per_class: eval rows per family.
+        families: ``{label: modules}`` (default :data:`FAMILIES`, the standard library's;
+            :data:`PACKAGE_FAMILIES` reads the installed libraries' docstrings and records their
+            versions).
 
     Returns:
         The ``source.json`` dictionary.
@@ -169,14 +243,15 @@ def generate_docstring_classes(
     """
     if n_train_per_class < 1 or n_eval_per_class < 1:
         raise ConfigError("n_train_per_class and n_eval_per_class must be positive integers")
-    docs = collect_docstrings()
+    families = families or FAMILIES
+    docs = collect_docstrings(families)
     rng = random.Random(seed)
     train, evals = [], []
     need = n_train_per_class + n_eval_per_class
     for fam, texts in docs.items():
         if len(texts) < need:
             raise ConfigError(
-                f"family {fam!r} has {len(texts)} usable docstrings in this Python, fewer than "
+                f"family {fam!r} has {len(texts)} usable docstrings here, fewer than "
                 f"the {need} asked for; lower n_train_per_class / n_eval_per_class"
             )
         pick = rng.sample(texts, need)
@@ -193,10 +268,11 @@ def generate_docstring_classes(
         "generator": "traceprop_engine.evaluate.prose_data.generate_docstring_classes",
         "python": sys.version.split()[0],
         "seed": seed,
-        "families": {f: list(m) for f, m in FAMILIES.items()},
+        "families": {f: list(m) for f, m in families.items()},
         "available": {f: len(t) for f, t in docs.items()},
         "n_train": len(train),
         "n_eval": len(evals),
+        "versions": _versions(families),
     }
     (out_dir / PROSE_INFO_FILE).write_text(json.dumps(info, indent=1))
     return info
