@@ -25,10 +25,10 @@ from traceprop_engine.settings import IndexSettings
 
 ROWS = {
     "identity-cos": IndexSettings(preconditioner="identity"),
-    "kfac-cos, default (auto)": IndexSettings(),
-    "kfac-cos, inline statistics": IndexSettings(statistics="inline"),
-    "kfac-cos, final model's": IndexSettings(statistics="final"),
-    "kfac-cos, both (mean)": IndexSettings(statistics="both"),
+    "default (auto)": IndexSettings(),
+    "kfac-cos, inline statistics": IndexSettings(preconditioner="kfac", statistics="inline"),
+    "kfac-cos, final model's": IndexSettings(preconditioner="kfac", statistics="final"),
+    "kfac-cos, both (mean)": IndexSettings(preconditioner="kfac", statistics="both"),
 }
 
 

@@ -20,11 +20,12 @@ LOG_FILE = "train.log"
 MODEL_DIR = "model"
 INDEX_DIR = "index"
 
-# the default preconditioner of an index (IndexSettings, CLI, app): K-FAC from the run's inline
-# statistics, with cosine scores; a run without statistics is scored with identity instead
-# (attribution/overview.py: resolve_settings). Why: benchmarks/EVAL.md §1k (LoRA runs gain
-# 0.02-0.07 LDS over identity, full fine-tunes are level)
-DEFAULT_PRECONDITIONER = "kfac"
+# the default preconditioner of an index (IndexSettings, CLI, app): auto, resolved per run
+# (attribution/overview.py: resolve_settings) to K-FAC with cosine scores, or identity on a run
+# without statistics or a pretrained classifier fine-tuned in full. Why: benchmarks/EVAL.md §1k
+# (LoRA runs gain 0.02-0.07 LDS over identity) and §1r (identity above K-FAC on every
+# pretrained classifier fine-tuned in full)
+DEFAULT_PRECONDITIONER = "auto"
 
 # a tracked run takes K-FAC statistics from at least this many batches (`traceprop train` lowers
 # the stride of a short run: training/prepare.py short_run_track; an own loop is warned at

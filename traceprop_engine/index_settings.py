@@ -16,6 +16,7 @@ class PreconditionerKind(str, Enum):
     """Which approximation of the Fisher/Gauss-Newton ``H`` to invert
     (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
 
+    AUTO = "auto"  # the run's default: kfac, or identity (overview.resolve_settings)
     IDENTITY = "identity"
     KFAC = "kfac"
     EKFAC = "ekfac"
@@ -85,8 +86,10 @@ class IndexSettings:
     preconditioner: PreconditionerKind = knob(
         PreconditionerKind(C.DEFAULT_PRECONDITIONER),
         help="the approximation of H^-1: kfac (K-FAC from the stored statistics; identity on a "
-        "run without them), identity, or ekfac (K-FAC with eigenvalues corrected from the "
-        "stored records)",
+        "run without them), identity, ekfac (K-FAC with eigenvalues corrected from the stored "
+        "records) or auto (kfac, except identity for a pretrained classifier fine-tuned in full, "
+        "where identity scored above K-FAC on all four runs measured, benchmarks/EVAL.md "
+        "section 1r)",
     )
     damping: float | None = knob(
         None,
@@ -168,8 +171,18 @@ class IndexSettings:
         return self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH)
 
     @property
+    def store_kind(self) -> PreconditionerKind:
+        """The preconditioner at the store level, which does not know the run's task (``RunIndexes``,
+        ``fit_preconditioner``): ``auto`` is ``kfac`` there, as it was before ``auto`` existed;
+        ``AttributionRun.settings`` resolves ``auto`` per run first (identity for a pretrained
+        classifier fine-tuned in full or a run without statistics)."""
+        if self.preconditioner is PreconditionerKind.AUTO:
+            return PreconditionerKind.KFAC
+        return self.preconditioner
+
+    @property
     def name(self) -> str:
-        parts = [self.preconditioner.value]
+        parts = [self.store_kind.value]
         if self.damping is not None:
             parts.append(f"d{self.damping:g}")
         if self.cosine:
@@ -194,7 +207,7 @@ class IndexSettings:
 
     def to_dict(self) -> dict:
         return {
-            "preconditioner": self.preconditioner.value,
+            "preconditioner": self.store_kind.value,
             "damping": self.damping,
             "cosine": self.cosine,
             "per_record": self.per_record,

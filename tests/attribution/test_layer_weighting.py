@@ -103,3 +103,66 @@ def test_bad_weighting_is_a_clear_error():
         IndexSettings(weighting="kronfluence")
     assert "weighting" not in IndexSettings().to_dict()  # every default index built before
     assert IndexSettings(weighting="fisher").to_dict()["weighting"] == "fisher"
+
+
+def _classifier_run(folder, loaded: bool):
+    """A tiny BERT classifier, fine-tuned in full by an own loop: from saved weights
+    (``loaded``, a pretrained classifier) or as built from its config."""
+    from helpers import tiny_bert_classifier
+    from transformers import BertForSequenceClassification
+
+    from traceprop_engine.capture.tracker import Tracker
+    from traceprop_engine.training.losses import classification_losses
+
+    model = tiny_bert_classifier()
+    if loaded:
+        model.save_pretrained(folder / "pretrained")
+        model = BertForSequenceClassification.from_pretrained(folder / "pretrained")
+    model.train()
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    settings = TrackSettings(k_in=8, k_out=8, covariance_stride=1)
+    with Tracker(model, folder / "run" / "store.h5", settings) as tracker:
+        for step, start in enumerate([0, 3, 0, 3]):
+            idx = list(range(start, start + 3))
+            ids = torch.stack([ROWS[i] for i in idx])
+            with tracker.step(idx, step=step, lr=1e-3) as rec:
+                losses = classification_losses(model(input_ids=ids).logits, labels[idx])
+                losses.mean().backward()
+                rec.losses = losses
+            opt.step()
+            opt.zero_grad()
+    tracker.finish(model, task="classification", labels=["a", "b", "c"])
+    return folder / "run"
+
+
+def test_a_pretrained_classifier_fine_tuned_in_full_is_answered_unwhitened(tmp_path):
+    """The default preconditioner (auto) of a pretrained classifier fine-tuned in full resolves
+    to identity, and the run says so; an explicit kfac whitens; a classifier built from its
+    config (and every causal LM) is answered with K-FAC."""
+    from traceprop_engine.attribution.overview import (
+        CLASSIFIER_FULL_NOTE,
+        NO_STATISTICS_NOTE,
+        describe,
+    )
+
+    full = open_run(_classifier_run(tmp_path / "loaded", loaded=True))
+    scratch = open_run(_classifier_run(tmp_path / "built", loaded=False))
+    assert full.task == "classification" and full.store.model_origin == C.ORIGIN_PRETRAINED_FULL
+    assert full.settings().name == "identity-cos"
+    assert CLASSIFIER_FULL_NOTE in full.notes and NO_STATISTICS_NOTE not in full.notes
+    query = {"input_ids": ROWS[1].tolist(), "label": "b"}
+    identity = full.scores(**query, settings=IndexSettings(preconditioner="identity"))
+    np.testing.assert_array_equal(full.scores(**query), identity)  # the same index
+    kfac = full.scores(**query, settings=IndexSettings(preconditioner="kfac"))
+    assert not np.allclose(kfac, identity, rtol=1e-3)  # K-FAC when it is asked for
+    assert full.settings(IndexSettings(preconditioner="kfac")).name == "kfac-cos"
+    assert describe(full).preconditioners == ("identity", "kfac", "ekfac")  # the app's default
+    res = full.query(**query, top_k=2)
+    assert res.query["preconditioner"] == "identity" and CLASSIFIER_FULL_NOTE in res.notes
+    # from a config: K-FAC as before, no note
+    assert scratch.store.model_origin == C.ORIGIN_SCRATCH
+    assert scratch.settings().name == "kfac-cos" and CLASSIFIER_FULL_NOTE not in scratch.notes
+    assert describe(scratch).preconditioners == ("kfac", "identity", "ekfac")
+    # the same store read as a causal LM's (the rule is the classifier's only)
+    assert resolve_settings(full.store, None, "causal-lm").preconditioner.value == "kfac"

@@ -198,7 +198,7 @@ def test_multi_layer_slices_and_save_load_round_trip(tmp_path, kind):
 
 def test_errors_are_actionable(tmp_path):
     A, S, sk = _layer(6)
-    with pytest.raises(ConfigError, match="must be one of 'identity', 'kfac', 'ekfac'"):
+    with pytest.raises(ConfigError, match="must be one of 'auto', 'identity', 'kfac', 'ekfac'"):
         fit_layer("lissa", A, S, N_TOK)
     with pytest.raises(ConfigError, match="mean_sq_norm"):
         fit_layer("kfac", A, S, N_TOK)

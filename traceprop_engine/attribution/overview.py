@@ -28,6 +28,13 @@ NO_STATISTICS_NOTE = (
 )
 
 
+CLASSIFIER_FULL_NOTE = (
+    "a pretrained classifier fine-tuned in full is scored with identity preconditioning by "
+    "default: on every such run measured K-FAC scored below identity (benchmarks/EVAL.md "
+    "section 1r); pass --preconditioner kfac to whiten with K-FAC"
+)
+
+
 def usable_preconditioners(store) -> list[PreconditionerKind]:
     """The run's default first: K-FAC, identity and EK-FAC when the store has K-FAC covariance
     (factored sketches recorded with ``covariance``) or holds dense sketches (fitted from the
@@ -38,7 +45,9 @@ def usable_preconditioners(store) -> list[PreconditionerKind]:
 
 
 def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") -> IndexSettings:
-    """``s`` (default: ``IndexSettings()``) as this store can answer it: K-FAC, the default, on a
+    """``s`` (default: ``IndexSettings()``) as this store can answer it: ``preconditioner='auto'``,
+    the default, becomes identity on a pretrained classifier fine-tuned in full
+    (:func:`unwhitened_by_default`, :data:`CLASSIFIER_FULL_NOTE`) and K-FAC otherwise; K-FAC on a
     run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); EK-FAC there
     stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a causal LM
     pretrained and fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise (a
@@ -48,6 +57,10 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
     §1q); identity uses none and is always ``inline``."""
     s = s or IndexSettings()
+    if s.preconditioner is PreconditionerKind.AUTO:
+        unwhitened = unwhitened_by_default(store, task)
+        kind = PreconditionerKind.IDENTITY if unwhitened else PreconditionerKind.KFAC
+        s = dataclasses.replace(s, preconditioner=kind)
     if (
         s.preconditioner is PreconditionerKind.KFAC
         and s.preconditioner not in usable_preconditioners(store)
@@ -66,6 +79,13 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
         both = weighting is LayerWeighting.FISHER and store.n_examples > 0
         statistics = StatisticsSource.BOTH if both else StatisticsSource.INLINE
     return dataclasses.replace(s, weighting=weighting, statistics=statistics)
+
+
+def unwhitened_by_default(store, task: str) -> bool:
+    """Whether the default answers this run without whitening: a pretrained classifier
+    fine-tuned in full, where identity-cosine scored above K-FAC-cosine on every run measured
+    (docs8 and pkgdocs6, two seeds each, EVAL.md §1r). An explicit ``kfac`` whitens as asked."""
+    return task == Task.CLASSIFICATION.value and pretrained_full(store)
 
 
 def pretrained_full(store) -> bool:
@@ -90,14 +110,17 @@ class RunOverview:
 
 
 def describe(run) -> RunOverview:
-    """The overview of an :class:`~traceprop_engine.attribution.query.AttributionRun`."""
+    """The overview of an :class:`~traceprop_engine.attribution.query.AttributionRun`; its
+    preconditioners are the run's default first (what the app selects before a reader picks)."""
+    first = run.settings().preconditioner
+    usable = usable_preconditioners(run.store)
     return RunOverview(
         run_id=run.run_id,
         task=run.task,
         n_records=int(run.store.n_records),
         n_layers=len(run.store.layers),
         notes=tuple(run.notes),
-        preconditioners=tuple(k.value for k in usable_preconditioners(run.store)),
+        preconditioners=tuple(k.value for k in [first, *(k for k in usable if k is not first)]),
     )
 
 

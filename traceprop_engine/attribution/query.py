@@ -27,13 +27,18 @@ import polars as pl
 from .. import constants as C
 from ..errors import QueryError, RunError
 from ..run import RunManifest
-from ..settings import IndexSettings, StatisticsSource
+from ..settings import IndexSettings, PreconditionerKind, StatisticsSource
 from ..store.sharded import open_run_store
 from .index.lists import list_candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
-from .overview import NO_STATISTICS_NOTE, resolve_settings
+from .overview import (
+    CLASSIFIER_FULL_NOTE,
+    NO_STATISTICS_NOTE,
+    resolve_settings,
+    usable_preconditioners,
+)
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
 from .query_input import Query
@@ -100,8 +105,10 @@ class AttributionRun(TestSideMixin):
         out = []
         if self.store.is_partial:  # says so when it has no covariance
             out.append(self.store.describe_partial())
-        elif self.settings().preconditioner is not IndexSettings().preconditioner:  # fell back
+        elif PreconditionerKind.KFAC not in usable_preconditioners(self.store):  # fell back
             out.append(NO_STATISTICS_NOTE)
+        elif self.settings().preconditioner is PreconditionerKind.IDENTITY:  # auto chose it
+            out.append(CLASSIFIER_FULL_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
             self._zero_lr = bool(len(lr)) and not np.any(lr)

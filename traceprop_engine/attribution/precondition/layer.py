@@ -27,7 +27,10 @@ __all__ = [
 
 
 def parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
-    return parse_choice(PreconditionerKind, kind, "preconditioner")
+    """The fitted kind; ``auto`` is K-FAC at this level, which does not know the run's task
+    (``IndexSettings.store_kind``)."""
+    k = parse_choice(PreconditionerKind, kind, "preconditioner")
+    return PreconditionerKind.KFAC if k is PreconditionerKind.AUTO else k
 
 
 def check_damping(damping: float | None) -> float:
