@@ -21,9 +21,9 @@ MODEL_DIR = "model"
 INDEX_DIR = "index"
 
 # the default preconditioner of an index (IndexSettings, CLI, app): auto, resolved per run
-# (attribution/overview.py: resolve_settings) to K-FAC with cosine scores, or identity on a run
-# without statistics or a pretrained classifier fine-tuned in full. Why: benchmarks/EVAL.md §1k
-# (LoRA runs gain 0.02-0.07 LDS over identity) and §1r (identity above K-FAC on every
+# (attribution/overview.py: resolve_settings) to K-FAC with cosine scores, EK-FAC on a pretrained
+# classifier fine-tuned in full, identity on a run without statistics. Why: benchmarks/EVAL.md
+# §1k (LoRA runs gain 0.02-0.07 LDS over identity) and §1r (EK-FAC above K-FAC on every
 # pretrained classifier fine-tuned in full)
 DEFAULT_PRECONDITIONER = "auto"
 

@@ -16,7 +16,7 @@ class PreconditionerKind(str, Enum):
     """Which approximation of the Fisher/Gauss-Newton ``H`` to invert
     (:mod:`traceprop_engine.attribution.precondition.preconditioner`)."""
 
-    AUTO = "auto"  # the run's default: kfac, or identity (overview.resolve_settings)
+    AUTO = "auto"  # the run's default: kfac, ekfac or identity (overview.resolve_settings)
     IDENTITY = "identity"
     KFAC = "kfac"
     EKFAC = "ekfac"
@@ -79,17 +79,18 @@ class IndexSettings:
 
     Default: K-FAC preconditioning from the run's inline statistics with cosine scores
     (normalised, so a few large-gradient examples do not top every query), each example scored
-    by its records of the last epoch it was trained in; a run without K-FAC statistics is
-    answered with identity instead (``AttributionRun.settings``).
+    by its records of the last epoch it was trained in; ``preconditioner='auto'`` answers a
+    pretrained classifier fine-tuned in full with EK-FAC, and a run without K-FAC statistics
+    with identity (``AttributionRun.settings``).
     """
 
     preconditioner: PreconditionerKind = knob(
         PreconditionerKind(C.DEFAULT_PRECONDITIONER),
         help="the approximation of H^-1: kfac (K-FAC from the stored statistics; identity on a "
         "run without them), identity, ekfac (K-FAC with eigenvalues corrected from the stored "
-        "records) or auto (kfac, except identity for a pretrained classifier fine-tuned in full, "
-        "where identity scored above K-FAC on all four runs measured, benchmarks/EVAL.md "
-        "section 1r)",
+        "records) or auto (kfac, except ekfac for a pretrained classifier fine-tuned in full, "
+        "where EK-FAC scored above K-FAC on every run measured, benchmarks/EVAL.md section 1r; "
+        "identity on a run without statistics)",
     )
     damping: float | None = knob(
         None,
@@ -174,8 +175,8 @@ class IndexSettings:
     def store_kind(self) -> PreconditionerKind:
         """The preconditioner at the store level, which does not know the run's task (``RunIndexes``,
         ``fit_preconditioner``): ``auto`` is ``kfac`` there, as it was before ``auto`` existed;
-        ``AttributionRun.settings`` resolves ``auto`` per run first (identity for a pretrained
-        classifier fine-tuned in full or a run without statistics)."""
+        ``AttributionRun.settings`` resolves ``auto`` per run first (EK-FAC for a pretrained
+        classifier fine-tuned in full, identity for a run without statistics)."""
         if self.preconditioner is PreconditionerKind.AUTO:
             return PreconditionerKind.KFAC
         return self.preconditioner

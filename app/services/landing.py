@@ -19,11 +19,12 @@ PRECONDITIONERS = {
     "On our LDS benchmarks it is at or above identity on every LoRA fine-tune (nine of nine, "
     "+0.046 on the mean) and level with it on full fine-tunes (benchmarks/EVAL.md §1k).",
     "identity": "the training gradients as recorded, compared by cosine (TracIn). It needs no "
-    "covariance: a run trained without statistics uses it, and it is the default of a "
-    "pretrained classifier fine-tuned in full, where K-FAC scored below it on three of four "
-    "runs (benchmarks/EVAL.md §1r). The second opinion most unlike K-FAC.",
+    "covariance: a run trained without statistics uses it. The "
+    "second opinion most unlike K-FAC.",
     "ekfac": "K-FAC with its eigenvalues corrected from the stored records (EK-FAC): level "
-    "with K-FAC on our benchmarks (within 0.01 on the mean).",
+    "with K-FAC on our benchmarks (within 0.01 on the mean), and the default of a pretrained "
+    "classifier fine-tuned in full, where it scored above K-FAC on every run measured "
+    "(benchmarks/EVAL.md §1r).",
 }
 SIGN_NOTE = (
     "A score > 0 marks a **proponent**: training on that example lowered the loss of the queried "

@@ -105,7 +105,7 @@ def test_bad_weighting_is_a_clear_error():
     assert IndexSettings(weighting="fisher").to_dict()["weighting"] == "fisher"
 
 
-def _classifier_run(folder, loaded: bool):
+def _classifier_run(folder, loaded: bool, covariance: bool = True):
     """A tiny BERT classifier, fine-tuned in full by an own loop: from saved weights
     (``loaded``, a pretrained classifier) or as built from its config."""
     from helpers import tiny_bert_classifier
@@ -121,7 +121,7 @@ def _classifier_run(folder, loaded: bool):
     model.train()
     labels = torch.tensor([0, 1, 2, 0, 1, 2])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    settings = TrackSettings(k_in=8, k_out=8, covariance_stride=1)
+    settings = TrackSettings(k_in=8, k_out=8, covariance_stride=1, covariance=covariance)
     with Tracker(model, folder / "run" / "store.h5", settings) as tracker:
         for step, start in enumerate([0, 3, 0, 3]):
             idx = list(range(start, start + 3))
@@ -136,9 +136,9 @@ def _classifier_run(folder, loaded: bool):
     return folder / "run"
 
 
-def test_a_pretrained_classifier_fine_tuned_in_full_is_answered_unwhitened(tmp_path):
+def test_a_pretrained_classifier_fine_tuned_in_full_is_answered_with_ekfac(tmp_path):
     """The default preconditioner (auto) of a pretrained classifier fine-tuned in full resolves
-    to identity, and the run says so; an explicit kfac whitens; a classifier built from its
+    to EK-FAC, and the run says so; an explicit kfac is K-FAC; a classifier built from its
     config (and every causal LM) is answered with K-FAC."""
     from traceprop_engine.attribution.overview import (
         CLASSIFIER_FULL_NOTE,
@@ -149,20 +149,24 @@ def test_a_pretrained_classifier_fine_tuned_in_full_is_answered_unwhitened(tmp_p
     full = open_run(_classifier_run(tmp_path / "loaded", loaded=True))
     scratch = open_run(_classifier_run(tmp_path / "built", loaded=False))
     assert full.task == "classification" and full.store.model_origin == C.ORIGIN_PRETRAINED_FULL
-    assert full.settings().name == "identity-cos"
+    assert full.settings().name == "ekfac-cos"
     assert CLASSIFIER_FULL_NOTE in full.notes and NO_STATISTICS_NOTE not in full.notes
     query = {"input_ids": ROWS[1].tolist(), "label": "b"}
-    identity = full.scores(**query, settings=IndexSettings(preconditioner="identity"))
-    np.testing.assert_array_equal(full.scores(**query), identity)  # the same index
+    ekfac = full.scores(**query, settings=IndexSettings(preconditioner="ekfac"))
+    np.testing.assert_array_equal(full.scores(**query), ekfac)  # the same index
     kfac = full.scores(**query, settings=IndexSettings(preconditioner="kfac"))
-    assert not np.allclose(kfac, identity, rtol=1e-3)  # K-FAC when it is asked for
+    assert not np.allclose(kfac, ekfac, rtol=1e-3)  # K-FAC when it is asked for
     assert full.settings(IndexSettings(preconditioner="kfac")).name == "kfac-cos"
-    assert describe(full).preconditioners == ("identity", "kfac", "ekfac")  # the app's default
+    assert describe(full).preconditioners == ("ekfac", "kfac", "identity")  # the app's default
     res = full.query(**query, top_k=2)
-    assert res.query["preconditioner"] == "identity" and CLASSIFIER_FULL_NOTE in res.notes
+    assert res.query["preconditioner"] == "ekfac" and CLASSIFIER_FULL_NOTE in res.notes
     # from a config: K-FAC as before, no note
     assert scratch.store.model_origin == C.ORIGIN_SCRATCH
     assert scratch.settings().name == "kfac-cos" and CLASSIFIER_FULL_NOTE not in scratch.notes
     assert describe(scratch).preconditioners == ("kfac", "identity", "ekfac")
     # the same store read as a causal LM's (the rule is the classifier's only)
     assert resolve_settings(full.store, None, "causal-lm").preconditioner.value == "kfac"
+    # without statistics the default is identity, whichever kind auto would pick
+    no_stats = open_run(_classifier_run(tmp_path / "nostats", loaded=True, covariance=False))
+    assert no_stats.settings().name == "identity-cos" and NO_STATISTICS_NOTE in no_stats.notes
+    assert CLASSIFIER_FULL_NOTE not in no_stats.notes

@@ -29,9 +29,9 @@ NO_STATISTICS_NOTE = (
 
 
 CLASSIFIER_FULL_NOTE = (
-    "a pretrained classifier fine-tuned in full is scored with identity preconditioning by "
-    "default: on every such run measured K-FAC scored below identity (benchmarks/EVAL.md "
-    "section 1r); pass --preconditioner kfac to whiten with K-FAC"
+    "a pretrained classifier fine-tuned in full is scored with EK-FAC by default: on such runs "
+    "K-FAC scored below both EK-FAC and identity (benchmarks/EVAL.md section 1r); "
+    "--preconditioner kfac or identity picks another"
 )
 
 
@@ -46,10 +46,10 @@ def usable_preconditioners(store) -> list[PreconditionerKind]:
 
 def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") -> IndexSettings:
     """``s`` (default: ``IndexSettings()``) as this store can answer it: ``preconditioner='auto'``,
-    the default, becomes identity on a pretrained classifier fine-tuned in full
-    (:func:`unwhitened_by_default`, :data:`CLASSIFIER_FULL_NOTE`) and K-FAC otherwise; K-FAC on a
-    run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); EK-FAC there
-    stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a causal LM
+    the default, becomes EK-FAC on a pretrained classifier fine-tuned in full
+    (:func:`ekfac_by_default`, :data:`CLASSIFIER_FULL_NOTE`) and K-FAC otherwise; either on a
+    run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); an explicit
+    EK-FAC there stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a causal LM
     pretrained and fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise (a
     pretrained classifier fine-tuned in full fell from 0.78 to 0.56 with fisher, EVAL.md §1p);
     identity, which whitens nothing, is always ``recorded``. ``statistics='auto'`` becomes
@@ -57,14 +57,14 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
     §1q); identity uses none and is always ``inline``."""
     s = s or IndexSettings()
-    if s.preconditioner is PreconditionerKind.AUTO:
-        unwhitened = unwhitened_by_default(store, task)
-        kind = PreconditionerKind.IDENTITY if unwhitened else PreconditionerKind.KFAC
+    auto = s.preconditioner is PreconditionerKind.AUTO
+    if auto:
+        ekfac = ekfac_by_default(store, task)
+        kind = PreconditionerKind.EKFAC if ekfac else PreconditionerKind.KFAC
         s = dataclasses.replace(s, preconditioner=kind)
     if (
-        s.preconditioner is PreconditionerKind.KFAC
-        and s.preconditioner not in usable_preconditioners(store)
-    ):
+        s.preconditioner is PreconditionerKind.KFAC or auto
+    ) and s.preconditioner not in usable_preconditioners(store):
         s = dataclasses.replace(s, preconditioner=PreconditionerKind.IDENTITY)
     weighting = s.weighting
     if s.preconditioner is PreconditionerKind.IDENTITY:
@@ -81,10 +81,10 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     return dataclasses.replace(s, weighting=weighting, statistics=statistics)
 
 
-def unwhitened_by_default(store, task: str) -> bool:
-    """Whether the default answers this run without whitening: a pretrained classifier
-    fine-tuned in full, where identity-cosine scored above K-FAC-cosine on every run measured
-    (docs8 and pkgdocs6, two seeds each, EVAL.md §1r). An explicit ``kfac`` whitens as asked."""
+def ekfac_by_default(store, task: str) -> bool:
+    """Whether the default answers this run with EK-FAC: a pretrained classifier fine-tuned in
+    full, where EK-FAC-cosine scored above K-FAC-cosine on every run measured (docs8 and
+    pkgdocs6, three seeds each, EVAL.md §1r). An explicit ``kfac`` is K-FAC as asked."""
     return task == Task.CLASSIFICATION.value and pretrained_full(store)
 
 

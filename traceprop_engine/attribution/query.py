@@ -107,7 +107,7 @@ class AttributionRun(TestSideMixin):
             out.append(self.store.describe_partial())
         elif PreconditionerKind.KFAC not in usable_preconditioners(self.store):  # fell back
             out.append(NO_STATISTICS_NOTE)
-        elif self.settings().preconditioner is PreconditionerKind.IDENTITY:  # auto chose it
+        elif self.settings().preconditioner is PreconditionerKind.EKFAC:  # auto chose it
             out.append(CLASSIFIER_FULL_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
