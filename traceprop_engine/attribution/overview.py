@@ -29,16 +29,16 @@ NO_STATISTICS_NOTE = (
 
 
 CLASSIFIER_FULL_NOTE = (
-    "a pretrained classifier fine-tuned in full is scored with EK-FAC by default: on such runs "
-    "K-FAC scored below both EK-FAC and identity (benchmarks/EVAL.md section 1r); "
-    "--preconditioner kfac or identity picks another"
+    "a pretrained classifier fine-tuned in full is scored with EK-FAC by default: on every such "
+    "run measured K-FAC scored below it (benchmarks/EVAL.md section 1r); --preconditioner kfac "
+    "or identity picks another"
 )
 
 
 def usable_preconditioners(store) -> list[PreconditionerKind]:
-    """The run's default first: K-FAC, identity and EK-FAC when the store has K-FAC covariance
-    (factored sketches recorded with ``covariance``) or holds dense sketches (fitted from the
-    records); identity alone otherwise."""
+    """K-FAC, identity and EK-FAC when the store has K-FAC covariance (factored sketches
+    recorded with ``covariance``) or holds dense sketches (fitted from the records); identity
+    alone otherwise. :func:`describe` lists them with the run's own default first."""
     if store.has_covariance or SketchKind(store.sketch) is SketchKind.DENSE:
         return [PreconditionerKind.KFAC, PreconditionerKind.IDENTITY, PreconditionerKind.EKFAC]
     return [PreconditionerKind.IDENTITY]
@@ -49,9 +49,10 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     the default, becomes EK-FAC on a pretrained classifier fine-tuned in full
     (:func:`ekfac_by_default`, :data:`CLASSIFIER_FULL_NOTE`) and K-FAC otherwise; either on a
     run without K-FAC statistics becomes identity (:data:`NO_STATISTICS_NOTE`); an explicit
-    EK-FAC there stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for a causal LM
-    pretrained and fine-tuned in full (:func:`pretrained_full`) and ``recorded`` otherwise (a
-    pretrained classifier fine-tuned in full fell from 0.78 to 0.56 with fisher, EVAL.md §1p);
+    EK-FAC there stays an error where it is fitted. ``weighting='auto'`` becomes ``fisher`` for
+    a causal LM pretrained and fine-tuned in full (:func:`pretrained_full`) and ``recorded``
+    otherwise (a pretrained classifier fine-tuned in full fell from 0.78 to 0.56 with fisher,
+    EVAL.md §1p);
     identity, which whitens nothing, is always ``recorded``. ``statistics='auto'`` becomes
     ``both`` (the mean of the inline and the final model's statistics) where the weighting is
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
