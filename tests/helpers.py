@@ -271,21 +271,31 @@ def record_causal_step(path: Path, model, settings: TrackSettings, seed: int = 0
     return store, (ids, mask, labels, lengths)
 
 
-def train_own_loop(model, run_dir: Path, settings: TrackSettings, rows) -> Path:
+def train_own_loop(
+    model, run_dir: Path, settings: TrackSettings, rows, class_ids=None, **finish
+) -> Path:
     """An own loop recorded by a Tracker and finished into ``run_dir``: four AdamW steps (lr
-    1e-3) of three equal-length token rows each, rows 0-2 then 3-5, twice. Returns ``run_dir``."""
+    1e-3) of three equal-length token rows each, rows 0-2 then 3-5, twice. A causal LM's loss,
+    or with ``class_ids`` (one per row) a classifier's; ``finish`` goes to
+    ``Tracker.finish`` (``task``, ``labels``: the class names). Returns ``run_dir``."""
+    from traceprop_engine.training.losses import classification_losses
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with Tracker(model, run_dir / "store.h5", settings) as tracker:
         for step, start in enumerate([0, 3, 0, 3]):
             idx = list(range(start, start + 3))
             ids = torch.stack([torch.as_tensor(rows[i]) for i in idx])
             with tracker.step(idx, step=step, lr=1e-3) as rec:
-                losses = causal_lm_losses(model(input_ids=ids).logits, ids)
+                logits = model(input_ids=ids).logits
+                if class_ids is None:
+                    losses = causal_lm_losses(logits, ids)
+                else:
+                    losses = classification_losses(logits, torch.as_tensor(class_ids)[idx])
                 losses.mean().backward()
                 rec.losses = losses
             opt.step()
             opt.zero_grad()
-    tracker.finish(model)
+    tracker.finish(model, **finish)
     return run_dir
 
 

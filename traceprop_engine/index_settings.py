@@ -21,6 +21,15 @@ class PreconditionerKind(str, Enum):
     KFAC = "kfac"
     EKFAC = "ekfac"
 
+    @property
+    def fitted(self) -> PreconditionerKind:
+        """The kind fitted where the run's task is unknown (``RunIndexes``,
+        ``fit_preconditioner``, ``fit_layer``, index names and fingerprints): ``auto`` is
+        ``kfac`` there, as it was before ``auto`` existed; ``AttributionRun.settings`` resolves
+        ``auto`` per run first (EK-FAC for a pretrained classifier fine-tuned in full, identity
+        for a run without statistics)."""
+        return PreconditionerKind.KFAC if self is PreconditionerKind.AUTO else self
+
 
 class RecordChoice(str, Enum):
     """Which of an example's records score it
@@ -172,18 +181,8 @@ class IndexSettings:
         return self.statistics in (StatisticsSource.FINAL, StatisticsSource.BOTH)
 
     @property
-    def store_kind(self) -> PreconditionerKind:
-        """The preconditioner at the store level, which does not know the run's task (``RunIndexes``,
-        ``fit_preconditioner``): ``auto`` is ``kfac`` there, as it was before ``auto`` existed;
-        ``AttributionRun.settings`` resolves ``auto`` per run first (EK-FAC for a pretrained
-        classifier fine-tuned in full, identity for a run without statistics)."""
-        if self.preconditioner is PreconditionerKind.AUTO:
-            return PreconditionerKind.KFAC
-        return self.preconditioner
-
-    @property
     def name(self) -> str:
-        parts = [self.store_kind.value]
+        parts = [self.preconditioner.fitted.value]
         if self.damping is not None:
             parts.append(f"d{self.damping:g}")
         if self.cosine:
@@ -208,7 +207,7 @@ class IndexSettings:
 
     def to_dict(self) -> dict:
         return {
-            "preconditioner": self.store_kind.value,
+            "preconditioner": self.preconditioner.fitted.value,
             "damping": self.damping,
             "cosine": self.cosine,
             "per_record": self.per_record,

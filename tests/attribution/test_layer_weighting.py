@@ -111,29 +111,20 @@ def _classifier_run(folder, loaded: bool, covariance: bool = True):
     from helpers import tiny_bert_classifier
     from transformers import BertForSequenceClassification
 
-    from traceprop_engine.capture.tracker import Tracker
-    from traceprop_engine.training.losses import classification_losses
-
     model = tiny_bert_classifier()
     if loaded:
         model.save_pretrained(folder / "pretrained")
         model = BertForSequenceClassification.from_pretrained(folder / "pretrained")
-    model.train()
-    labels = torch.tensor([0, 1, 2, 0, 1, 2])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     settings = TrackSettings(k_in=8, k_out=8, covariance_stride=1, covariance=covariance)
-    with Tracker(model, folder / "run" / "store.h5", settings) as tracker:
-        for step, start in enumerate([0, 3, 0, 3]):
-            idx = list(range(start, start + 3))
-            ids = torch.stack([ROWS[i] for i in idx])
-            with tracker.step(idx, step=step, lr=1e-3) as rec:
-                losses = classification_losses(model(input_ids=ids).logits, labels[idx])
-                losses.mean().backward()
-                rec.losses = losses
-            opt.step()
-            opt.zero_grad()
-    tracker.finish(model, task="classification", labels=["a", "b", "c"])
-    return folder / "run"
+    return train_own_loop(
+        model.train(),
+        folder / "run",
+        settings,
+        ROWS,
+        class_ids=[0, 1, 2, 0, 1, 2],
+        task="classification",
+        labels=["a", "b", "c"],
+    )
 
 
 def test_a_pretrained_classifier_fine_tuned_in_full_is_answered_with_ekfac(tmp_path):

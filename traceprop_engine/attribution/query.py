@@ -33,12 +33,7 @@ from .index.lists import list_candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
-from .overview import (
-    CLASSIFIER_FULL_NOTE,
-    NO_STATISTICS_NOTE,
-    resolve_settings,
-    usable_preconditioners,
-)
+from .overview import CLASSIFIER_FULL_NOTE, NO_STATISTICS_NOTE, resolve_settings
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
 from .query_input import Query
@@ -105,10 +100,12 @@ class AttributionRun(TestSideMixin):
         out = []
         if self.store.is_partial:  # says so when it has no covariance
             out.append(self.store.describe_partial())
-        elif PreconditionerKind.KFAC not in usable_preconditioners(self.store):  # fell back
-            out.append(NO_STATISTICS_NOTE)
-        elif self.settings().preconditioner is PreconditionerKind.EKFAC:  # auto chose it
-            out.append(CLASSIFIER_FULL_NOTE)
+        else:  # what the default (auto) resolved to on this run, where it is not K-FAC
+            default = self.settings().preconditioner
+            if default is PreconditionerKind.IDENTITY:  # a run without statistics
+                out.append(NO_STATISTICS_NOTE)
+            elif default is PreconditionerKind.EKFAC:  # a pretrained classifier, fine-tuned in full
+                out.append(CLASSIFIER_FULL_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
             self._zero_lr = bool(len(lr)) and not np.any(lr)

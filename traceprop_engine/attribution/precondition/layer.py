@@ -27,10 +27,8 @@ __all__ = [
 
 
 def parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:
-    """The fitted kind; ``auto`` is K-FAC at this level, which does not know the run's task
-    (``IndexSettings.store_kind``)."""
-    k = parse_choice(PreconditionerKind, kind, "preconditioner")
-    return PreconditionerKind.KFAC if k is PreconditionerKind.AUTO else k
+    """The fitted kind (``auto`` is K-FAC here: :attr:`PreconditionerKind.fitted`)."""
+    return parse_choice(PreconditionerKind, kind, "preconditioner").fitted
 
 
 def check_damping(damping: float | None) -> float:

@@ -39,7 +39,7 @@ def fit_preconditioner(
     """Fit from the stored statistics (EK-FAC streams the sketches once for its eigenvalues), or
     per layer from ``covariances`` where given (``IndexSettings.statistics`` final / both:
     :mod:`~traceprop_engine.attribution.model_side.statistics`)."""
-    kind = s.store_kind  # AUTO: resolved per run by AttributionRun.settings, else K-FAC
+    kind = s.preconditioner.fitted  # AUTO: resolved per run by AttributionRun.settings
     fisher = s.weighting is LayerWeighting.FISHER  # AUTO: resolved by AttributionRun.settings
     if kind not in usable_preconditioners(store):
         raise StoreError(
