@@ -137,6 +137,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 
 def add_index_flags(p) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults."""
+    from .index_settings import DEFAULT_CLASS_PRIOR
     from .settings import DEFAULT_DAMPING
     from .settings import IndexSettings as S
 
@@ -151,6 +152,13 @@ def add_index_flags(p) -> None:
     add_field_flag(p, S, "statistics")
     add_field_flag(p, S, "kind", "--index-kind")
     add_field_flag(p, S, "lists", action=argparse.BooleanOptionalAction)
+    add_field_flag(
+        p,
+        S,
+        "class_prior",
+        type=float,
+        help=help_of(S, "class_prior", f" = {DEFAULT_CLASS_PRIOR:g}"),
+    )
 
 
 def index_settings(a):
@@ -167,4 +175,5 @@ def index_settings(a):
         statistics=getattr(a, "statistics", "auto"),
         kind=a.index_kind,
         lists=getattr(a, "lists", None),
+        class_prior=getattr(a, "class_prior", None),
     )

@@ -4,6 +4,7 @@ and its knobs) and its choices; part of every index's fingerprint. Re-exported b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -80,6 +81,11 @@ INDEX_DIMS = 256
 DEFAULT_DAMPING = 0.1
 """Damping as a fraction of each factor's mean eigenvalue (a common heuristic; overridable)."""
 
+DEFAULT_CLASS_PRIOR = 0.2
+"""The class prior of a classification run scored with cosine (``IndexSettings.class_prior``
+left at auto), in cosine units: chosen on seven classification LDS runs and checked on held-out
+ones (benchmarks/EVAL.md §1s)."""
+
 
 @document_fields
 @dataclass(frozen=True)
@@ -90,7 +96,8 @@ class IndexSettings:
     (normalised, so a few large-gradient examples do not top every query), each example scored
     by its records of the last epoch it was trained in; ``preconditioner='auto'`` answers a
     pretrained classifier fine-tuned in full with EK-FAC, and a run without K-FAC statistics
-    with identity (``AttributionRun.settings``).
+    with identity, and a classification run adds the class prior ``class_prior``
+    (``AttributionRun.settings``).
     """
 
     preconditioner: PreconditionerKind = knob(
@@ -151,11 +158,32 @@ class IndexSettings:
         "most of the gradient energy (None: from 200k index rows on, where FAISS is an IVF "
         "index; True: on any run whose records allow it; False: never)",
     )
+    class_prior: float | None = knob(
+        None,
+        help="classification: add class_prior x (+1 when the example's label is the query's, "
+        "-1/(C-1) otherwise) to every score, the similarity of the classifier head's bias "
+        "gradients at uniform predictions (the new head's first steps), which the weight records "
+        "leave out; a query-time term, the index is the same (None: auto, DEFAULT_CLASS_PRIOR "
+        "for a classification run scored with cosine, 0 otherwise; 0: the records alone)",
+    )
 
     def __post_init__(self) -> None:
         if self.lists is not None and not isinstance(self.lists, bool):
             raise ConfigError(f"lists must be True, False or None (auto), got {self.lists!r}")
         check_damping(self.damping)  # here, before anything is locked or written under index/
+        prior = self.class_prior
+        if prior is not None and (
+            isinstance(prior, bool)
+            or not isinstance(prior, (int, float))
+            or not math.isfinite(prior)
+            or prior < 0
+        ):
+            raise ConfigError(
+                f"class_prior must be a finite number >= 0 (0: the records alone) or None "
+                f"(auto), got {prior!r}"
+            )
+        if prior is not None:
+            object.__setattr__(self, "class_prior", float(prior))
         for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import constants as C
+from ..index_settings import DEFAULT_CLASS_PRIOR
 from ..settings import (
     IndexSettings,
     LayerWeighting,
@@ -32,6 +33,14 @@ CLASSIFIER_FULL_NOTE = (
     "a pretrained classifier fine-tuned in full is scored with EK-FAC by default: on every such "
     "run measured K-FAC scored below it (benchmarks/EVAL.md section 1r); --preconditioner kfac "
     "or identity picks another"
+)
+
+
+CLASS_PRIOR_NOTE = (
+    "a classification run's scores add a class prior by default: class_prior x (+1 for an "
+    "example of the query's label, -1/(C-1) otherwise), the similarity of the classifier head's "
+    "bias gradients at the start of fine-tuning, which the weight records leave out "
+    "(benchmarks/EVAL.md section 1s); --class-prior 0 scores the records alone"
 )
 
 
@@ -56,7 +65,9 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     identity, which whitens nothing, is always ``recorded``. ``statistics='auto'`` becomes
     ``both`` (the mean of the inline and the final model's statistics) where the weighting is
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
-    §1q); identity uses none and is always ``inline``."""
+    §1q); identity uses none and is always ``inline``. ``class_prior=None`` becomes
+    :data:`~traceprop_engine.index_settings.DEFAULT_CLASS_PRIOR` for a classification run scored
+    with cosine and 0 otherwise (EVAL.md §1s)."""
     s = s or IndexSettings()
     auto = s.preconditioner is PreconditionerKind.AUTO
     if auto:
@@ -79,7 +90,11 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     elif statistics is StatisticsSource.AUTO:
         both = weighting is LayerWeighting.FISHER and store.n_examples > 0
         statistics = StatisticsSource.BOTH if both else StatisticsSource.INLINE
-    return dataclasses.replace(s, weighting=weighting, statistics=statistics)
+    prior = s.class_prior
+    if prior is None:
+        classifier = task == Task.CLASSIFICATION.value and s.cosine
+        prior = DEFAULT_CLASS_PRIOR if classifier else 0.0
+    return dataclasses.replace(s, weighting=weighting, statistics=statistics, class_prior=prior)
 
 
 def ekfac_by_default(store, task: str) -> bool:

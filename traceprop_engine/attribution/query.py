@@ -33,13 +33,20 @@ from .index.lists import list_candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
-from .overview import CLASSIFIER_FULL_NOTE, NO_STATISTICS_NOTE, resolve_settings
+from .overview import (
+    CLASS_PRIOR_NOTE,
+    CLASSIFIER_FULL_NOTE,
+    NO_STATISTICS_NOTE,
+    resolve_settings,
+)
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
 from .query_input import Query
+from .query_sketches import label_of
 from .result import QueryResult, TestSide
 from .score.blas_threads import one_blas_thread
 from .score.ranking import (
+    CLASS_PRIOR_LAYER,
     ZERO_LR_NOTE,
     example_table,
     hit_rows,
@@ -85,6 +92,7 @@ class AttributionRun(TestSideMixin):
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
         self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
+        self._classes: tuple | None = None  # (ids, class code per index row, classes)
 
     # -- description --------------------------------------------------------------------------
     @property
@@ -101,11 +109,13 @@ class AttributionRun(TestSideMixin):
         if self.store.is_partial:  # says so when it has no covariance
             out.append(self.store.describe_partial())
         else:  # what the default (auto) resolved to on this run, where it is not K-FAC
-            default = self.settings().preconditioner
-            if default is PreconditionerKind.IDENTITY:  # a run without statistics
+            default = self.settings()
+            if default.preconditioner is PreconditionerKind.IDENTITY:  # no statistics
                 out.append(NO_STATISTICS_NOTE)
-            elif default is PreconditionerKind.EKFAC:  # a pretrained classifier, fine-tuned in full
+            elif default.preconditioner is PreconditionerKind.EKFAC:  # pretrained classifier, full
                 out.append(CLASSIFIER_FULL_NOTE)
+        if self.task == "classification" and self.settings().class_prior:
+            out.append(CLASS_PRIOR_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
             self._zero_lr = bool(len(lr)) and not np.any(lr)
@@ -220,13 +230,15 @@ class AttributionRun(TestSideMixin):
             **s.to_dict(),
             "weighting": s.weighting.value,  # resolved (recorded / fisher), also where omitted
             "statistics": s.statistics.value,  # resolved (inline / final / both)
+            "class_prior": s.class_prior,  # resolved (0: the records alone)
             "n_vectors": int(index.n),
         }
+        prior = self.class_prior_scores(ts.sketches, s, np.zeros(0, np.int64)) is not None
         return QueryResult(
             rows,
             q,
             notes=self.notes + list(ts.notes) + sign_notes,
-            layer_names=pre.layer_names,
+            layer_names=pre.layer_names + ([CLASS_PRIOR_LAYER] if prior else []),
             elapsed_ms=encode_ms + (time.perf_counter() - t0) * 1e3,
             sketches=ts.sketches,
             model_fingerprint=ts.model_fingerprint,
@@ -256,8 +268,12 @@ class AttributionRun(TestSideMixin):
                 if len(extra):
                     cand = np.union1d(cand, extra)
             # exact scores of the candidates (the re-rank), split by layer for the rows
-            # layer by layer, dropping the rows that cannot place (rerank.py), or every layer
-            hit = rerank_candidates(self.indexes, s, sketches, cand, top_k, opponents, prepared)
+            # layer by layer, dropping the rows that cannot place (rerank.py), or every layer;
+            # a classification query's class prior is one more row of the split
+            prior = self.class_prior_scores(sketches, s, cand)
+            hit = rerank_candidates(
+                self.indexes, s, sketches, cand, top_k, opponents, prepared, offset=prior
+            )
             cand, per_layer = hit or (
                 cand,
                 self.exact_scores(sketches, s, rows=cand, per_layer=True)[0],
@@ -282,7 +298,9 @@ class AttributionRun(TestSideMixin):
             per_layer: split every score by layer.
 
         Returns:
-            (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms.
+            (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms. A
+            classification query's class prior (:meth:`class_prior_scores`) is added after
+            that, and with ``per_layer`` it is one more "layer", the last: (q, L + 1, n).
         """
         s = self.settings(s)
         scorer = self.indexes.scorer(s)
@@ -293,7 +311,52 @@ class AttributionRun(TestSideMixin):
                 qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
                 xn = self.indexes.row_norms(s, rows)
                 out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
-        return out
+        prior = self.class_prior_scores(sketches, s, rows)
+        if prior is None:
+            return out
+        if per_layer:
+            return np.concatenate([out, np.broadcast_to(prior, (len(out), 1, len(prior)))], 1)
+        return out + prior
+
+    def class_prior_scores(
+        self, sketches, s: IndexSettings, rows: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """The class prior of a classification query against index rows ``rows`` (default: all):
+        ``class_prior · (1 if the row's example has the query's label, -1/(C-1) otherwise)``,
+        ``C`` the classes among the indexed examples; 0 for an example without a label. That is
+        the similarity of the classifier head's bias gradients ``p - y`` at uniform predictions
+        ``p`` (a new head's first steps), ``[y = y'] - 1/C``, scaled to +1 for the same class;
+        the records hold weights only, so they leave it out.
+
+        Returns:
+            (n,) float64, or None where the prior adds nothing: ``class_prior`` 0 (resolved), a
+            query without a label (a causal LM, or sketches made without the encoder), fewer
+            than two classes, or a label no indexed example has.
+        """
+        s = self.settings(s)
+        label = label_of(sketches)
+        if not s.class_prior or label is None:
+            return None
+        codes, classes = self._row_classes(self.indexes.scorer(s).ids)
+        if len(classes) < 2 or label not in classes:
+            return None
+        codes = codes if rows is None else codes[rows]
+        out = np.where(codes == classes.index(label), 1.0, -1.0 / (len(classes) - 1))
+        out[codes < 0] = 0.0  # an example without a label: no prior
+        return s.class_prior * out
+
+    def _row_classes(self, ids: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """Per index row (example ``ids[row]``) its class's position in the sorted classes of
+        the indexed examples, -1 without a label; kept for the index's ``ids`` array."""
+        cached = self._classes
+        if cached is not None and cached[0] is ids:
+            return cached[1], cached[2]
+        labels = self.examples()["label"].to_numpy()[np.asarray(ids)]
+        classes = sorted({x for x in labels if x})
+        where = {c: i for i, c in enumerate(classes)}
+        codes = np.array([where.get(x, -1) if x else -1 for x in labels], np.int64)
+        self._classes = (ids, codes, classes)
+        return codes, classes
 
     def all_scores(self, sketches, s: IndexSettings) -> np.ndarray:
         """Exact scores of one query against every index row (example-id order of ``ids``).
@@ -304,7 +367,9 @@ class AttributionRun(TestSideMixin):
                 against ``vectors.npy``: exact only when the index has no index projection.
         """
         s = self.settings(s)
-        if isinstance(sketches, (list, tuple)):
+        if isinstance(sketches, list):  # a QuerySketches as it is: its factors and label
+            return self.exact_scores(sketches, s)[0]
+        if isinstance(sketches, tuple):
             return self.exact_scores(list(sketches), s)[0]
         qv = sketches
         vectors = self.indexes.vectors(s)

@@ -13,8 +13,10 @@ then ``T' = (L² A)(R² B)ᵀ`` for K-FAC (two thin products instead of two ``k 
 :class:`QuerySketches` is a ``list`` of the per-layer ``(1, *record_shape)`` sketches, so every
 caller that takes a query's sketches takes it unchanged, and it carries ``factors`` beside them:
 per layer ``(A, B)`` float32, or None (a dense layer, or sketches made without the capture).
-Anything that builds a new list from it (a slice, a copy) keeps the sketches only, and scoring
-falls back to factoring ``T'`` itself.
+For a classification query it also carries ``label``, the queried class, which the class prior
+compares with each training example's label. Anything that builds a new list from it (a slice,
+a copy) keeps the sketches only: scoring falls back to factoring ``T'`` itself, and adds no
+class prior.
 """
 
 from __future__ import annotations
@@ -28,13 +30,27 @@ Factors = tuple[np.ndarray, np.ndarray]
 
 class QuerySketches(list):
     """Per-layer sketches of one query (a list of arrays) with ``factors``: per layer ``(A, B)``
-    with ``A Bᵀ`` equal to the layer's sketch up to float32 rounding, or None."""
+    with ``A Bᵀ`` equal to the layer's sketch up to float32 rounding, or None; and ``label``,
+    the queried class of a classification query (what its class prior compares the training
+    labels with, ``IndexSettings.class_prior``), or None."""
 
-    def __init__(self, sketches: Iterable[np.ndarray], factors: Sequence[Factors | None]) -> None:
+    def __init__(
+        self,
+        sketches: Iterable[np.ndarray],
+        factors: Sequence[Factors | None],
+        label: str | None = None,
+    ) -> None:
         super().__init__(sketches)
         if len(factors) != len(self):
             raise ValueError(f"{len(factors)} layers of factors for {len(self)} sketches")
         self.factors: list[Factors | None] = list(factors)
+        self.label = label
+
+
+def label_of(sketches) -> str | None:
+    """The queried class of one classification query's sketches, or None (a causal-LM query,
+    or sketches made without the encoder)."""
+    return getattr(sketches, "label", None)
 
 
 def factors_of(sketches) -> list[Factors | None] | None:

@@ -21,6 +21,7 @@ from .lds_settings import (
     BM25_B,
     BM25_K1,
     COMPACT_FAMILY,
+    DEFAULT_METHOD,
     DENSE_RUN,
     EXACT_RUN,
     PRECONDITIONERS,
@@ -168,12 +169,23 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
 
     run = open_run(run_dir)
     sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
-    for p in PRECONDITIONERS:
-        ix = IndexSettings(
-            preconditioner="identity" if p == "cosine" else p.removesuffix("-cos"),
-            cosine=p == "cosine" or p.endswith("-cos"),
-            damping=s.damping,
+    # each preconditioner scores the records alone; the default row (family factored) is
+    # IndexSettings() as the run resolves it: its preconditioner and a classifier's class prior
+    rows = [
+        (
+            p,
+            IndexSettings(
+                preconditioner="identity" if p == "cosine" else p.removesuffix("-cos"),
+                cosine=p == "cosine" or p.endswith("-cos"),
+                damping=s.damping,
+                class_prior=0.0,
+            ),
         )
+        for p in PRECONDITIONERS
+    ]
+    if family == "factored":
+        rows.append((DEFAULT_METHOD, IndexSettings(damping=s.damping)))
+    for p, ix in rows:
         try:
             _, ids, pre = run.index(ix)
         except Exception as e:  # noqa: BLE001 - a method that cannot be fitted is reported, not fatal

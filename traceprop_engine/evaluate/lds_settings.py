@@ -47,6 +47,10 @@ _CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 PRECONDITIONERS = ("identity", "cosine", "kfac", "ekfac", "kfac-cos", "ekfac-cos")
 """Scored per tracked run: ``cosine`` is identity with cosine scores (the default index until stop 39; now ``kfac-cos``), ``-cos``
 the same preconditioner with cosine scores (what the app's indexes use), the rest dot products."""
+DEFAULT_METHOD = "default"
+"""The main run's row under ``IndexSettings()`` as the run resolves it (``auto``: its
+preconditioner, and a classification run's class prior); the rows of :data:`PRECONDITIONERS`
+score the records alone (``class_prior=0``)."""
 COMPACT_FAMILY = "factored-c"
 COMPACT_PRECONDITIONERS = ("identity", "kfac", "ekfac")  # cosine needs the full vectors
 # (k, preconditioner, c): compact-storage (LoRIF rank-c factor) methods scored from the k runs

@@ -312,7 +312,16 @@ class QueryEncoder:
             _token_factors(parts, info) if info.sketch == "factored" else None
             for parts, info in zip(cap.token_factors, self.store.layers, strict=True)
         ]
-        return QuerySketches([s.cpu().numpy() for s in slots], factors), float(loss.detach()[0])
+        names = loaded.labels or []
+        label = (
+            names[enc.label]
+            if self.task == "classification" and 0 <= enc.label < len(names)
+            else None
+        )
+        return (
+            QuerySketches([s.cpu().numpy() for s in slots], factors, label),
+            float(loss.detach()[0]),
+        )
 
     @torch.no_grad()
     def representations(self, encs) -> np.ndarray:

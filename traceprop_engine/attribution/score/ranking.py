@@ -19,6 +19,9 @@ SIGN_NOTE = (
     "score > 0: proponent (the example pushed the model toward this output; up-weighting it "
     "lowers the test loss); score < 0: opponent (it pushed the model away)"
 )
+CLASS_PRIOR_LAYER = "class prior"
+"""The name of a classification query's class prior among a hit's per-layer scores (the last
+entry of ``layer_scores``; ``AttributionRun.class_prior_scores``)."""
 CANDIDATES = 4
 """FAISS returns at least ``CANDIDATES · top_k`` rows per side for the exact re-rank."""
 MIN_CANDIDATES = 1000
@@ -103,12 +106,16 @@ def hit_rows(
     records: dict | None = None,
 ) -> pl.DataFrame:
     """The result table of :func:`signed_hits`: one row per hit with its example's lineage and
-    per-layer score shares; with ``records`` (a per-record index) the record, step and epoch."""
+    per-layer score shares (and a classification query's class prior, :data:`CLASS_PRIOR_LAYER`,
+    after them); with ``records`` (a per-record index) the record, step and epoch."""
     out = []
     for kind, rank, v, score, layer_scores in hits:
         e = int(ids[v])
         r = examples.row(e, named=True)
-        shares = {name: float(x) for name, x in zip(pre.layer_names, layer_scores, strict=True)}
+        names = pre.layer_names
+        if len(layer_scores) == len(names) + 1:  # the class prior, scored after the layers
+            names = [*names, CLASS_PRIOR_LAYER]
+        shares = {name: float(x) for name, x in zip(names, layer_scores, strict=True)}
         row = {
             "rank": rank,
             "kind": kind,

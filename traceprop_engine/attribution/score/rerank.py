@@ -49,6 +49,7 @@ def bounded_rerank(
     top_k: int,
     opponents: bool = True,
     divisor: np.ndarray | None = None,
+    offset: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact per-layer scores of the candidate ``rows`` of one query that can still place.
 
@@ -63,6 +64,9 @@ def bounded_rerank(
         opponents: whether the negative end is kept too.
         divisor: (len(rows),) positive numbers the ranked scores are divided by (cosine: the
             rows' norms), or None.
+        offset: (len(rows),) exact numbers added to the ranked scores after the division (a
+            classification query's class prior, in the units of the ranked scores: times the
+            query's norm for cosine), or None.
 
     Returns:
         ``(kept rows, (L, n_kept) per-layer scores)``: the rows in their given order, each with
@@ -89,6 +93,8 @@ def bounded_rerank(
         lo, hi = part - bound, part + bound
         if divisor is not None:
             lo, hi = lo / divisor[alive], hi / divisor[alive]
+        if offset is not None:
+            lo, hi = lo + offset[alive], hi + offset[alive]
         keep = _placeable(lo, hi, top_k, opponents)
         alive = alive[keep]
     return rows[alive], per[:, alive]
@@ -109,13 +115,22 @@ def _placeable(lo: np.ndarray, hi: np.ndarray, top_k: int, opponents: bool) -> n
 
 
 def rerank_candidates(
-    indexes, s, sketches, cand: np.ndarray, top_k: int, opponents: bool, prepared=None
+    indexes,
+    s,
+    sketches,
+    cand: np.ndarray,
+    top_k: int,
+    opponents: bool,
+    prepared=None,
+    offset: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`bounded_rerank` of one query's candidates ``cand`` against the index ``s``
     of ``indexes`` (:class:`~traceprop_engine.attribution.index.run_indexes.RunIndexes`), with its
     scores as ``exact_scores`` gives them (cosine: divided by both norms); None when the index keeps
     no per-layer norms (built before them, or too large to norm exactly) or for several queries at
-    once. ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it."""
+    once. ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it.
+    ``offset``: ``(len(cand),)`` numbers added to each candidate's score (a classification
+    query's class prior), ranked with the layers and returned as one more row, the last."""
     layer_sq = indexes.row_layer_sq_norms(s)
     if layer_sq is None or len(sketches[0]) != 1:
         return None
@@ -124,10 +139,24 @@ def rerank_candidates(
         prepared = scorer.prepared_lazily(sketches)
     query_sq = prepared.sq_norms()
     xn = indexes.row_norms(s, cand) if s.cosine else None  # exact_scores' divisions
+    qn = np.sqrt(max(float(query_sq.sum()), 1e-60)) if s.cosine else 1.0
+    # the bounds rank scores times the query's norm (the same for every row): so is the offset
     kept, per_layer = bounded_rerank(
-        scorer, prepared, query_sq, cand, layer_sq, top_k, opponents, divisor=xn
+        scorer,
+        prepared,
+        query_sq,
+        cand,
+        layer_sq,
+        top_k,
+        opponents,
+        divisor=xn,
+        offset=None if offset is None else offset * qn,
     )
     if s.cosine:
-        per_layer = per_layer / np.sqrt(max(float(query_sq.sum()), 1e-60))
+        per_layer = per_layer / qn
         per_layer /= indexes.row_norms(s, kept)
+    if offset is not None:  # kept is cand in its order, fewer: each kept row's own offset
+        order = np.argsort(cand, kind="stable")
+        at = order[np.searchsorted(cand, kept, sorter=order)]
+        per_layer = np.concatenate([per_layer, offset[at][None, :]])
     return kept, per_layer

@@ -1,0 +1,153 @@
+"""The class prior of a classification run (``IndexSettings.class_prior``): a query-time term
+``c · (+1 same label, -1/(C-1) otherwise)`` added to every score, on by default for a
+classifier scored with cosine, absent for a causal LM; checked against the records-alone
+scores and a brute-force ranking on a real trained classification run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from traceprop_engine.attribution import open_run
+from traceprop_engine.attribution.overview import CLASS_PRIOR_NOTE, resolve_settings
+from traceprop_engine.attribution.score.ranking import CLASS_PRIOR_LAYER
+from traceprop_engine.cli.main import main as cli_main
+from traceprop_engine.errors import ConfigError
+from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
+from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings
+from traceprop_engine.training.loop import train
+
+LABELS = ("alpha", "beta", "gamma")
+EXACT = 1e-9
+"""Tolerance of a difference of two float64 scores of the same records (the prior is added
+after the records' own score, so their difference is the prior up to rounding)."""
+RANK_ATOL = 1e-6
+"""Tolerance of a ranked score against the brute-force one (the re-rank sums its layers in
+float32 for float32 queries)."""
+
+
+@pytest.fixture(scope="module")
+def classifier_run(tmp_path_factory):
+    """The shipped MiniLM classifier fine-tuned in full and tracked by the engine on three
+    classes (lineage with labels), with eval rows to query."""
+    root = tmp_path_factory.mktemp("cls")
+    words = {"alpha": "red apple cherry", "beta": "blue sea sky", "gamma": "green leaf moss"}
+    for split, n in (("train", 8), ("eval", 2)):
+        (root / split).mkdir()
+        rows = [
+            {"text": f"{words[lab]} {i} {words[lab].split()[i % 3]}", "label": lab}
+            for i in range(n)
+            for lab in LABELS
+        ]
+        (root / split / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = root / "run"
+    train(
+        TrainSettings(
+            data=str(root / "train"),
+            eval_data=str(root / "eval"),
+            out=str(out),
+            model="minilm",
+            task="classification",
+            epochs=1,
+            batch_size=4,
+            max_length=16,
+            threads=1,
+            track=TrackSettings(k_in=4, k_out=4),
+        )
+    )
+    return out
+
+
+def _labels(run, ids):
+    return run.examples()["label"].to_numpy()[ids]
+
+
+def test_the_default_adds_the_class_prior_to_every_score(classifier_run):
+    run = open_run(classifier_run)
+    s = run.settings()
+    assert s.class_prior == DEFAULT_CLASS_PRIOR and CLASS_PRIOR_NOTE in run.notes
+    assert run.settings(IndexSettings(cosine=False)).class_prior == 0.0  # dot: no unit to add in
+    ev = run.eval_examples()
+    for e, label in zip(ev["example_id"].to_list(), ev["label"].to_list(), strict=True):
+        res = run.query(eval_example=e, top_k=3)
+        assert res.query["class_prior"] == DEFAULT_CLASS_PRIOR
+        assert res.layer_names[-1] == CLASS_PRIOR_LAYER
+        _, ids, _ = run.index(s)
+        with_prior = run.all_scores(res.sketches, s)
+        alone = run.all_scores(res.sketches, IndexSettings(class_prior=0))
+        same = _labels(run, ids) == label
+        want = np.where(same, DEFAULT_CLASS_PRIOR, -DEFAULT_CLASS_PRIOR / (len(LABELS) - 1))
+        np.testing.assert_allclose(with_prior - alone, want, rtol=0, atol=EXACT)
+        # the ranking is the brute-force one of the exact scores, prior included, both ends
+        for kind, order in (
+            ("proponent", np.argsort(-with_prior)),
+            ("opponent", np.argsort(with_prior)),
+        ):
+            rows = res.rows.filter(res.rows["kind"] == kind)
+            got = rows["score"].to_numpy()
+            # the brute-force top scores, and each listed example has its own (near-ties of
+            # a near-duplicate row may list either of two examples)
+            np.testing.assert_allclose(got, with_prior[order[: rows.height]], atol=RANK_ATOL)
+            at = [list(ids).index(x) for x in rows["example_id"]]
+            np.testing.assert_allclose(got, with_prior[at], atol=RANK_ATOL)
+            for r in rows.iter_rows(named=True):  # the prior is its own share, last
+                shares = json.loads(r["layer_scores"])
+                prior = shares.pop(CLASS_PRIOR_LAYER)
+                assert prior == pytest.approx(want[list(ids).index(r["example_id"])])
+                assert sum(shares.values()) + prior == pytest.approx(r["score"], abs=1e-6)
+        # scores() and example_scores() add the same prior
+        np.testing.assert_allclose(run.scores(eval_example=e)[ids], with_prior, atol=EXACT)
+        table = run.example_scores(res).sort("example_id")
+        np.testing.assert_allclose(table["score"].to_numpy(), with_prior[np.argsort(ids)])
+
+
+def test_class_prior_zero_a_causal_lm_and_unlabelled_sketches_add_nothing(classifier_run):
+    run = open_run(classifier_run)
+    e = run.eval_examples()["example_id"][0]
+    res = run.query(eval_example=e, top_k=3, settings=IndexSettings(class_prior=0))
+    assert res.query["class_prior"] == 0.0 and CLASS_PRIOR_LAYER not in res.layer_names
+    assert all(CLASS_PRIOR_LAYER not in json.loads(x) for x in res.rows["layer_scores"])
+    # sketches without the query's label (a plain list): the records alone
+    plain = tuple(res.sketches)  # no token factors either: T' factored by the scorer
+    np.testing.assert_allclose(
+        run.all_scores(plain, None),
+        run.all_scores(res.sketches, IndexSettings(class_prior=0)),
+        rtol=0,
+        atol=RANK_ATOL,
+    )
+    # an explicit prior is used as given, also with dot scores
+    dot = IndexSettings(cosine=False, class_prior=1.5)
+    _, ids, _ = run.index(dot)
+    diff = run.all_scores(res.sketches, dot) - run.all_scores(
+        res.sketches, IndexSettings(cosine=False)
+    )
+    assert set(np.round(diff, 9)) == {1.5, -0.75}
+    # a causal LM: no prior by default (the rule is the task's, whatever the store)
+    assert resolve_settings(run.store, None, "causal-lm").class_prior == 0.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "0.2"])
+def test_a_bad_class_prior_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="class_prior must be"):
+        IndexSettings(class_prior=bad)
+    assert IndexSettings(class_prior=1).class_prior == 1.0
+    # a query-time term: the index (its name and fingerprint) is the same
+    assert IndexSettings(class_prior=0.5).name == IndexSettings().name
+    assert IndexSettings(class_prior=0.5).to_dict() == IndexSettings().to_dict()
+
+
+def test_the_cli_takes_class_prior(classifier_run, tmp_path, capsys):
+    run = open_run(classifier_run)
+    e = int(run.eval_examples()["example_id"][0])
+    run.close()
+    shares = {}
+    for name, flags in (("default", []), ("alone", ["--class-prior", "0"])):
+        out = tmp_path / f"{name}.json"
+        argv = ["query", str(classifier_run), "--eval-example", str(e), "--json", str(out)]
+        assert cli_main([*argv, *flags]) == 0
+        shares[name] = [json.loads(r["layer_scores"]) for r in json.loads(out.read_text())]
+    assert "note: " + CLASS_PRIOR_NOTE in capsys.readouterr().err
+    assert all(CLASS_PRIOR_LAYER in x for x in shares["default"])
+    assert not any(CLASS_PRIOR_LAYER in x for x in shares["alone"])
