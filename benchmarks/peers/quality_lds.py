@@ -46,12 +46,16 @@ import common as C  # noqa: E402
 from traceprop_engine import constants as TC  # noqa: E402
 from traceprop_engine.attribution import open_run  # noqa: E402
 from traceprop_engine.evaluate.lds_report import lds_scores, summarize  # noqa: E402
-from traceprop_engine.training.losses import causal_lm_losses  # noqa: E402
+from traceprop_engine.training.losses import (  # noqa: E402
+    causal_lm_losses,
+    classification_losses,
+)
 from traceprop_engine.training.models import collate, load_saved_model  # noqa: E402
 
 
 def load_eval(eval_dir: Path, run_name: str):
     run = open_run(eval_dir / "runs" / run_name)
+    task = run.task
     ex = run.examples()
     eval_ids = ex.filter(ex["split"] == TC.SPLIT_EVAL)["example_id"].to_list()
     n_train = ex.filter(ex["split"] == TC.SPLIT_TRAIN).height
@@ -64,7 +68,7 @@ def load_eval(eval_dir: Path, run_name: str):
     for j, s in enumerate(sub["subsets"]):
         masks[j, s["members"]] = True
     losses = np.load(eval_dir / "losses.npy")
-    return train_encs, eval_encs, masks, losses
+    return train_encs, eval_encs, masks, losses, task
 
 
 def fresh_model(eval_dir: Path, run_name: str):
@@ -74,12 +78,14 @@ def fresh_model(eval_dir: Path, run_name: str):
     return loaded.model, pad
 
 
-def padded(encs, pad) -> dict:
-    return collate(encs, pad, "causal-lm", "cpu")
+def padded(encs, pad, task: str = "causal-lm") -> dict:
+    return collate(encs, pad, task, "cpu")
 
 
 # -- kronfluence ------------------------------------------------------------------------------------
-def scores_kronfluence(model, pad, train_encs, eval_encs, work: Path) -> dict[str, np.ndarray]:
+def scores_kronfluence(
+    model, pad, train_encs, eval_encs, work: Path, task_name: str = "causal-lm"
+) -> dict[str, np.ndarray]:
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments
     from kronfluence.task import Task
@@ -117,12 +123,37 @@ def scores_kronfluence(model, pad, train_encs, eval_encs, work: Path) -> dict[st
         def get_attention_mask(self, batch):
             return batch["attention_mask"]
 
-    task = LMTask()
+    class ClassifierTask(Task):
+        """A classifier's loss, as Traceprop's (cross-entropy per example); the true Fisher's
+        labels sampled from the model's own prediction."""
+
+        def _logits(self, batch, model):
+            return model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+
+        def compute_train_loss(self, batch, model, sample=False):
+            logits = self._logits(batch, model)
+            labels = batch["labels"]
+            if sample:
+                with torch.no_grad():
+                    probs = F.softmax(logits.detach().float(), -1)
+                    labels = torch.multinomial(probs, 1).squeeze(-1)
+            return classification_losses(logits, labels).sum()
+
+        def compute_measurement(self, batch, model):
+            return classification_losses(self._logits(batch, model), batch["labels"]).sum()
+
+        def get_attention_mask(self, batch):
+            return batch["attention_mask"]
+
+    task = ClassifierTask() if task_name == "classification" else LMTask()
     model = prepare_model(model, task)
     an = Analyzer(
         analysis_name="q", model=model, task=task, cpu=True, output_dir=str(work), disable_tqdm=True
     )
-    train, query = DS(padded(train_encs, pad)), DS(padded(eval_encs, pad))
+    train = DS(padded(train_encs, pad, task_name))
+    query = DS(padded(eval_encs, pad, task_name))
     out = {}
     for strategy in ("ekfac", "kfac", "identity"):
         an.fit_all_factors(
@@ -247,14 +278,17 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     eval_dir = Path(a.eval_dir)
-    train_encs, eval_encs, masks, losses = load_eval(eval_dir, a.run)
+    train_encs, eval_encs, masks, losses, task = load_eval(eval_dir, a.run)
+    if task != "causal-lm" and a.peer != "kronfluence":
+        raise SystemExit(f"--peer {a.peer} is scored on causal-LM runs only; this run is {task}")
     model, pad = fresh_model(eval_dir, a.run)
     tmp = tempfile.TemporaryDirectory(prefix=f"peer-lds-{a.peer}-")
     t0 = time.perf_counter()
     fn = {"kronfluence": scores_kronfluence, "logix": scores_logix, "bergson": scores_bergson}[
         a.peer
     ]
-    methods = fn(model, pad, train_encs, eval_encs, Path(tmp.name))
+    extra = {"task_name": task} if a.peer == "kronfluence" else {}
+    methods = fn(model, pad, train_encs, eval_encs, Path(tmp.name), **extra)
     secs = time.perf_counter() - t0
     rows = []
     for name, s in methods.items():
@@ -278,6 +312,7 @@ def main():
         "n_eval": len(eval_encs),
         "n_subsets": int(masks.shape[0]),
         "peer": a.peer,
+        "task": task,
         "seconds": secs,
         "rows": rows,
         "traceprop_rows_from_eval_dir": trace_rows,

@@ -128,6 +128,35 @@ def test_class_prior_zero_a_causal_lm_and_unlabelled_sketches_add_nothing(classi
     assert resolve_settings(run.store, None, "causal-lm").class_prior == 0.0
 
 
+def test_a_classifier_without_labelled_lineage_gets_no_prior(tmp_path):
+    """An own loop's Tracker that wrote no example table: no training labels to compare with,
+    so neither the prior nor its note (the scores are the records' alone)."""
+    import torch
+    from helpers import tiny_bert_classifier, train_own_loop
+
+    rows = [
+        torch.randint(1, 97, (6,), generator=torch.Generator().manual_seed(i)) for i in range(6)
+    ]
+    run = open_run(
+        train_own_loop(
+            tiny_bert_classifier().train(),
+            tmp_path / "run",
+            TrackSettings(k_in=4, k_out=4),
+            rows,
+            class_ids=[0, 1, 2, 0, 1, 2],
+            task="classification",
+            labels=list(LABELS),
+        )
+    )
+    assert run.settings().class_prior == DEFAULT_CLASS_PRIOR and CLASS_PRIOR_NOTE not in run.notes
+    query = {"input_ids": rows[1].tolist(), "label": "beta"}
+    res = run.query(**query, top_k=2)
+    assert CLASS_PRIOR_LAYER not in res.layer_names
+    np.testing.assert_array_equal(
+        run.scores(**query), run.scores(**query, settings=IndexSettings(class_prior=0))
+    )
+
+
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "0.2"])
 def test_a_bad_class_prior_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="class_prior must be"):

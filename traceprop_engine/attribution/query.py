@@ -93,6 +93,7 @@ class AttributionRun(TestSideMixin):
         self._notes_extra: list[str] = []
         self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
         self._classes: tuple | None = None  # (ids, class code per index row, classes)
+        self._labelled: bool | None = None  # the examples have two labels or more
 
     # -- description --------------------------------------------------------------------------
     @property
@@ -115,7 +116,11 @@ class AttributionRun(TestSideMixin):
             elif default.preconditioner is PreconditionerKind.EKFAC:  # pretrained classifier, full
                 out.append(CLASSIFIER_FULL_NOTE)
         if self.task == "classification" and self.settings().class_prior:
-            out.append(CLASS_PRIOR_NOTE)
+            if self._labelled is None:  # lineage with two labels or more: the prior applies
+                distinct = set(self.examples()["label"].unique().to_list()) - {"", None}
+                self._labelled = len(distinct) >= 2
+            if self._labelled:
+                out.append(CLASS_PRIOR_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
             self._zero_lr = bool(len(lr)) and not np.any(lr)
