@@ -45,6 +45,7 @@ from .query_input import Query
 from .query_sketches import label_of
 from .result import QueryResult, TestSide
 from .score.blas_threads import one_blas_thread
+from .score.class_prior import RowClasses, labelled
 from .score.ranking import (
     CLASS_PRIOR_LAYER,
     ZERO_LR_NOTE,
@@ -92,7 +93,7 @@ class AttributionRun(TestSideMixin):
         self._examples: pl.DataFrame | None = None
         self._notes_extra: list[str] = []
         self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
-        self._classes: tuple | None = None  # (ids, class code per index row, classes)
+        self._classes: tuple | None = None  # (index ids, their RowClasses)
         self._labelled: bool | None = None  # the examples have two labels or more
 
     # -- description --------------------------------------------------------------------------
@@ -115,12 +116,10 @@ class AttributionRun(TestSideMixin):
                 out.append(NO_STATISTICS_NOTE)
             elif default.preconditioner is PreconditionerKind.EKFAC:  # pretrained classifier, full
                 out.append(CLASSIFIER_FULL_NOTE)
-        if self.task == "classification" and self.settings().class_prior:
-            if self._labelled is None:  # lineage with two labels or more: the prior applies
-                distinct = set(self.examples()["label"].unique().to_list()) - {"", None}
-                self._labelled = len(distinct) >= 2
-            if self._labelled:
-                out.append(CLASS_PRIOR_NOTE)
+        if self._labelled is None:  # lineage with two labels or more: a prior can apply
+            self._labelled = labelled(self.examples()["label"].unique().to_list())
+        if self.task == "classification" and self.settings().class_prior and self._labelled:
+            out.append(CLASS_PRIOR_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]
             self._zero_lr = bool(len(lr)) and not np.any(lr)
@@ -326,12 +325,9 @@ class AttributionRun(TestSideMixin):
     def class_prior_scores(
         self, sketches, s: IndexSettings, rows: np.ndarray | None = None
     ) -> np.ndarray | None:
-        """The class prior of a classification query against index rows ``rows`` (default: all):
-        ``class_prior · (1 if the row's example has the query's label, -1/(C-1) otherwise)``,
-        ``C`` the classes among the indexed examples; 0 for an example without a label. That is
-        the similarity of the classifier head's bias gradients ``p - y`` at uniform predictions
-        ``p`` (a new head's first steps), ``[y = y'] - 1/C``, scaled to +1 for the same class;
-        the records hold weights only, so they leave it out.
+        """The class prior of a classification query against index rows ``rows`` (default: all,
+        :mod:`~.score.class_prior`): ``class_prior`` for an example of the query's label,
+        ``-class_prior/(C-1)`` for another class's, 0 without a label.
 
         Returns:
             (n,) float64, or None where the prior adds nothing: ``class_prior`` 0 (resolved), a
@@ -342,26 +338,10 @@ class AttributionRun(TestSideMixin):
         label = label_of(sketches)
         if not s.class_prior or label is None:
             return None
-        codes, classes = self._row_classes(self.indexes.scorer(s).ids)
-        if len(classes) < 2 or label not in classes:
-            return None
-        codes = codes if rows is None else codes[rows]
-        out = np.where(codes == classes.index(label), 1.0, -1.0 / (len(classes) - 1))
-        out[codes < 0] = 0.0  # an example without a label: no prior
-        return s.class_prior * out
-
-    def _row_classes(self, ids: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        """Per index row (example ``ids[row]``) its class's position in the sorted classes of
-        the indexed examples, -1 without a label; kept for the index's ``ids`` array."""
-        cached = self._classes
-        if cached is not None and cached[0] is ids:
-            return cached[1], cached[2]
-        labels = self.examples()["label"].to_numpy()[np.asarray(ids)]
-        classes = sorted({x for x in labels if x})
-        where = {c: i for i, c in enumerate(classes)}
-        codes = np.array([where.get(x, -1) if x else -1 for x in labels], np.int64)
-        self._classes = (ids, codes, classes)
-        return codes, classes
+        ids = self.indexes.scorer(s).ids
+        if self._classes is None or self._classes[0] is not ids:  # one per index build
+            self._classes = (ids, RowClasses(self.examples()["label"].to_numpy()[ids]))
+        return self._classes[1].prior(label, s.class_prior, rows)
 
     def all_scores(self, sketches, s: IndexSettings) -> np.ndarray:
         """Exact scores of one query against every index row (example-id order of ``ids``).
