@@ -80,6 +80,7 @@ def test_rerun_does_not_read_tokens_again(app_env, monkeypatch):
     from services import exports
     from views.example_details import expander_key
 
+    from traceprop_engine import attribution
     from traceprop_engine.attribution import overview
 
     calls = []
@@ -89,7 +90,10 @@ def test_rerun_does_not_read_tokens_again(app_env, monkeypatch):
         calls.append(example_id)
         return real(run, example_id)
 
+    # the services call it through the front door, whose lazy name may already be bound (an
+    # earlier test of this process read it, e.g. test_layout): patch both
     monkeypatch.setattr(overview, "example_tokens", counting)
+    monkeypatch.setattr(attribution, "example_tokens", counting)
     st.cache_data.clear()  # token texts cached by an earlier test of this process
     at = AppTest.from_file(MAIN, default_timeout=300)
     at.run()
