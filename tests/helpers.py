@@ -39,6 +39,41 @@ FAST = dict(
 )
 
 
+def train_classifier_run(root: Path, labels: Sequence[str]) -> Path:
+    """The shipped MiniLM classifier fine-tuned in full and tracked by the engine (``train``) on
+    short texts of ``labels`` (8 training and 2 eval rows each, lineage with labels): a
+    classification run to query, in ``root/run``."""
+    import json
+
+    from traceprop_engine.training.loop import train
+
+    words = ["red apple cherry", "blue sea sky", "green leaf moss", "white snow cloud"]
+    for split, n in (("train", 8), ("eval", 2)):
+        (root / split).mkdir()
+        rows = [
+            {"text": f"{w} {i} {w.split()[i % 3]}", "label": lab}
+            for i in range(n)
+            for lab, w in zip(labels, words, strict=False)
+        ]
+        (root / split / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = root / "run"
+    train(
+        TrainSettings(
+            data=str(root / "train"),
+            eval_data=str(root / "eval"),
+            out=str(out),
+            model="minilm",
+            task="classification",
+            epochs=1,
+            batch_size=4,
+            max_length=16,
+            threads=1,
+            track=TrackSettings(k_in=4, k_out=4),
+        )
+    )
+    return out
+
+
 def facts_data(root: Path) -> Path:
     generate_sample_data(root, seed=0, n_entities=8)
     return root

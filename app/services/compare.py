@@ -51,16 +51,15 @@ def query_side(run_dir, query: dict):
     return test_side(run_dir, **{k: query.get(k) for k in keys})
 
 
-def side_query(run_dir, preconditioner: str, top_k: int, ts):
+def side_query(run_dir, preconditioner: str, top_k: int, ts, class_prior: float | None = None):
     """One side's :class:`QueryResult` of the query whose model half is ``ts`` (from
-    :func:`query_side`), ranked under the run's lock."""
+    :func:`query_side`), ranked under the run's lock (``class_prior``: None, the run's default)."""
     from traceprop_engine.settings import IndexSettings
 
+    s = IndexSettings(preconditioner=preconditioner, class_prior=class_prior)
     run, lock = open_cached(run_dir)
     with lock:
-        return run.query(
-            top_k=top_k, settings=IndexSettings(preconditioner=preconditioner), test_side=ts
-        )
+        return run.query(top_k=top_k, settings=s, test_side=ts)
 
 
 def compare_sides(side_a: tuple, side_b: tuple, query: dict, top_k: int = 10) -> Comparison:
@@ -101,7 +100,7 @@ def second_choice(preconditioners, first: str) -> str | None:
 def second_opinion(run_dir, result, preconditioner: str, ts):
     """Triangulate an answer: rank the same query (its model half ``ts``, the one ``result``
     was ranked from) under ``preconditioner`` for as many examples per kind as ``result`` has,
-    and mark the examples both estimators rank high.
+    with its class prior, and mark the examples both estimators rank high.
 
     Returns:
         ``(marks, overlap)``: ``marks`` has ``kind, example_id, second_rank`` for each example
@@ -113,7 +112,8 @@ def second_opinion(run_dir, result, preconditioner: str, ts):
         TracepropError: the run cannot be queried with ``preconditioner``.
     """
     k = max(1, int(result.query.get("top_k") or result.rows.height))
-    other = side_query(run_dir, preconditioner, k, ts)
+    # the same class prior as the first answer (a classification run's; 0 elsewhere)
+    other = side_query(run_dir, preconditioner, k, ts, result.query.get("class_prior"))
     marks = other.rows.select(
         "kind", pl.col("example_id").cast(pl.Int64), pl.col("rank").alias("second_rank")
     )

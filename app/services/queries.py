@@ -22,6 +22,7 @@ import streamlit as st
 
 from traceprop_engine import attribution
 from traceprop_engine import constants as C
+from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR  # noqa: F401 - the pages' copy
 
 from . import model_worker
 from .runs import step_times
@@ -148,10 +149,12 @@ def run_query_and_scores(
     label=None,
     top_k: int = 10,
     preconditioner: str = C.DEFAULT_PRECONDITIONER,
+    class_prior: float | None = None,
 ):
     """``(QueryResult, influence by source, every example's score, TestSide)`` of one query: the
     by-source totals and the score histogram come from one pass over the store, made here once;
-    the ``TestSide`` (the query's model half) ranks the same query under another estimator."""
+    the ``TestSide`` (the query's model half) ranks the same query under another estimator.
+    ``class_prior``: a classification run's class prior (None: the run's default; 0: off)."""
     from traceprop_engine.attribution import source_influence
     from traceprop_engine.settings import IndexSettings
 
@@ -159,7 +162,7 @@ def run_query_and_scores(
         run_dir, prompt=prompt, completion=completion, eval_example=eval_example, label=label
     )
     run, lock = open_cached(run_dir)
-    s = IndexSettings(preconditioner=preconditioner)
+    s = IndexSettings(preconditioner=preconditioner, class_prior=class_prior)
     with lock:
         res = run.query(top_k=top_k, settings=s, test_side=ts)
         table = run.example_scores(res, s)

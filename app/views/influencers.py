@@ -91,6 +91,19 @@ pre = c2.selectbox(
     "from it (an opponent).",
 )
 
+prior = None  # the run's default: a classification run adds its class prior
+if classification:
+    on = st.toggle(
+        "Class prior",
+        value=True,
+        key="infl_prior",
+        help="Add the classifier head's bias term the weight records leave out: "
+        f"{queries.DEFAULT_CLASS_PRIOR:g} for an example of the queried label, "
+        f"-{queries.DEFAULT_CLASS_PRIOR:g}/(C-1) for another label's (benchmarks/EVAL.md section 1s). "
+        "Off: the records' gradient similarity alone.",
+    )
+    prior = None if on else 0.0
+
 clicked = st.button("Find influencers", type="primary", key="infl_go")
 if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's sample question
     warmup.page_query_started()
@@ -104,6 +117,7 @@ if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's
                 label=label,
                 top_k=top_k,
                 preconditioner=pre,
+                class_prior=prior,
             )
     except TracepropError as e:
         st.session_state.pop("infl_result", None)

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import train_classifier_run
 
 from traceprop_engine.attribution import open_run
 from traceprop_engine.attribution.overview import CLASS_PRIOR_NOTE, resolve_settings
@@ -16,8 +17,7 @@ from traceprop_engine.attribution.score.ranking import CLASS_PRIOR_LAYER
 from traceprop_engine.cli.main import main as cli_main
 from traceprop_engine.errors import ConfigError
 from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
-from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings
-from traceprop_engine.training.loop import train
+from traceprop_engine.settings import IndexSettings, TrackSettings
 
 LABELS = ("alpha", "beta", "gamma")
 EXACT = 1e-9
@@ -30,34 +30,7 @@ float32 for float32 queries)."""
 
 @pytest.fixture(scope="module")
 def classifier_run(tmp_path_factory):
-    """The shipped MiniLM classifier fine-tuned in full and tracked by the engine on three
-    classes (lineage with labels), with eval rows to query."""
-    root = tmp_path_factory.mktemp("cls")
-    words = {"alpha": "red apple cherry", "beta": "blue sea sky", "gamma": "green leaf moss"}
-    for split, n in (("train", 8), ("eval", 2)):
-        (root / split).mkdir()
-        rows = [
-            {"text": f"{words[lab]} {i} {words[lab].split()[i % 3]}", "label": lab}
-            for i in range(n)
-            for lab in LABELS
-        ]
-        (root / split / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = root / "run"
-    train(
-        TrainSettings(
-            data=str(root / "train"),
-            eval_data=str(root / "eval"),
-            out=str(out),
-            model="minilm",
-            task="classification",
-            epochs=1,
-            batch_size=4,
-            max_length=16,
-            threads=1,
-            track=TrackSettings(k_in=4, k_out=4),
-        )
-    )
-    return out
+    return train_classifier_run(tmp_path_factory.mktemp("cls"), LABELS)
 
 
 def _labels(run, ids):
