@@ -149,10 +149,10 @@ for note in res.notes:  # the run's own notes are shown above, once
     if note not in run.notes:
         st.warning(text.md_escape(note))
 q = res.query
-prior = f" · class prior {q['class_prior']:g}" if q.get("class_prior") else ""
+prior_shown = f" · class prior {q['class_prior']:g}" if q.get("class_prior") else ""
 st.caption(
     f"Query loss {q.get('query_loss', float('nan')):.4f} · preconditioner {q.get('preconditioner')}"
-    f"{prior} · {q.get('n_vectors')} examples searched · {res.elapsed_ms:.0f} ms"
+    f"{prior_shown} · {q.get('n_vectors')} examples searched · {res.elapsed_ms:.0f} ms"
 )
 ans = saved.get("answer")
 if ans is not None:
