@@ -135,8 +135,9 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
     add_field_flag(p, IndexSettings, "preconditioner", **_given_help(help))
 
 
-def add_index_flags(p) -> None:
-    """The flags of :class:`IndexSettings` (index, query), with its defaults."""
+def add_index_flags(p, query: bool = False) -> None:
+    """The flags of :class:`IndexSettings` (index, query), with its defaults; ``query``: also
+    the query-time ones (``--class-prior``), which change no index."""
     from .index_settings import DEFAULT_CLASS_PRIOR
     from .settings import DEFAULT_DAMPING
     from .settings import IndexSettings as S
@@ -152,6 +153,8 @@ def add_index_flags(p) -> None:
     add_field_flag(p, S, "statistics")
     add_field_flag(p, S, "kind", "--index-kind")
     add_field_flag(p, S, "lists", action=argparse.BooleanOptionalAction)
+    if not query:
+        return
     add_field_flag(
         p,
         S,

@@ -154,5 +154,9 @@ def test_the_cli_takes_class_prior(classifier_run, tmp_path, capsys):
         assert cli_main([*argv, *flags]) == 0
         shares[name] = [json.loads(r["layer_scores"]) for r in json.loads(out.read_text())]
     assert "note: " + CLASS_PRIOR_NOTE in capsys.readouterr().err
+    # a query-time flag: `index` does not take it (it would change nothing there)
+    with pytest.raises(SystemExit):
+        cli_main(["index", str(classifier_run), "--class-prior", "0"])
+    assert "unrecognized arguments: --class-prior" in capsys.readouterr().err
     assert all(CLASS_PRIOR_LAYER in x for x in shares["default"])
     assert not any(CLASS_PRIOR_LAYER in x for x in shares["alone"])

@@ -94,7 +94,7 @@ def add_query(sub) -> None:
     p.add_argument(
         "--by-source", action="store_true", help="also print influence aggregated by source file"
     )
-    add_index_flags(p)
+    add_index_flags(p, query=True)
     p.set_defaults(func=_cmd_query)
 
 
