@@ -14,12 +14,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 from gap_probe import subset_data
-from records_probe import eval_sketches, print_rows, reference
+from records_probe import eval_sketches, index_lds, print_rows, reference
 
 from traceprop_engine.attribution import open_run
-from traceprop_engine.evaluate.lds_report import lds_scores
 from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
 from traceprop_engine.settings import IndexSettings
 
@@ -38,11 +36,7 @@ def probe(ev: Path) -> dict[str, float]:
         for c in PRIORS:
             name = f"default, class_prior {c:g}" + (" (auto)" if c == DEFAULT_CLASS_PRIOR else "")
             ix = IndexSettings(class_prior=c)
-            _, ids, _ = run.index(ix)
-            scores = np.zeros((len(sketches), masks.shape[1]))
-            for r, sk in enumerate(sketches):
-                scores[r, ids] = run.all_scores(sk, ix)
-            out[name] = float(np.nanmean(lds_scores(scores, masks, losses)))
+            out[name] = index_lds(run, ix, sketches, masks, losses, rebuild=False)
     finally:
         run.close()
     return out

@@ -66,10 +66,11 @@ def eval_sketches(run) -> list:
     return [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
 
 
-def index_lds(run, ix: IndexSettings, sketches: list, masks, losses) -> float:
+def index_lds(run, ix: IndexSettings, sketches: list, masks, losses, rebuild: bool = True) -> float:
     """The LDS of the engine's exact scores under ``ix``, its index rebuilt first (never one of
-    older weights, nor one a probe's patch leaves the fingerprint blind to)."""
-    _, ids, _ = run.index(ix, rebuild=True)
+    older weights, nor one a probe's patch leaves the fingerprint blind to); ``rebuild=False``
+    for settings that change no index (a query-time term such as ``class_prior``)."""
+    _, ids, _ = run.index(ix, rebuild=rebuild)
     scores = np.zeros((len(sketches), masks.shape[1]))
     for r, sk in enumerate(sketches):
         scores[r, ids] = run.all_scores(sk, ix)

@@ -108,17 +108,17 @@ class AttributionRun(TestSideMixin):
     @property
     def notes(self) -> list[str]:
         out = []
+        default = self.settings()
         if self.store.is_partial:  # says so when it has no covariance
             out.append(self.store.describe_partial())
         else:  # what the default (auto) resolved to on this run, where it is not K-FAC
-            default = self.settings()
             if default.preconditioner is PreconditionerKind.IDENTITY:  # no statistics
                 out.append(NO_STATISTICS_NOTE)
             elif default.preconditioner is PreconditionerKind.EKFAC:  # pretrained classifier, full
                 out.append(CLASSIFIER_FULL_NOTE)
         if self._labelled is None:  # lineage with two labels or more: a prior can apply
             self._labelled = labelled(self.examples()["label"].unique().to_list())
-        if self.task == "classification" and self.settings().class_prior and self._labelled:
+        if self.task == "classification" and default.class_prior and self._labelled:
             out.append(CLASS_PRIOR_NOTE)
         if self._zero_lr is None:
             lr = self.store.records()[C.REC_LR]

@@ -50,7 +50,7 @@ def bounded_rerank(
     opponents: bool = True,
     divisor: np.ndarray | None = None,
     offset: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact per-layer scores of the candidate ``rows`` of one query that can still place.
 
     Args:
@@ -69,8 +69,9 @@ def bounded_rerank(
             query's norm for cosine), or None.
 
     Returns:
-        ``(kept rows, (L, n_kept) per-layer scores)``: the rows in their given order, each with
-        every layer scored; the top ``top_k`` of each side among them are those of ``rows``.
+        ``(kept rows, (L, n_kept) per-layer scores, their positions in rows)``: the rows in
+        their given order, each with every layer scored; the top ``top_k`` of each side among
+        them are those of ``rows``.
     """
     rows = np.asarray(rows, dtype=np.int64)
     n_layers = len(prepared)
@@ -97,7 +98,7 @@ def bounded_rerank(
             lo, hi = lo + offset[alive], hi + offset[alive]
         keep = _placeable(lo, hi, top_k, opponents)
         alive = alive[keep]
-    return rows[alive], per[:, alive]
+    return rows[alive], per[:, alive], alive
 
 
 def _placeable(lo: np.ndarray, hi: np.ndarray, top_k: int, opponents: bool) -> np.ndarray:
@@ -141,7 +142,7 @@ def rerank_candidates(
     xn = indexes.row_norms(s, cand) if s.cosine else None  # exact_scores' divisions
     qn = np.sqrt(max(float(query_sq.sum()), 1e-60)) if s.cosine else 1.0
     # the bounds rank scores times the query's norm (the same for every row): so is the offset
-    kept, per_layer = bounded_rerank(
+    kept, per_layer, at = bounded_rerank(
         scorer,
         prepared,
         query_sq,
@@ -155,8 +156,6 @@ def rerank_candidates(
     if s.cosine:
         per_layer = per_layer / qn
         per_layer /= indexes.row_norms(s, kept)
-    if offset is not None:  # kept is cand in its order, fewer: each kept row's own offset
-        order = np.argsort(cand, kind="stable")
-        at = order[np.searchsorted(cand, kept, sorter=order)]
+    if offset is not None:  # each kept row's own offset, after its layers
         per_layer = np.concatenate([per_layer, offset[at][None, :]])
     return kept, per_layer
