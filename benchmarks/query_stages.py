@@ -5,11 +5,13 @@
 Writes (`candidates.synthetic_run`) `traceprop bench query --end-to-end`'s synthetic store of N examples (the bundled sample
 run's records resampled with noise) under --work-dir, builds the default index, and times
 `AttributionRun.rank` for the sample's real queries with timers wrapped around its stages:
-the FAISS search of both ends, the lists' scan (with the factoring of the lists' layers), the
-re-rank, and inside them the factoring of each layer's `T'`, the records' gather from the
-record cache and their products. Prints the median and mean of each stage over the queries
-(a query's stages do not add up to its total: the factoring is inside the lists and the
-re-rank, the gather and products inside the re-rank's row scores).
+the candidate search (FAISS's search of both ends and the lists' scans, side by side on the
+query's threads, `score/two_hands.py`; each also timed on its own, the lists summed over their
+layers), the re-rank, and inside it the factoring of each layer's `T'`, the records' gather
+from the record cache and their products (summed over the re-rank's parallel parts). Prints the
+median and mean of each stage over the queries (a query's stages do not add up to its total:
+the indented ones are inside the one above, and side by side ones overlap).
+`TRACEPROP_QUERY_THREADS=1` runs every stage on one thread, one after the other.
 
 --sq8: also times the same IVF index with 8-bit scalar-quantised vectors (same coarse lists,
 same nprobe) against the IVF-flat one, and the share of IVF-flat's 1000 candidates it returns.
@@ -27,7 +29,9 @@ import numpy as np
 
 from traceprop_engine.attribution import AttributionRun
 from traceprop_engine.attribution import query as query_module
+from traceprop_engine.attribution.index.lists import FactorLists
 from traceprop_engine.attribution.score import factor_scores, record_cache, scoring
+from traceprop_engine.attribution.score.two_hands import hands
 from traceprop_engine.bench import query_e2e as e2e
 from traceprop_engine.settings import IndexSettings
 
@@ -103,8 +107,9 @@ def main() -> None:
         queries = e2e.real_queries(BASE, a.queries)
         times: dict[str, float] = {}
         vindex = run.index(s)[0]
-        _timed(times, "faiss (both ends)", type(vindex), "search_both")
-        _timed(times, "lists", query_module, "list_candidates")
+        _timed(times, "faiss + lists", query_module, "both")  # side by side: their wall time
+        _timed(times, "  faiss (both ends)", type(vindex), "search_both")
+        _timed(times, "  lists (layers summed)", FactorLists, "candidates")
         _timed(times, "re-rank", query_module, "rerank_candidates")
         _timed(times, "  row scores", scoring.ExactScorer, "row_scores")
         _timed(times, "  factoring T'", scoring.ExactScorer, "_prepare_layer")
@@ -117,7 +122,7 @@ def main() -> None:
             t = time.perf_counter()
             run.rank(q, s, 10, True)
             per.append({"total": time.perf_counter() - t, **times})
-        print(f"N {a.n}, {len(queries)} queries, nprobe {vindex.nprobe}")
+        print(f"N {a.n}, {len(queries)} queries, nprobe {vindex.nprobe}, query threads {hands()}")
         for name in dict.fromkeys(k for p in per for k in p):  # every stage any query reached
             v = np.array([p.get(name, 0.0) for p in per]) * 1e3
             print(f"{name:20s} median {np.median(v):6.2f} ms   mean {v.mean():6.2f} ms")

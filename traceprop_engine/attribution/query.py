@@ -29,7 +29,7 @@ from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings, PreconditionerKind, StatisticsSource
 from ..store.sharded import open_run_store
-from .index.lists import list_candidates
+from .index.lists import joined, list_jobs
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
@@ -56,6 +56,7 @@ from .score.ranking import (
     source_influence,
 )
 from .score.rerank import rerank_candidates
+from .score.two_hands import both
 
 if TYPE_CHECKING:
     from .model_side.encode import QueryEncoder
@@ -259,18 +260,17 @@ class AttributionRun(TestSideMixin):
             qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
             scorer = self.indexes.scorer(s)
             lists = scorer.lists is not None
-            res = index.search_both(qv, n_candidates(top_k, index.n, lists))
+            k = n_candidates(top_k, index.n, lists)
+            # with lists, the dominant layers' own records propose more (index/lists.py), from
+            # the query's pullbacks and factored T' (shared with the re-rank; else it makes them)
+            prepared = scorer.prepared_lazily(sketches) if lists else None
+            jobs = list_jobs(scorer, sketches, opponents, prepared) if lists else []
+            # the lists' scans and FAISS's search side by side (two_hands), FAISS last
+            *found, res = both(*jobs, lambda: index.search_both(qv, k))
             cand = np.unique(
                 np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
             ).astype(np.int64)
-            cand = cand[cand >= 0]
-            prepared = None  # the re-rank computes the query's pullbacks when no lists did
-            if lists:  # the dominant layers' own records propose more (index/lists.py)
-                # the query's pullbacks and factored T', shared by the lists and the re-rank
-                prepared = scorer.prepared_lazily(sketches)
-                extra = list_candidates(scorer, sketches, opponents, prepared)
-                if len(extra):
-                    cand = np.union1d(cand, extra)
+            cand = np.union1d(cand[cand >= 0], joined(found))
             # exact scores of the candidates (the re-rank), split by layer for the rows
             # layer by layer, dropping the rows that cannot place (rerank.py), or every layer;
             # a classification query's class prior is one more row of the split

@@ -33,6 +33,7 @@ import numpy as np
 import psutil
 
 from .. import constants as C
+from ..attribution.score.two_hands import hands
 from ..run import RunManifest
 from ..settings import IndexSettings
 
@@ -222,6 +223,7 @@ def measure(
             "kind": index.kind.value,
             "nprobe": index.nprobe,
             "threads": index.threads,
+            "query_threads": hands(),
             "build_s": round(build_s, 2),
             "build_stages_s": stages,
             "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),

@@ -260,23 +260,40 @@ def list_candidates(scorer, sketches, opponents: bool = True, prepared=None) -> 
 
     ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it (the
     re-rank then reuses the pullbacks and the factored ``T'`` of the lists' layers)."""
+    return joined([job() for job in list_jobs(scorer, sketches, opponents, prepared)])
+
+
+def list_jobs(scorer, sketches, opponents: bool = True, prepared=None) -> list:
+    """:func:`list_candidates` as one job (no arguments) per scanned layer, to run side by side
+    (:func:`~traceprop_engine.attribution.score.two_hands.both`); :func:`joined` merges their
+    results."""
     from ..score.factor_scores import LowRankTest
 
     if not scorer.lists or len(sketches[0]) != 1:
-        return np.zeros(0, np.int64)
+        return []
     if prepared is None:
         prepared = scorer.prepared_lazily(sketches)
     sq = prepared.sq_norms()
     total = float(sq.sum())
-    out = [np.zeros(0, np.int64)]
+    jobs = []
     for lists in scorer.lists:
         li = lists.layer
         if not total > 0 or sq[li] < MIN_QUERY_SHARE * total:
             continue
-        low = prepared[li]  # T' = A Bᵀ, factored once for the lists and the re-rank
-        if isinstance(low, LowRankTest):
-            out.append(lists.candidates(low.a, low.b, opponents))
-    return np.unique(np.concatenate(out))
+
+        def job(lists=lists, li=li) -> np.ndarray:
+            low = prepared[li]  # T' = A Bᵀ, factored once for the lists and the re-rank
+            if not isinstance(low, LowRankTest):
+                return np.zeros(0, np.int64)
+            return lists.candidates(low.a, low.b, opponents)
+
+        jobs.append(job)
+    return jobs
+
+
+def joined(found: list[np.ndarray]) -> np.ndarray:
+    """The rows any of :func:`list_jobs`' results propose, sorted, once each."""
+    return np.unique(np.concatenate([np.zeros(0, np.int64), *found]))
 
 
 def _mapped(path: Path) -> np.ndarray:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .two_hands import split_rows
+
 if TYPE_CHECKING:
     from .scoring import PreparedQuery
 
@@ -85,7 +87,10 @@ def bounded_rerank(
     for step, li in enumerate(order):
         one = [None] * n_layers  # this layer's entry only (the raw T' for a few rows)
         one[li] = prepared.for_rows(li, len(alive))
-        per[li, alive] = scorer.row_scores(one, rows[alive], [li], 1)[0, li]
+        # the first layer scores every candidate: in parts side by side (two_hands)
+        per[li, alive] = split_rows(
+            lambda r, one=one, li=li: scorer.row_scores(one, r, [li], 1)[0, li], rows[alive]
+        )
         rest = order[step + 1 :]
         if not rest:
             break
