@@ -257,7 +257,6 @@ class AttributionRun(TestSideMixin):
         s = self.settings(s)
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
-            qv = pre.apply(sketches)  # (1, D) index vector: picks candidates
             scorer = self.indexes.scorer(s)
             lists = scorer.lists is not None
             k = n_candidates(top_k, index.n, lists)
@@ -265,8 +264,8 @@ class AttributionRun(TestSideMixin):
             # the query's pullbacks and factored T' (shared with the re-rank; else it makes them)
             prepared = scorer.prepared_lazily(sketches) if lists else None
             jobs = list_jobs(scorer, sketches, opponents, prepared) if lists else []
-            # the lists' scans and FAISS's search side by side (two_hands), FAISS last
-            *found, res = both(*jobs, lambda: index.search_both(qv, k))
+            # the lists' scans and FAISS's search (of the (1, D) index vector) side by side
+            *found, res = both(*jobs, lambda: index.search_both(pre.apply(sketches), k))
             cand = np.unique(
                 np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
             ).astype(np.int64)
