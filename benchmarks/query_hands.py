@@ -5,12 +5,13 @@
 Writes (``candidates.synthetic_run``) ``traceprop bench query``'s synthetic store of N examples
 under --work-dir, builds the default index, then times ``AttributionRun.rank`` (candidate search
 + exact re-rank + result rows; the query's forward/backward excluded) for the bundled sample's
-real queries, alternating two arms in every repeat: ``one`` (``TRACEPROP_QUERY_THREADS=1``:
-every stage on the caller's thread, one after the other, as before stop 48) and ``hands`` (the
-default: FAISS and the lists' scans side by side, the re-rank's first layer in parts). Prints
-each arm's p50 per repeat, the median of those and their ratio; both arms' rankings are checked
-to be the same rows with the same scores. ``--load`` keeps one core busy with another process for
-the whole measurement (a training job started from the app).
+real queries, each query in both arms back to back (their order alternating): ``one``
+(``TRACEPROP_QUERY_THREADS=1``: every stage on the caller's thread, one after the other) and
+``hands`` (the default: FAISS's two ends and the lists' scans side by side, the re-rank's larger
+layers in parts). Prints each arm's p50 and p90 over all queries and repeats, and the median
+(and interquartile range) of the per-query ratio, which a drifting machine cannot bias; both
+arms' rankings are checked to be the same rows with the same scores. ``--load`` keeps one core
+busy with another process for the whole measurement (a training job started from the app).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,21 +65,19 @@ def main() -> None:
         busy = mp.Process(target=_busy, daemon=True) if a.load else None
         if busy:
             busy.start()
-        p50 = {arm: [] for arm in ARMS}
-        first: dict[str, list] = {}
+        lat: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        first: dict[str, list] = {arm: [] for arm in ARMS}
         try:
             for rep in range(a.repeats):
-                order = list(ARMS) if rep % 2 == 0 else list(ARMS)[::-1]
-                for arm in order:
-                    _set(ARMS[arm])
-                    lat, rows = [], []
-                    for q in queries:
+                for qi, q in enumerate(queries):  # both arms on each query, in turn: drift-proof
+                    order = list(ARMS) if (rep + qi) % 2 == 0 else list(ARMS)[::-1]
+                    for arm in order:
+                        _set(ARMS[arm])
                         t = time.perf_counter()
                         r, _ = run.rank(q, s, 10, True)
-                        lat.append(time.perf_counter() - t)
-                        rows.append(r)
-                    p50[arm].append(float(np.median(lat)) * 1e3)
-                    first.setdefault(arm, rows)
+                        lat[arm].append(time.perf_counter() - t)
+                        if rep == 0:
+                            first[arm].append(r)
         finally:
             if busy:
                 busy.terminate()
@@ -93,10 +91,14 @@ def main() -> None:
             f"cpu: {cpu_model()}"
         )
         for arm in ARMS:
-            print(f"  {arm:6s} p50 per repeat (ms): " + " ".join(f"{v:.2f}" for v in p50[arm]))
-            print(f"  {arm:6s} median p50: {statistics.median(p50[arm]):.2f} ms")
-        ratio = statistics.median(p50["hands"]) / statistics.median(p50["one"])
-        print(f"  hands / one: {ratio:.3f}; rankings identical, scores within {SCORE_RTOL:g}")
+            v = np.asarray(lat[arm]) * 1e3
+            print(f"  {arm:6s} p50 {np.median(v):.2f} ms, p90 {np.percentile(v, 90):.2f} ms")
+        ratio = np.asarray(lat["hands"]) / np.asarray(lat["one"])  # the same query, back to back
+        lo, hi = np.percentile(ratio, [25, 75])
+        print(
+            f"  hands / one, per query: median {np.median(ratio):.3f} [IQR {lo:.3f}, {hi:.3f}];"
+            f" rankings identical, scores within {SCORE_RTOL:g}"
+        )
 
 
 if __name__ == "__main__":

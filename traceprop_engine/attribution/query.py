@@ -264,12 +264,12 @@ class AttributionRun(TestSideMixin):
             # the query's pullbacks and factored T' (shared with the re-rank; else it makes them)
             prepared = scorer.prepared_lazily(sketches) if lists else None
             jobs = list_jobs(scorer, sketches, opponents, prepared) if lists else []
-            # the lists' scans and FAISS's search (of the (1, D) index vector) side by side
-            *found, res = both(*jobs, lambda: index.search_both(pre.apply(sketches), k))
-            cand = np.unique(
-                np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
-            ).astype(np.int64)
-            cand = np.union1d(cand[cand >= 0], joined(found))
+            # FAISS's two ends (of the (1, D) index vector) and the lists' scans side by side
+            ends, join = index.search_ends(pre.apply(sketches), k)
+            got = both(*ends, *jobs)
+            res, found = join(got[: len(ends)]), got[len(ends) :]
+            cand = np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
+            cand = np.union1d(cand[cand >= 0].astype(np.int64), joined(found))
             # exact scores of the candidates (the re-rank), split by layer for the rows
             # layer by layer, dropping the rows that cannot place (rerank.py), or every layer;
             # a classification query's class prior is one more row of the split

@@ -193,10 +193,12 @@ class VectorIndex:
         return self._search_prepped(q, k)
 
     @keeps_caller_threads
-    def _search_prepped(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search_prepped(
+        self, q: np.ndarray, k: int, threads: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
-        faiss.omp_set_num_threads(self.threads)
+        faiss.omp_set_num_threads(threads or self.threads)
         k_eff = min(k, max(self.n, 1))
         k_search = k_eff
         if self.kind is IndexKind.IVFPQ and self.fetch is not None:
@@ -240,6 +242,26 @@ class VectorIndex:
         s, i = self._search_prepped(np.concatenate([q, -q]), k)
         ps, pi, ns, ni = s[: len(q)], i[: len(q)], s[len(q) :], i[len(q) :]
         return SearchResult(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
+
+    def search_ends(
+        self, queries: np.ndarray, k: int
+    ) -> tuple[list[Callable[[], tuple]], Callable[[list], SearchResult]]:
+        """:meth:`search_both` of one query as jobs to run side by side (``score/two_hands.py``):
+        ``(jobs, join)``, an IVF index's two ends one job each on one FAISS thread (one query
+        keeps a second FAISS thread idle), and ``join(their results)`` the :class:`SearchResult`.
+        A small flat index is one job (both ends from one pass)."""
+        if len(queries) != 1 or (
+            self.kind is IndexKind.FLAT and not self.extra_dims and self.n > 0 and k >= 1
+        ):
+            return [lambda: self.search_both(queries, k)], lambda got: got[0]
+        q = self._prep(queries)
+        jobs = [lambda sign=sign: self._search_prepped(sign * q, k, threads=1) for sign in (1, -1)]
+
+        def join(got: list) -> SearchResult:
+            (ps, pi), (ns, ni) = got
+            return SearchResult(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
+
+        return jobs, join
 
     def _flat_both(self, q: np.ndarray, k: int) -> SearchResult:
         """Both ends of an exact (flat) index from one pass over its vectors: FAISS searches

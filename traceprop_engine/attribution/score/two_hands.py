@@ -1,26 +1,27 @@
 """A query's independent stages side by side, on Python threads (``both``, ``split_rows``).
 
 One query's path has stages that do not need each other: the FAISS search of both ends and the
-factor lists' scans of their (up to two) layers; and the re-rank's first layer, which scores
-every candidate, splits into halves. Each releases the GIL in its heavy part (FAISS, numpy's
+factor lists' scans of their (up to two) layers; and each layer of the re-rank that scores
+many candidates splits into parts. Each releases the GIL in its heavy part (FAISS, numpy's
 gathers, conversions and one-thread BLAS products), so on a machine with two cores or more they
 run at once. Python threads never busy-wait for each other (OpenBLAS's own threads do, which is
 why the query's BLAS stays on one thread, :mod:`.blas_threads`): when another process holds a
 core, the stages simply take turns.
 
-The pool is process-wide and small (one thread fewer than the usable cores, at most
-:data:`MAX_WORKERS`); the caller's own thread always runs the first job, so a busy pool (the
-app's concurrent sessions) delays a query by at most its own queued jobs, and a job that is itself
-on a pool thread runs everything inline (no pool thread ever waits for another).
+The pool is process-wide and small (at most :data:`MAX_WORKERS` - 1 threads); the caller's own
+thread takes jobs too, so a query finishes even while the pool is busy with other queries (the
+app's sessions), and a job that is itself on a pool thread runs its own jobs inline (no pool
+thread ever waits for another).
 ``TRACEPROP_QUERY_THREADS=1`` turns it off (every job inline, in order).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 MAX_WORKERS = 4
 """At most this many threads work on one query (the caller's and ``MAX_WORKERS - 1`` others)."""
 
-MIN_SPLIT_ROWS = 2048
+MIN_SPLIT_ROWS = 512
 """``split_rows`` splits only this many rows or more: below, a thread's hand-off costs more
 than half the work saves."""
 
@@ -72,33 +73,35 @@ def _mark_worker() -> None:
 
 
 def both(*jobs: Callable[[], Any]) -> list[Any]:
-    """Run ``jobs`` (no arguments each) and return their results in order: the first on the
-    calling thread, the others on the pool while it works (inline with one hand, or from a pool
-    thread). An exception in any job is raised after all have finished."""
-    n = hands()
-    if n <= 1 or len(jobs) <= 1 or getattr(_local, "worker", False):
+    """Run ``jobs`` (no arguments each) and return their results in order. The calling thread
+    and up to ``hands() - 1`` pool threads each take the next job not yet taken until none is
+    left (so give the longest first); inline and in order with one hand or on a pool thread.
+    An exception in any job is raised after every taken job has finished."""
+    n = min(hands(), len(jobs))
+    if n <= 1 or getattr(_local, "worker", False):
         return [job() for job in jobs]
-    pool = _get_pool()
-    # at most n - 1 jobs on the pool at once; the rest run on this thread after the first
-    futures: list[Future | None] = [None] * len(jobs)
-    for i in range(1, min(len(jobs), n)):
-        futures[i] = pool.submit(jobs[i])
     out: list[Any] = [None] * len(jobs)
-    error: BaseException | None = None
-    for i, job in enumerate(jobs):
-        if futures[i] is None:
+    errors: list[BaseException] = []
+    taken = itertools.count()  # next() is atomic under the GIL: each job is taken once
+
+    def hand() -> None:
+        while True:
+            i = next(taken)
+            if i >= len(jobs) or errors:
+                return
             try:
-                out[i] = job()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
-                error = error or e
-    for i, f in enumerate(futures):
-        if f is not None:
-            try:
-                out[i] = f.result()
-            except BaseException as e:  # noqa: BLE001
-                error = error or e
-    if error is not None:
-        raise error
+                out[i] = jobs[i]()
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller, below
+                errors.append(e)
+
+    pool = _get_pool()
+    helpers = [pool.submit(hand) for _ in range(n - 1)]
+    hand()
+    for f in helpers:  # one still queued behind other queries' work is not waited for
+        if not f.cancel():
+            f.result()
+    if errors:
+        raise errors[0]
     return out
 
 
