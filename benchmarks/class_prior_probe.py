@@ -21,7 +21,7 @@ from traceprop_engine.attribution import open_run
 from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
 from traceprop_engine.settings import IndexSettings
 
-PRIORS = (0.0, 0.05, 0.1, DEFAULT_CLASS_PRIOR, 0.5, 1.0)
+PRIORS = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)  # DEFAULT_CLASS_PRIOR among them
 
 
 def probe(ev: Path) -> dict[str, float]:

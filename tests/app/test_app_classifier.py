@@ -13,6 +13,7 @@ from helpers import train_classifier_run
 from streamlit.testing.v1 import AppTest
 
 from traceprop_engine.attribution import open_run
+from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
 from traceprop_engine.settings import IndexSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +41,8 @@ def test_the_class_prior_shows_and_toggles_off(trained, app_env):
     assert not at.exception, [e.message for e in at.exception]
     assert at.toggle(key="infl_prior").value is True
     res = _ask(at)
-    assert res.query["class_prior"] == 0.2
-    assert any("class prior 0.2" in c.value for c in at.caption)
+    assert res.query["class_prior"] == DEFAULT_CLASS_PRIOR
+    assert any(f"class prior {DEFAULT_CLASS_PRIOR:g}" in c.value for c in at.caption)
     shares = [json.loads(x) for x in res.rows["layer_scores"]]
     assert all(list(x)[-1] == "class prior" for x in shares)
     # the run's notes are shown once, above the query, not again with the result
@@ -54,7 +55,7 @@ def test_the_class_prior_shows_and_toggles_off(trained, app_env):
     other = open_run(run).query(
         eval_example=at.selectbox(key="infl_eval").value,
         top_k=int(res.query["top_k"]),
-        settings=IndexSettings(preconditioner="identity"),  # auto: the prior, 0.2
+        settings=IndexSettings(preconditioner="identity"),  # auto: the default prior
     )
     theirs = other.rows.filter(other.rows["kind"] == "proponent")
     top = set(theirs["source"] + ":" + theirs["row"].cast(str))
