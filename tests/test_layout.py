@@ -39,6 +39,7 @@ PROBES = {
     "benchmarks/query_search.py": "times the FAISS search alone",
     "benchmarks/query_stages.py": "times the query's stages (FAISS, lists, re-rank) inside rank",
     "benchmarks/query_threads.py": "patches the query's BLAS thread limit",
+    "benchmarks/query_hands.py": "reads how many threads a query's stages use",
     "benchmarks/precondition_probe.py": "patches the head's whitening and the layer scale of a fit",
     "benchmarks/summary_probe.py": "the index projection's moments and the record cache",
     "traceprop_engine/bench/query.py": "times FAISS index builds on synthetic vectors",

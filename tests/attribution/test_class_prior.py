@@ -160,3 +160,38 @@ def test_the_cli_takes_class_prior(classifier_run, tmp_path, capsys):
     assert "unrecognized arguments: --class-prior" in capsys.readouterr().err
     assert all(CLASS_PRIOR_LAYER in x for x in shares["default"])
     assert not any(CLASS_PRIOR_LAYER in x for x in shares["alone"])
+
+
+def test_few_candidates_still_find_the_labels_top_rows(classifier_run, monkeypatch):
+    """FAISS proposes only three rows a side here (as it proposes a small share of a large
+    index): its two ends by the records' score miss rows the prior lifts, and the searches among
+    the queried label's rows (proponents) and the other labels' (opponents) find them, so the
+    ranking is brute force's with the prior."""
+    from traceprop_engine.attribution.query import AttributionRun
+    from traceprop_engine.attribution.score import ranking
+
+    monkeypatch.setattr(ranking, "CANDIDATES", 1)
+    monkeypatch.setattr(ranking, "MIN_CANDIDATES", 3)
+    monkeypatch.setattr(ranking, "CANDIDATE_FRACTION", 10**9)
+    s = IndexSettings(class_prior=2.0)
+    run = open_run(classifier_run)
+    ids = np.asarray(run.index(s)[1])
+    missed = 0
+    for ev in run.eval_examples()["example_id"]:
+        q = run.query_sketches(run.encode(eval_example=int(ev))[0])[0]
+        exact = run.exact_scores(q, s)[0]
+        got = {True: run.rank(q, s, 3, True)[0]}
+        with monkeypatch.context() as m:  # FAISS's two ends and nothing else
+            m.setattr(AttributionRun, "label_sides", lambda *a: None)
+            got[False] = run.rank(q, s, 3, True)[0]
+        for kind, sign in (("proponent", 1), ("opponent", -1)):
+            top = np.argsort(-sign * exact, kind="stable")[:3]
+            want = set(ids[top[sign * exact[top] > 0]].tolist())
+            for sides, rows in got.items():
+                mine = set(rows.filter(rows["kind"] == kind)["example_id"].to_list())
+                if sides:
+                    assert mine == want, (kind, ev)
+                else:
+                    missed += mine != want
+    run.close()
+    assert missed > 0  # without the label searches, the same few candidates miss some

@@ -14,6 +14,7 @@ from traceprop_engine.attribution.index.build import (
     build_index,
     calibration_target,
 )
+from traceprop_engine.attribution.index.nprobe import tune_nprobe
 from traceprop_engine.attribution.index.vector_index import (
     INDEX_META_FILE,
     VectorIndex,
@@ -153,8 +154,8 @@ def test_tuning_needs_both_groups_to_reach_the_target():
     _, exact_far = _brute(x, -q, 10)
     both = np.concatenate([q, -q])
     groups = np.repeat([0, 1], 60)
-    p_all, rec_all = idx.tune_nprobe(both, np.concatenate([exact, exact_far]), 0.97)
-    p_min, rec_min = idx.tune_nprobe(both, np.concatenate([exact, exact_far]), 0.97, groups=groups)
+    p_all, rec_all = tune_nprobe(idx, both, np.concatenate([exact, exact_far]), 0.97)
+    p_min, rec_min = tune_nprobe(idx, both, np.concatenate([exact, exact_far]), 0.97, groups=groups)
     assert p_min >= p_all and rec_min >= 0.97
     for g, (qq, ee) in enumerate(((q, exact), (-q, exact_far))):
         _, got = idx.search(qq, 10)
@@ -224,3 +225,28 @@ def test_errors_and_small_n():
         build_index(x, 8, 6, kind="flat")
     with pytest.raises(StoreError, match="traceprop index"):
         VectorIndex.load("/nonexistent/dir", "x")
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "ivfpq"])
+def test_search_among_is_the_top_k_of_the_chosen_rows(kind):
+    """``search_among`` (the class prior's label searches): the top k of ± the score over the
+    chosen rows only, brute force's up to round-off (IVF probing every list; HNSW and IVF-PQ
+    at high recall), and never a row outside them."""
+    x = _structured(3000, 32, seed=11)
+    q = _structured(6, 32, seed=12)
+    among = np.random.default_rng(0).random(len(x)) < 0.3
+    rows = np.flatnonzero(among)
+    fetch = (lambda ids: x[ids]) if kind == "ivfpq" else None
+    idx = build_index(x, 32, len(x), kind=kind, nlist=16, pq_m=8, rerank=600, fetch=fetch, seed=0)
+    if kind in ("ivf", "ivfpq"):
+        idx.set_nprobe(16)
+    for sign in (1.0, -1.0):
+        ref_s, ref_i = _brute(x[rows], sign * q, 10)
+        scores, ids = idx.search_among(q, 10, among, sign)
+        assert among[ids[ids >= 0]].all()
+        if kind in ("flat", "ivf"):
+            _same_rows(ids, scores, rows[ref_i], ref_s, SCORE_RTOL * np.abs(ref_s).max())
+        else:
+            assert _recall(ids, rows[ref_i]) >= 0.9
+    with pytest.raises(ValueError, match="3000 rows"):
+        idx.search_among(q, 10, among[:-1])

@@ -131,7 +131,7 @@ def test_a_ranked_query_on_two_threads_equals_one_thread(run, monkeypatch):
         return real(*[lambda j=j: timed(j) for j in jobs])
 
     monkeypatch.setattr(two_hands, "both", spy)
-    monkeypatch.setattr("traceprop_engine.attribution.query.both", spy)
+    monkeypatch.setattr("traceprop_engine.attribution.index.candidates.both", spy)
     for ev in run.eval_examples()["example_id"][:4]:
         q = run.query_sketches(run.encode(eval_example=int(ev))[0])[0]
         got = {}

@@ -29,7 +29,7 @@ from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings, PreconditionerKind, StatisticsSource
 from ..store.sharded import open_run_store
-from .index.lists import joined, list_jobs
+from .index.candidates import candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
 from .model_side.test_side import TestSideMixin
@@ -51,12 +51,10 @@ from .score.ranking import (
     ZERO_LR_NOTE,
     example_table,
     hit_rows,
-    n_candidates,
     signed_hits,
     source_influence,
 )
 from .score.rerank import rerank_candidates
-from .score.two_hands import both
 
 if TYPE_CHECKING:
     from .model_side.encode import QueryEncoder
@@ -258,18 +256,9 @@ class AttributionRun(TestSideMixin):
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
             scorer = self.indexes.scorer(s)
-            lists = scorer.lists is not None
-            k = n_candidates(top_k, index.n, lists)
-            # with lists, the dominant layers' own records propose more (index/lists.py), from
-            # the query's pullbacks and factored T' (shared with the re-rank; else it makes them)
-            prepared = scorer.prepared_lazily(sketches) if lists else None
-            jobs = list_jobs(scorer, sketches, opponents, prepared) if lists else []
-            # FAISS's two ends (of the (1, D) index vector) and the lists' scans side by side
-            ends, join = index.search_ends(pre.apply(sketches), k)
-            got = both(*ends, *jobs)
-            res, found = join(got[: len(ends)]), got[len(ends) :]
-            cand = np.concatenate([res.proponent_ids[0], res.opponent_ids[0] if opponents else []])
-            cand = np.union1d(cand[cand >= 0].astype(np.int64), joined(found))
+            # FAISS, the factor lists and (a class prior) the label's rows propose candidates
+            qv, sides = pre.apply(sketches), self.label_sides(sketches, s)
+            cand, prepared = candidates(index, scorer, qv, sketches, top_k, opponents, sides)
             # exact scores of the candidates (the re-rank), split by layer for the rows
             # layer by layer, dropping the rows that cannot place (rerank.py), or every layer;
             # a classification query's class prior is one more row of the split
@@ -333,14 +322,25 @@ class AttributionRun(TestSideMixin):
             query without a label (a causal LM, or sketches made without the encoder), fewer
             than two classes, or a label no indexed example has.
         """
+        classes, label, s = self._row_classes(sketches, s)
+        return None if classes is None else classes.prior(label, s.class_prior, rows)
+
+    def label_sides(self, sketches, s: IndexSettings):
+        """``(rows of the query's label, rows of other labels)`` (bool masks over the index
+        rows) where the query gets a class prior, else None (``index/candidates.py``)."""
+        classes, label, _ = self._row_classes(sketches, s)
+        return None if classes is None else classes.sides(label)
+
+    def _row_classes(self, sketches, s: IndexSettings):
+        """``(the index rows' RowClasses or None where no prior applies, label, settings)``."""
         s = self.settings(s)
         label = label_of(sketches)
         if not s.class_prior or label is None:
-            return None
+            return None, label, s
         ids = self.indexes.scorer(s).ids
         if self._classes is None or self._classes[0] is not ids:  # one per index build
             self._classes = (ids, RowClasses(self.examples()["label"].to_numpy()[ids]))
-        return self._classes[1].prior(label, s.class_prior, rows)
+        return self._classes[1], label, s
 
     def all_scores(self, sketches, s: IndexSettings) -> np.ndarray:
         """Exact scores of one query against every index row (example-id order of ``ids``).

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+from traceprop_engine.attribution.index.nprobe import tune_nprobe
 from traceprop_engine.attribution.index.vector_index import (
     VectorIndex,
     faiss_threads,
@@ -193,8 +194,8 @@ def _tune(vi: VectorIndex, calib: _Calibration, target_recall: float, margin: fl
     """Set ``nprobe`` to the smallest one whose calibration recall reaches
     :func:`calibration_target` on both the proponent and the opponent halves."""
     goal = calibration_target(target_recall, margin)
-    chosen, rec = vi.tune_nprobe(
-        calib.top.q, calib.top.ids, goal, exclude=calib.rows, groups=calib.groups
+    chosen, rec = tune_nprobe(
+        vi, calib.top.q, calib.top.ids, goal, exclude=calib.rows, groups=calib.groups
     )
     log.info(
         "nprobe=%d: recall@%d %.3f (the lower of proponents and opponents; calibrated to %.3f "

@@ -194,7 +194,7 @@ class VectorIndex:
 
     @keeps_caller_threads
     def _search_prepped(
-        self, q: np.ndarray, k: int, threads: int | None = None
+        self, q: np.ndarray, k: int, threads: int | None = None, params=None
     ) -> tuple[np.ndarray, np.ndarray]:
         if k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
@@ -204,7 +204,7 @@ class VectorIndex:
         if self.kind is IndexKind.IVFPQ and self.fetch is not None:
             k_search = min(max(self.rerank, k_eff), self.n)
         try:
-            scores, ids = self.index.search(q, k_search)
+            scores, ids = self.index.search(q, k_search, params=params)
         except RuntimeError as e:
             raise StoreError(f"FAISS search failed: {e}; rebuild the index") from e
         if k_search != k_eff:
@@ -247,9 +247,9 @@ class VectorIndex:
         self, queries: np.ndarray, k: int
     ) -> tuple[list[Callable[[], tuple]], Callable[[list], SearchResult]]:
         """:meth:`search_both` of one query as jobs to run side by side (``score/two_hands.py``):
-        ``(jobs, join)``, an IVF index's two ends one job each on one FAISS thread (one query
-        keeps a second FAISS thread idle), and ``join(their results)`` the :class:`SearchResult`.
-        A small flat index is one job (both ends from one pass)."""
+        ``(jobs, join)``, the two ends one job each on one FAISS thread (the query's other jobs
+        hold the other cores), and ``join(their results)`` the :class:`SearchResult`. A flat
+        index is one job (both ends from one pass over its vectors)."""
         if len(queries) != 1 or (
             self.kind is IndexKind.FLAT and not self.extra_dims and self.n > 0 and k >= 1
         ):
@@ -262,6 +262,44 @@ class VectorIndex:
             return SearchResult(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
 
         return jobs, join
+
+    def search_among(
+        self, queries: np.ndarray, k: int, among: np.ndarray, sign: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top ``k`` of ``sign`` × score over the rows where ``among`` ((n,) bool) holds:
+        ``(sign × scores, ids)``, (q, k) each, as :meth:`search` (one FAISS thread). FAISS skips
+        the other rows through an ID selector (flat indexes: a masked pass over the vectors)."""
+        among = np.asarray(among, bool)
+        if among.shape != (self.n,):
+            raise ValueError(f"among has shape {among.shape}, the index holds {self.n} rows")
+        q = sign * self._prep(queries)
+        if self.kind is IndexKind.FLAT and not self.extra_dims:
+            n, d = self.n, self.index.d
+            xb = faiss.rev_swig_ptr(self.index.get_xb(), n * d).reshape(n, d)  # no copy
+            rows = np.flatnonzero(among)
+            k_eff = min(k, len(rows))
+            scores = np.full((len(q), k), -np.inf, np.float32)
+            ids = np.full((len(q), k), -1, np.int64)
+            for r in range(len(q)):
+                s = xb[rows] @ q[r]
+                top = (
+                    np.argpartition(-s, k_eff - 1)[:k_eff]
+                    if 0 < k_eff < len(s)
+                    else np.arange(k_eff)
+                )
+                top = top[np.argsort(-s[top], kind="stable")]
+                scores[r, :k_eff], ids[r, :k_eff] = s[top], rows[top]
+            return scores, ids
+        bits = np.packbits(among, bitorder="little")  # alive until the search returns
+        sel = faiss.IDSelectorBitmap(self.n, faiss.swig_ptr(bits))
+        ivf = _ivf_of(self.index)
+        if ivf is not None:
+            params = faiss.SearchParametersIVF(sel=sel, nprobe=int(ivf.nprobe))
+        elif self.kind is IndexKind.HNSW:
+            params = faiss.SearchParametersHNSW(sel=sel, efSearch=int(self.index.hnsw.efSearch))
+        else:
+            params = faiss.SearchParameters(sel=sel)
+        return self._search_prepped(q, k, threads=1, params=params)
 
     def _flat_both(self, q: np.ndarray, k: int) -> SearchResult:
         """Both ends of an exact (flat) index from one pass over its vectors: FAISS searches
@@ -279,61 +317,6 @@ class VectorIndex:
                 top = top[np.argsort(-sign * s[top], kind="stable")]
                 out[side][r, :k_eff], ids[side][r, :k_eff] = s[top], top
         return SearchResult(out[0], ids[0], out[1], ids[1])
-
-    def tune_nprobe(
-        self,
-        queries: np.ndarray,
-        exact_ids: np.ndarray,
-        target_recall: float = 0.95,
-        exclude: np.ndarray | None = None,
-        groups: np.ndarray | None = None,
-    ) -> tuple[int, float]:
-        """Smallest nprobe whose recall@k on ``queries`` reaches ``target_recall``.
-
-        Args:
-            queries: (q, dim) calibration queries.
-            exact_ids: (q, k) exact top-k ids of those queries (or top-(k+1) with ``exclude``).
-            target_recall: mean recall@k to reach.
-            exclude: (q,) one id per query dropped from both answers (leave-one-out queries
-                taken from the indexed vectors).
-            groups: (q,) a group label per query (e.g. proponent and opponent searches); the
-                recall that must reach the target is then the lowest of the groups' mean
-                recalls, so one kind of search cannot carry the other.
-
-        Returns:
-            ``(nprobe, recall)``; the index is left set to that nprobe.
-        """
-        ivf = _ivf_of(self.index)
-        if ivf is None:
-            raise ConfigError(f"nprobe applies to ivf/ivfpq indexes, this one is {self.kind.value}")
-        q = self._prep(queries)
-        k_search = exact_ids.shape[1]
-        k = k_search - (exclude is not None)
-        exact = _drop(exact_ids, exclude, k)
-
-        def recall_at(p: int) -> float:
-            self.set_nprobe(p)
-            got = _drop(self._search_prepped(q, k_search)[1], exclude, k)
-            if groups is None:
-                return _recall(got, exact)
-            return min(_recall(got[groups == g], exact[groups == g]) for g in np.unique(groups))
-
-        # double until the target is reached, then bisect between the last two powers of two
-        lo, hi = 0, 1
-        rec_hi = recall_at(hi)
-        while rec_hi < target_recall and hi < ivf.nlist:
-            lo, hi = hi, min(hi * 2, ivf.nlist)
-            rec_hi = recall_at(hi)
-        while hi - lo > 1 and rec_hi >= target_recall:
-            mid = (lo + hi) // 2
-            rec_mid = recall_at(mid)
-            if rec_mid >= target_recall:
-                hi, rec_hi = mid, rec_mid
-            else:
-                lo = mid
-        self.set_nprobe(hi)
-        self.tuned_recall = rec_hi
-        return hi, rec_hi
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory: str | Path, fingerprint: str, files: Iterable[str] = ()) -> None:
@@ -456,17 +439,3 @@ def _ivf_of(index: faiss.Index):
         return faiss.extract_index_ivf(index)
     except RuntimeError:
         return None
-
-
-def _drop(ids: np.ndarray, exclude: np.ndarray | None, k: int) -> np.ndarray:
-    if exclude is None:
-        return ids[:, :k]
-    return np.stack([row[row != ex][:k] for row, ex in zip(ids, exclude, strict=True)])
-
-
-def _recall(got: np.ndarray, exact: np.ndarray) -> float:
-    hits = [
-        len(set(g[g >= 0]) & set(e[e >= 0])) / max(1, (e >= 0).sum())
-        for g, e in zip(got, exact, strict=True)
-    ]
-    return float(np.mean(hits))

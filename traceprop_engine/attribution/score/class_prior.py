@@ -21,6 +21,15 @@ class RowClasses:
         where = {c: i for i, c in enumerate(self.classes)}
         self.codes = np.array([where.get(x, -1) if x else -1 for x in labels], np.int64)
 
+    def sides(self, label: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(rows of class label, rows of another class)`` as (n,) bool masks, where a prior
+        of ``label`` applies (else None): the rows the candidate search looks among for the top
+        proponents and opponents a large prior makes (``index/candidates.py``)."""
+        if len(self.classes) < 2 or label not in self.classes:
+            return None
+        code = self.classes.index(label)
+        return self.codes == code, (self.codes >= 0) & (self.codes != code)
+
     def prior(self, label: str, weight: float, rows: np.ndarray | None = None) -> np.ndarray | None:
         """``(len(rows),)`` float64: ``weight`` for a row of class ``label``, ``-weight/(C-1)``
         for a row of another class, 0 for a row without a label; None where there is nothing to
