@@ -99,7 +99,7 @@ if classification:
         key="infl_prior",
         help="Add the classifier head's bias term the weight records leave out: "
         f"{queries.DEFAULT_CLASS_PRIOR:g} for an example of the queried label, "
-        f"-{queries.DEFAULT_CLASS_PRIOR:g}/(C-1) for another label's (benchmarks/EVAL.md section 1s). "
+        f"-{queries.DEFAULT_CLASS_PRIOR:g}/(C-1) for another label's (benchmarks/EVAL.md sections 1s-1t). "
         "Off: the records' gradient similarity alone.",
     )
     prior = None if on else 0.0
