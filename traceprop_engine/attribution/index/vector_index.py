@@ -281,7 +281,7 @@ class VectorIndex:
             scores = np.full((len(q), k), -np.inf, np.float32)
             ids = np.full((len(q), k), -1, np.int64)
             for r in range(len(q)):
-                s = xb[rows] @ q[r]
+                s = (xb @ q[r])[rows]  # one pass over the vectors, no copy of the chosen rows
                 top = (
                     np.argpartition(-s, k_eff - 1)[:k_eff]
                     if 0 < k_eff < len(s)

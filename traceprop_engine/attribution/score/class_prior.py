@@ -20,6 +20,7 @@ class RowClasses:
         self.classes: list[str] = sorted({x for x in labels if x})
         where = {c: i for i, c in enumerate(self.classes)}
         self.codes = np.array([where.get(x, -1) if x else -1 for x in labels], np.int64)
+        self._sides: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def sides(self, label: str) -> tuple[np.ndarray, np.ndarray] | None:
         """``(rows of class label, rows of another class)`` as (n,) bool masks, where a prior
@@ -27,8 +28,10 @@ class RowClasses:
         proponents and opponents a large prior makes (``index/candidates.py``)."""
         if len(self.classes) < 2 or label not in self.classes:
             return None
-        code = self.classes.index(label)
-        return self.codes == code, (self.codes >= 0) & (self.codes != code)
+        if label not in self._sides:  # once per label: two passes over every row
+            code = self.classes.index(label)
+            self._sides[label] = (self.codes == code, (self.codes >= 0) & (self.codes != code))
+        return self._sides[label]
 
     def prior(self, label: str, weight: float, rows: np.ndarray | None = None) -> np.ndarray | None:
         """``(len(rows),)`` float64: ``weight`` for a row of class ``label``, ``-weight/(C-1)``

@@ -87,7 +87,7 @@ def bounded_rerank(
     for step, li in enumerate(order):
         one = [None] * n_layers  # this layer's entry only (the raw T' for a few rows)
         one[li] = prepared.for_rows(li, len(alive))
-        # the first layer scores every candidate: in parts side by side (two_hands)
+        # a layer with many rows left (the first scores every candidate) in parts, side by side
         per[li, alive] = split_rows(
             lambda r, one=one, li=li: scorer.row_scores(one, r, [li], 1)[0, li], rows[alive]
         )
