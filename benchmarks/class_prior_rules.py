@@ -36,9 +36,9 @@ RULES = {
 }
 
 
-def parts(ev: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(records-alone scores (q, n_train), the prior's term at weight 1, r (q,))``."""
-    masks = subset_data(ev)[0]
+def parts(ev: Path, n_train: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(records-alone scores (q, n_train), the prior's term at weight 1, r (q,))``: one exact
+    pass a query, the prior's term from ``class_prior_scores`` (what every score adds)."""
     run = open_run(ev / "runs" / "k126")
     try:
         if run.task != "classification":
@@ -47,12 +47,12 @@ def parts(ev: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         classes = {x for x in ex["label"].to_list() if x}
         eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
         _, ids, _ = run.index(IndexSettings(), rebuild=True)
-        alone = np.zeros((len(eval_ids), masks.shape[1]))
+        alone = np.zeros((len(eval_ids), n_train))
         prior, r = np.zeros_like(alone), np.zeros(len(eval_ids))
         for i, e in enumerate(eval_ids):
             sk, loss = run.query_sketches(run.encode(eval_example=e)[0])
             alone[i, ids] = run.all_scores(sk, IndexSettings(class_prior=0.0))
-            prior[i, ids] = run.all_scores(sk, IndexSettings(class_prior=1.0)) - alone[i, ids]
+            prior[i, ids] = run.class_prior_scores(sk, IndexSettings(class_prior=1.0))
             r[i] = loss / math.log(len(classes))
     finally:
         run.close()
@@ -65,8 +65,8 @@ def main(argv: list[str]) -> None:
     table = {}
     for d in argv:
         ev = Path(d)
-        masks, losses, _ = subset_data(ev)
-        alone, prior, r = parts(ev)
+        masks, losses, n_train = subset_data(ev)
+        alone, prior, r = parts(ev, n_train)
         row = {
             k: float(np.nanmean(lds_scores(alone + f(r)[:, None] * prior, masks, losses)))
             for k, f in RULES.items()
