@@ -26,7 +26,15 @@ TRAIN = {"data": "d", "out": "o"}
 # -- TrackSettings -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "field",
-    ["k_in", "k_out", "dense_k", "dense_nnz", "buffer_records", "covariance_stride"],
+    [
+        "k_in",
+        "k_out",
+        "dense_k",
+        "dense_nnz",
+        "buffer_records",
+        "covariance_stride",
+        "sigma_stride",
+    ],
 )
 @pytest.mark.parametrize("value", [0, -3, 2.5, "8"])
 def test_positive_integers(field, value):
