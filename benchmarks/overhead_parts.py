@@ -101,12 +101,6 @@ def main() -> None:
         default="auto",
         help="TrackSettings.embedding (the bench's model is built from a config: auto is off)",
     )
-    p.add_argument(
-        "--sigma-stride",
-        type=int,
-        default=TrackSettings().sigma_stride,
-        help="TrackSettings.sigma_stride (σ of the rank-1 half step from every n-th token)",
-    )
     args = p.parse_args()
     torch.set_num_threads(1)
     timer = HookTimer()
@@ -114,7 +108,6 @@ def main() -> None:
     keys = ("scope", "k_in", "k_out", "rank", "factor_dtype", "sketch", "dense_k")
     track = {k: d[k] for k in keys} | {"buffer_records": 256, "seed": 0}
     track["embedding"] = args.embedding
-    track["sigma_stride"] = args.sigma_stride
     shape = {k: getattr(args, k) for k in ("layers", "width", "vocab", "batch", "seq")}
     rows = {k: [] for k in ("plain", "tracked", "fwd", "bwd", "ops", "proj", "flush")}
     cov_s = 0.0

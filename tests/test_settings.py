@@ -26,15 +26,7 @@ TRAIN = {"data": "d", "out": "o"}
 # -- TrackSettings -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "field",
-    [
-        "k_in",
-        "k_out",
-        "dense_k",
-        "dense_nnz",
-        "buffer_records",
-        "covariance_stride",
-        "sigma_stride",
-    ],
+    ["k_in", "k_out", "dense_k", "dense_nnz", "buffer_records", "covariance_stride"],
 )
 @pytest.mark.parametrize("value", [0, -3, 2.5, "8"])
 def test_positive_integers(field, value):

@@ -74,7 +74,6 @@ RECORDED_BEFORE_KEYS = {
     "covariance_tokens": 0,
     "vocab_rows": False,
     "embedding": EmbeddingMode.OFF.value,
-    "sigma_stride": 1,
 }
 """How a run recorded before one of these fields existed was tracked (its run.json lacks the
 key: :meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
@@ -164,13 +163,6 @@ class TrackSettings:
         help="power iterations of factor_space full; 0 = half a step (G projected on "
         "sum_t g_t from the left: two batched products)",
     )
-    sigma_stride: int = knob(
-        1,
-        help="rank-1 records of factor_space full: the left vector sigma = sum_t g_t of the "
-        "half step is summed over every n-th token only (tokens 0, n, 2n, ...); the record is "
-        "still G projected on it, G over every token. One read of each layer's output "
-        "gradient becomes 1/n of one in the backward; 1 = every token",
-    )
     covariance_stride: int = knob(
         32,
         help="with factor_space full, the K-FAC statistics come from every n-th batch (the "
@@ -241,7 +233,6 @@ class TrackSettings:
             "dense_nnz",
             "buffer_records",
             "covariance_stride",
-            "sigma_stride",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

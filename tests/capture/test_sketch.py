@@ -215,20 +215,6 @@ def test_full_factors_half_step_projects_g_on_the_summed_output_gradient():
     _close(u[..., 0].double().numpy(), uh, FP32_RTOL * 10, "u is the unit summed gradient")
 
 
-@pytest.mark.parametrize("stride", [2, 3, 7])
-def test_full_factors_half_step_left_vector_from_every_nth_token(stride):
-    """``sigma_stride`` n: û = Σ_{t = 0, n, 2n, …} g_t / ‖·‖, and u vᵀ = û ûᵀ G with G over every
-    token (a hand computation); a stride beyond the tokens keeps token 0 alone."""
-    a, g = _tokens(t=6)
-    u, v = full_factors(a, g, rank=1, iters=0, sigma_stride=stride)
-    s = g.double().numpy()[:, ::stride].sum(1)
-    uh = s / np.linalg.norm(s, axis=1, keepdims=True)
-    want = np.einsum("bo,bp,bpi->boi", uh, uh, _g_of(a, g))
-    _close(u @ v.transpose(1, 2), want, FP32_RTOL * 10)
-    whole, _ = full_factors(a, g, rank=1, iters=0)
-    assert not np.allclose(u.numpy(), whole.numpy(), atol=1e-3)  # the stride took effect
-
-
 def test_full_factors_converge_to_the_top_singular_pair():
     """Many iterations, r = 1: u vᵀ is the best rank-1 approximation of G (clear σ₁ > σ₂)."""
     gen = torch.Generator().manual_seed(2)

@@ -272,10 +272,9 @@ class Capture:
         deferred = self._deferred
         if deferred is not None and i in deferred.member_set:
             if not layer._fired:  # the default: three ops here, the rest after the backward
-                b, n = g.shape[0], layer.sigma_stride
+                b, t = g.shape[0], g.shape[1]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
-                gs = g if n == 1 else g[:, ::n]  # a strided view: BLAS reads only its rows
-                torch.bmm(deferred.ones(b, gs.shape[1]), gs, out=sigma)  # σ = Σ_t g_t
+                torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
                 c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
                 torch.bmm(c, a, out=w)  # w = Gᵀ σ
                 deferred.pending.add(i)
@@ -283,7 +282,7 @@ class Capture:
                 self._covariance_if_due(layer, a, g, scale)
                 return
             deferred.write((slots, scale, {i}))  # second use: the first one's record, then sum
-        u, v = full_factors(a, g, layer.rank, layer.power_iters, layer.sigma_stride)
+        u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
         u, v = project_factor(u, layer._P_out_T), project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out

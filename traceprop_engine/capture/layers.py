@@ -42,7 +42,6 @@ class TrackedLayer:
     factor_dtype: str = "float32"  # storage dtype of the factors
     full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
     power_iters: int = 0
-    sigma_stride: int = 1  # rank 1: σ = Σ_t g_t over every n-th token (TrackSettings.sigma_stride)
     cov_stride: int = 1  # K-FAC statistics over every cov_stride-th batch (full_factor layers)
     cov_tokens: int = 0  # at most ≈ this many token rows of such a batch; 0 = all
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
@@ -398,7 +397,6 @@ def build_layers(
                 layer.factor_dtype = settings.factor_dtype.value
                 layer.full_factor = settings.factor_space is FactorSpace.FULL
                 layer.power_iters = settings.power_iters
-                layer.sigma_stride = settings.sigma_stride if layer.full_factor else 1
                 layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
                 layer.cov_tokens = settings.covariance_tokens if layer.full_factor else 0
         layers.append(layer)

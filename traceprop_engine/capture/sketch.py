@@ -180,7 +180,7 @@ def top_factors(
 
 
 def full_factors(
-    a: torch.Tensor, g: torch.Tensor, rank: int, iters: int, sigma_stride: int = 1
+    a: torch.Tensor, g: torch.Tensor, rank: int, iters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``r`` factors of every per-example ``G_b = Σ_t g_bt a_btᵀ`` without forming it.
 
@@ -196,8 +196,6 @@ def full_factors(
         rank: ``r``; iters: iterations; ``0`` is half a step: ``u`` = the orthonormalised
             start, ``v = Gᵀ u`` (so ``u vᵀ = u uᵀ G``, the projection of ``G`` on the start's
             span; two batched products instead of four).
-        sigma_stride: with ``r = 1`` the start sums every n-th token only,
-            ``u₀ = Σ_{t ≡ 0 mod n} g_t`` (``TrackSettings.sigma_stride``); ``G`` is every token's.
 
     Returns:
         ``u`` (B, d_out, r) = ``G v`` (singular values folded in) and ``v`` (B, d_in, r) with
@@ -209,8 +207,7 @@ def full_factors(
     # (B, T, d) x (B, d, r) batched GEMV (measured on 8 x 128 tokens, widths 256-1024).
     b, t, _ = g.shape
     if rank == 1:
-        gs = g if sigma_stride == 1 else g[:, ::sigma_stride]
-        ut = gs.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
+        ut = g.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
     else:
         gen = torch.Generator(device="cpu").manual_seed(0x5EED + t)
         w = torch.randn(t, rank, generator=gen)

@@ -147,7 +147,6 @@ def _cmd_bench_overhead(a) -> int:
             projection=a.projection,
             factor_space=a.factor_space,
             power_iters=a.power_iters,
-            sigma_stride=a.sigma_stride,
             covariance_stride=a.covariance_stride,
             covariance_tokens=a.covariance_tokens,
         ),
