@@ -95,9 +95,8 @@ VOCAB = 97
 """Vocabulary of the tiny models and of :func:`causal_batch`'s random tokens."""
 
 
-def tiny_neox(parallel_residual: bool = True) -> torch.nn.Module:
-    """GPT-NeoX, 2 blocks × width 32 (Linear layers), no dropout, eval mode, seeded; the
-    attention and the MLP in parallel on the residual (GPT-NeoX's default) or in sequence."""
+def tiny_neox() -> torch.nn.Module:
+    """GPT-NeoX, 2 blocks × width 32 (Linear layers), no dropout, eval mode, seeded."""
     torch.manual_seed(0)
     cfg = GPTNeoXConfig(
         vocab_size=VOCAB,
@@ -109,7 +108,6 @@ def tiny_neox(parallel_residual: bool = True) -> torch.nn.Module:
         rotary_pct=0.25,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_parallel_residual=parallel_residual,
     )
     return GPTNeoXForCausalLM(cfg).eval()
 

@@ -280,56 +280,6 @@ def test_default_half_step_record_matches_autograd(tmp_path, k):
         model.zero_grad()
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-def test_layers_fed_one_output_gradient_share_its_two_reads(tmp_path, monkeypatch, parallel):
-    """GPT-NeoX's parallel residual gives attention.dense and mlp.dense_4h_to_h the very same
-    output-gradient tensor: the second of them reuses the first one's σ and ``g_t · σ`` (one
-    batched product instead of three), and both records still equal the autograd reference.
-    Layers in sequence get distinct tensors and share nothing."""
-    from traceprop_engine.capture import hooks
-
-    model = tiny_neox(parallel_residual=parallel)
-    settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32")
-    calls = []
-    bmm, backward_full = torch.bmm, hooks.Capture._backward_full
-
-    def counted(self, layer, i, g):  # the batched products inside the backward hooks only
-        monkeypatch.setattr(hooks.torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
-        try:
-            backward_full(self, layer, i, g)
-        finally:
-            monkeypatch.setattr(hooks.torch, "bmm", bmm)
-
-    monkeypatch.setattr(hooks.Capture, "_backward_full", counted)
-    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "s.h5", model, settings)
-    monkeypatch.undo()
-    layers = build_layers(model, settings)
-    blocks = sum(x.name.endswith("attention.dense") for x in layers)
-    assert blocks == 2
-    assert len(calls) == 3 * len(layers) - (2 * blocks if parallel else 0)
-    sigma: dict[str, np.ndarray] = {}
-
-    def keep_sigma(name):
-        def fwd(module, inputs, output):
-            output.register_hook(lambda g: sigma.__setitem__(name, g[0].sum(0).double().numpy()))
-
-        return fwd
-
-    for b, loss_fn in enumerate(single_causal_losses(model, ids, labels, lengths)):
-        handles = [x.module.register_forward_hook(keep_sigma(x.name)) for x in layers]
-        model.zero_grad()
-        try:
-            loss_fn().backward()
-        finally:
-            for h in handles:
-                h.remove()
-        for li, layer in enumerate(layers):
-            G = layer.module.weight.grad.double().numpy()
-            want = _half_step_reference(G, sigma[layer.name], layer)
-            assert_close_rel(store.sketches(li)[b], want, f"{layer.name} example {b}")
-    model.zero_grad()
-
-
 def test_default_record_of_a_layer_used_twice_equals_the_unbatched_path(monkeypatch):
     """A layer used twice in one backward under the default settings: the first use's record is
     projected at once and factored together with the second's, exactly as the per-layer path

@@ -68,9 +68,6 @@ class Capture:
         self._n_tokens: torch.Tensor | None = None
         self.batches = 0  # batches recorded (rotates the covariance token offset)
         self._deferred: DeferredFactors | None = None  # made on attach
-        # the last two (g, its version, σ, c) of the open batch's default records: a layer fed
-        # the very same output gradient reuses them (held only until the batch ends)
-        self._recent: list = []
         # optimizer-aware records: () -> {layer: (a, b)} read after the backward of a batch
         self.row_scales = None
         # a query's per-token factors: one list per layer, or None (training never sets it)
@@ -196,7 +193,6 @@ class Capture:
                     deferred.write()
         finally:
             self._active = False
-            self._recent = []
             if deferred is not None:
                 deferred.drop()  # an exception in the block: the open batch is forgotten
             for layer, slot in zip(self.layers, slots, strict=True):
@@ -261,7 +257,6 @@ class Capture:
         approximation of ``G``.
         """
         slots = self._slots
-        g0 = g  # as autograd passed it: the key of the σ and c kept for a layer fed the same
         a = layer._stack.pop()  # (B, T, d_in), the layer's raw input
         if torch.is_grad_enabled():  # backward(create_graph=True): build no graph from here
             a, g = a.detach(), g.detach()
@@ -277,23 +272,10 @@ class Capture:
         deferred = self._deferred
         if deferred is not None and i in deferred.member_set:
             if not layer._fired:  # the default: three ops here, the rest after the backward
-                b = g.shape[0]
+                b, t = g.shape[0], g.shape[1]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
-                version = g0._version
-                for prev in self._recent:
-                    # the very tensor an earlier layer of this backward got, unmodified since
-                    # (GPT-NeoX's parallel residual feeds one to attention.dense and
-                    # mlp.dense_4h_to_h): the same σ and c, so two reads of g fewer
-                    if prev[0] is g0 and prev[1] == version:
-                        sigma.copy_(prev[2])
-                        c = prev[3]
-                        break
-                else:
-                    torch.bmm(deferred.ones(b, g.shape[1]), g, out=sigma)  # σ = Σ_t g_t
-                    c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
-                    self._recent = (self._recent[-1:] if self._recent else []) + [
-                        (g0, version, sigma, c)
-                    ]
+                torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
+                c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
                 torch.bmm(c, a, out=w)  # w = Gᵀ σ
                 deferred.pending.add(i)
                 layer._fired = True
