@@ -78,6 +78,11 @@ def main(args: list[str]) -> None:
             f"{nc['split_half_spearman']:.3f} [{nc['ci'][0]:.3f}, {nc['ci'][1]:.3f}]" if nc else "—"
         )
     print("| split-half noise ceiling | " + " | ".join(ceil) + " | | | |")
+    att = [
+        f"{docs[n].get('noise_ceiling', {}).get('attainable_lds', float('nan')):.3f}" for n in names
+    ]
+    if any(a != "nan" for a in att):  # results written since stop 49
+        print("| attainable LDS (Spearman–Brown) | " + " | ".join(att) + " | | | |")
 
 
 if __name__ == "__main__":

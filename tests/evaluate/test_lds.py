@@ -365,6 +365,11 @@ def test_retrain_seeds_average_the_losses_and_report_the_noise_ceiling(data, tmp
     assert doc["retrain_seeds"] == 2
     assert doc["noise_ceiling"]["split_half_spearman"] == pytest.approx(want, abs=TOL)
     assert r.noise_ceiling["split_half_spearman"] == pytest.approx(want, abs=TOL)
+    # Spearman–Brown, per eval example: the mean of all replicates has reliability 2ρ/(1+ρ)
+    rho = np.clip(spearman_rows(rep0.T, rep1.T), 0, None)
+    attainable = np.nanmean(np.sqrt(2 * rho / (1 + rho)))
+    assert 0 <= attainable <= 1
+    assert doc["noise_ceiling"]["attainable_lds"] == pytest.approx(attainable, abs=TOL)
     with pytest.raises(ConfigError, match="retrain_seeds"):
         _settings(data, out, retrain_seeds=0)
 

@@ -255,6 +255,11 @@ def _cmd_lds(a) -> int:
             f"mean losses, {nc['halves'][0]} vs {nc['halves'][1]}): "
             f"{nc['split_half_spearman']:.3f} [{nc['ci'][0]:.3f}, {nc['ci'][1]:.3f}]"
         )
+        if "attainable_lds" in nc:  # results written before stop 49 lack it
+            print(
+                "  attainable LDS (Spearman–Brown from the split half: the best any method can "
+                f"expect against these retrains' mean loss): {nc['attainable_lds']:.3f}"
+            )
     print(
         f"results: {r.out / 'results.csv'}, {r.out / 'results.json'}, figure {r.out / 'figure.json'}"
     )

@@ -247,7 +247,13 @@ def subset_losses(s: LdsSettings, eval_dir: Path) -> tuple[np.ndarray, dict | No
     """``(m, n_eval)`` mean eval loss over the replicates, and the split-half noise ceiling.
 
     The ceiling (``r >= 2`` replicates only, else None) is the mean over eval examples of the
-    Spearman correlation over subsets between the mean loss of the even and the odd replicates.
+    Spearman correlation over subsets between the mean loss of the even and the odd replicates,
+    ``ρ``. From it, ``attainable_lds`` estimates the highest LDS any attribution can reach
+    against the noisy target, the mean loss of all the replicates: by the Spearman–Brown
+    formula that mean has reliability ``2ρ / (1 + ρ)``, and a score that predicted the
+    noiseless effect exactly would correlate with it by the square root of that (per eval
+    example, ``ρ`` below 0 read as 0, then the mean). An estimate, not a bound: Spearman, not
+    Pearson, and the halves are few.
     """
     reps = range(s.retrain_seeds)
     per_rep = np.stack(
@@ -258,9 +264,12 @@ def subset_losses(s: LdsSettings, eval_dir: Path) -> tuple[np.ndarray, dict | No
         return losses, None
     # split half: the mean loss of the even replicates against the odd ones (r = 2: 0 vs 1)
     split = spearman_rows(per_rep[0::2].mean(0).T, per_rep[1::2].mean(0).T)  # (n_eval,)
+    rho = np.clip(split, 0.0, None)
+    attainable = np.sqrt(2 * rho / (1 + rho))  # NaN where the split is NaN
     return losses, {
         "split_half_spearman": float(np.nanmean(split)),
         "ci": list(bootstrap_ci(split, s.bootstrap, seed=s.seed)),
+        "attainable_lds": float(np.nanmean(attainable)),
         "what": "mean over eval examples of Spearman over subsets between the mean loss of "
         "the even and of the odd replicates (retrains of each subset with other seeds)",
         "halves": [len(range(0, s.retrain_seeds, 2)), len(range(1, s.retrain_seeds, 2))],
