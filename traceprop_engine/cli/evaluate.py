@@ -97,7 +97,8 @@ def register(sub) -> None:
         type=int,
         default=1,
         help="models retrained per subset (other data orders); the target is their mean loss, "
-        "and with 2 or more the split-half noise ceiling is reported",
+        "and with 2 or more the split-half noise ceiling and the attainable LDS (Spearman-Brown) "
+        "are reported",
     )
     p.add_argument("--no-bm25", action="store_true", help="skip the BM25 text baseline")
     p.add_argument(
