@@ -13,6 +13,7 @@ from traceprop_engine.errors import ConfigError
 from traceprop_engine.settings import (
     FactorDtype,
     FactorSpace,
+    HalfStepStart,
     IndexSettings,
     SketchKind,
     Task,
@@ -54,7 +55,12 @@ def test_non_negative_integers(field, what, value):
 
 @pytest.mark.parametrize(
     "field, enum",
-    [("sketch", SketchKind), ("factor_dtype", FactorDtype), ("factor_space", FactorSpace)],
+    [
+        ("sketch", SketchKind),
+        ("factor_dtype", FactorDtype),
+        ("factor_space", FactorSpace),
+        ("half_step_start", HalfStepStart),
+    ],
 )
 def test_choices_list_what_is_allowed(field, enum):
     with pytest.raises(ConfigError) as e:

@@ -105,7 +105,14 @@ def add_track_flags(p) -> None:
             help=f"turn off {name}: " + help_of(T, name),
         )
     add_field_flags(
-        p, T, "rank", "factor_dtype", "factor_space", "power_iters", "covariance_stride"
+        p,
+        T,
+        "rank",
+        "factor_dtype",
+        "factor_space",
+        "power_iters",
+        "half_step_start",
+        "covariance_stride",
     )
     add_field_flag(p, T, "covariance_tokens")
 

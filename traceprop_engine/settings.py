@@ -53,6 +53,14 @@ class FactorSpace(str, Enum):
     SKETCH = "sketch"  # of the k_out × k_in sketch, after projecting every token
 
 
+class HalfStepStart(str, Enum):
+    """Which side the default rank-1 record's half power step starts from
+    (``TrackSettings.half_step_start``)."""
+
+    OUTPUT = "output"  # û = Σ_t g_t / ‖·‖ on every layer: the record û ûᵀ G
+    NARROW = "narrow"  # v̂ = Σ_t a_t / ‖·‖ where the input is narrower (not an LM head): G v̂ v̂ᵀ
+
+
 class ProjectionKind(str, Enum):
     """How ``P_in``, ``P_out`` are drawn (``TrackSettings.projection``)."""
 
@@ -74,6 +82,7 @@ RECORDED_BEFORE_KEYS = {
     "covariance_tokens": 0,
     "vocab_rows": False,
     "embedding": EmbeddingMode.OFF.value,
+    "half_step_start": HalfStepStart.OUTPUT.value,
 }
 """How a run recorded before one of these fields existed was tracked (its run.json lacks the
 key: :meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
@@ -163,6 +172,15 @@ class TrackSettings:
         help="power iterations of factor_space full; 0 = half a step (G projected on "
         "sum_t g_t from the left: two batched products)",
     )
+    half_step_start: HalfStepStart = knob(
+        HalfStepStart.OUTPUT,
+        help="the default rank-1 records' half power step: 'output' starts every layer from "
+        "its summed output gradient (the record u u^T G, u = sum_t g_t); 'narrow' starts a "
+        "layer whose input is narrower than its output (an MLP's up projection, a fused QKV, "
+        "LoRA's B; never an LM head or an embedding) from its summed input instead (G v v^T, "
+        "v = sum_t a_t, taken in the forward while the input is hot), so its backward hook "
+        "reads the output gradient once instead of twice. Ignored with optimizer_aware",
+    )
     covariance_stride: int = knob(
         32,
         help="with factor_space full, the K-FAC statistics come from every n-th batch (the "
@@ -210,6 +228,11 @@ class TrackSettings:
         )
         object.__setattr__(
             self, "embedding", parse_choice(EmbeddingMode, self.embedding, "embedding")
+        )
+        object.__setattr__(
+            self,
+            "half_step_start",
+            parse_choice(HalfStepStart, self.half_step_start, "half_step_start"),
         )
         if isinstance(self.power_iters, bool) or not isinstance(self.power_iters, int) or self.power_iters < 0:  # fmt: skip
             raise ConfigError(

@@ -233,34 +233,48 @@ def test_int8_factors_round_trip_within_quantisation(tmp_path):
         assert np.all(err_u <= 0.5 * step_u[:, None, None] * (1 + 1e-5) + 1e-12)
 
 
-def _half_step_reference(G: np.ndarray, sigma: np.ndarray, layer) -> np.ndarray:
-    """``P_out û ûᵀ G P_inᵀ`` with ``û = σ/‖σ‖``: the default record of one example."""
-    u = sigma / np.linalg.norm(sigma)
+def _half_step_reference(G: np.ndarray, sigma: np.ndarray, layer, alpha=None) -> np.ndarray:
+    """``P_out û ûᵀ G P_inᵀ`` with ``û = σ/‖σ‖``: the default record of one example; with
+    ``alpha`` (an input-start layer's ``Σ_t a_t``), ``P_out G v̂ v̂ᵀ P_inᵀ``, ``v̂ = α/‖α‖``."""
     Pin = np.eye(layer.d_in) if layer.P_in is None else layer.P_in.double().numpy()
     Pout = np.eye(layer.d_out) if layer.P_out is None else layer.P_out.double().numpy()
+    if alpha is not None:
+        v = alpha / np.linalg.norm(alpha)
+        return Pout @ G @ np.outer(v, v) @ Pin.T
+    u = sigma / np.linalg.norm(sigma)
     return Pout @ np.outer(u, u) @ G @ Pin.T
 
 
-@pytest.mark.parametrize("k", [6, 48, 10_000])
-def test_default_half_step_record_matches_autograd(tmp_path, k):
+@pytest.mark.parametrize(
+    "k, start",
+    [(6, "output"), (48, "output"), (10_000, "output"), (6, "narrow"), (10_000, "narrow")],
+)
+def test_default_half_step_record_matches_autograd(tmp_path, k, start):
     """The default record (rank 1, half a step, projections batched after the backward):
     ``U Vᵀ = P_out û ûᵀ G P_inᵀ`` with ``û`` the example's summed output gradient (seen by a
     hook of its own on a one-example backward) and ``G`` its per-example autograd weight
     gradient; projected (k = 6), with shared k (k = 48 on widths 32–97: a clamped side's rows
-    go to the other side) and exact (k above every width)."""
+    go to the other side) and exact (k above every width). ``half_step_start='narrow'``: the
+    layers whose input is narrower (the fused QKV 32 → 96 and the MLP's 32 → 64, not the LM
+    head) record ``P_out G v̂ v̂ᵀ P_inᵀ`` with ``v`` the example's summed input over its real
+    tokens (the batch is right-padded; the reference runs each example alone, unpadded)."""
     model = tiny_neox()
-    settings = TrackSettings(k_in=k, k_out=k, factor_dtype="float32")
+    settings = TrackSettings(k_in=k, k_out=k, factor_dtype="float32", half_step_start=start)
     assert settings.rank == 1 and settings.power_iters == 0 and settings.share_k  # the default
     store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
+    narrow = {x.name.rsplit(".", 1)[-1] for x in layers if x.input_start}
+    assert narrow == (set() if start == "output" else {"query_key_value", "dense_h_to_4h"})
     if k == 48:  # 32 → 96: k_in = 32, k_out = 48 + 16; the store holds those shapes
         qkv = next(i for i, x in enumerate(layers) if x.name.endswith("query_key_value"))
         assert (layers[qkv].k_in, layers[qkv].k_out) == (32, 64)
         assert store.sketches(qkv)[0].shape == (64, 32)
     sigma: dict[str, np.ndarray] = {}
+    alpha: dict[str, np.ndarray] = {}
 
     def keep_sigma(name):
         def fwd(module, inputs, output):
+            alpha[name] = inputs[0][0].detach().sum(0).double().numpy()
             output.register_hook(lambda g: sigma.__setitem__(name, g[0].sum(0).double().numpy()))
 
         return fwd
@@ -272,12 +286,60 @@ def test_default_half_step_record_matches_autograd(tmp_path, k):
             loss_fn().backward()
             for li, layer in enumerate(layers):
                 G = layer.module.weight.grad.double().numpy()
-                want = _half_step_reference(G, sigma[layer.name], layer)
+                a = alpha[layer.name] if layer.input_start else None
+                want = _half_step_reference(G, sigma[layer.name], layer, a)
                 assert_close_rel(store.sketches(li)[b], want, f"{layer.name} example {b}")
     finally:
         for h in handles:
             h.remove()
         model.zero_grad()
+
+
+class _TwiceWide(torch.nn.Module):
+    """A layer with a narrower input (4 → 8) applied twice per forward, side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.lin = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):  # x (B, T, 4) -> (B,) per-example loss
+        h = self.lin(x) + torch.tanh(self.lin(x.flip(1) * 0.5))
+        return self.head(h).squeeze(-1).pow(2).mean(1)
+
+
+def test_input_start_layer_used_twice_equals_the_unbatched_path(monkeypatch):
+    """An input-start layer used twice in one batch, with padding: the first use's record from
+    the forward's Σ_t a_t row and the backward's one product, the second's from ``full_factors``
+    (input start, the same token mask), factored together, exactly as the per-layer path does."""
+    from traceprop_engine.capture import hooks
+
+    def record():
+        model = _TwiceWide()
+        settings = TrackSettings(
+            k_in=3, k_out=5, scope=r"^lin$", factor_dtype="float32", half_step_start="narrow"
+        )
+        layers = build_layers(model, settings)
+        assert layers[0].input_start
+        x = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(7))
+        mask = torch.ones(4, 6)
+        mask[1, 4:] = 0
+        mask[3, 2:] = 0
+        x = x * mask.unsqueeze(-1) + (1 - mask.unsqueeze(-1)) * 3.0  # padding is not zero
+        slots = [torch.full((4, 8, 1), float("nan"))]
+        with (
+            hooks.Capture(model, layers, covariance=False) as cap,
+            cap.batch(slots, token_mask=mask, loss_scale=4),
+        ):
+            model(x).mean().backward()
+        return torch.bmm(slots[0][:, :5], slots[0][:, 5:].transpose(1, 2)).double().numpy()
+
+    batched = record()
+    monkeypatch.setattr(hooks.DeferredFactors, "__bool__", lambda self: False)  # per-layer path
+    unbatched = record()
+    assert np.isfinite(batched).all()
+    np.testing.assert_allclose(batched, unbatched, rtol=0, atol=1e-5 * np.abs(unbatched).max())
 
 
 def test_default_record_of_a_layer_used_twice_equals_the_unbatched_path(monkeypatch):

@@ -215,6 +215,22 @@ def test_full_factors_half_step_projects_g_on_the_summed_output_gradient():
     _close(u[..., 0].double().numpy(), uh, FP32_RTOL * 10, "u is the unit summed gradient")
 
 
+def test_full_factors_half_step_from_the_input_side():
+    """``input_start``: u vᵀ = G v̂ v̂ᵀ with v̂ = Σ_t a_t / ‖·‖ (a hand computation), the sum over
+    the tokens a mask keeps when one is given; v is the unit vector."""
+    a, g = _tokens()
+    G = _g_of(a, g)
+    mask = torch.ones(4, 1, 5)
+    mask[0, 0, 3:] = 0
+    for m in (None, mask):
+        u, v = full_factors(a, g, rank=1, iters=0, input_start=True, token_mask=m)
+        w = a.double().numpy() * (1 if m is None else m.double().numpy().transpose(0, 2, 1))
+        s = w.sum(1)
+        vh = s / np.linalg.norm(s, axis=1, keepdims=True)
+        _close(u @ v.transpose(1, 2), np.einsum("boi,bi,bj->boj", G, vh, vh), FP32_RTOL * 10)
+        _close(v[..., 0].double().numpy(), vh, FP32_RTOL * 10, "v is the unit summed input")
+
+
 def test_full_factors_converge_to_the_top_singular_pair():
     """Many iterations, r = 1: u vᵀ is the best rank-1 approximation of G (clear σ₁ > σ₂)."""
     gen = torch.Generator().manual_seed(2)

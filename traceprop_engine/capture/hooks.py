@@ -70,6 +70,8 @@ class Capture:
         self._deferred: DeferredFactors | None = None  # made on attach
         # optimizer-aware records: () -> {layer: (a, b)} read after the backward of a batch
         self.row_scales = None
+        self._mask_row: torch.Tensor | None = None  # (B, 1, T) of the open batch's padding
+        self._input_start = any(layer.input_start for layer in layers)
         # a query's per-token factors: one list per layer, or None (training never sets it)
         self.token_factors: list[list] | None = None
 
@@ -164,20 +166,24 @@ class Capture:
         self._slots = slots
         self._scale = float(loss_scale)
         self._mask = None
+        self._mask_row = None
         self._n_tokens = None
-        # The mask only matters for A. A CPU mask without padding needs no masking at all
-        # (checked on the host, no device sync); a device mask is used as given.
+        # The mask matters for A and for an input start's Σ_t a_t (padding has activations but
+        # no gradient). A CPU mask without padding needs no masking at all (checked on the
+        # host, no device sync); a device mask is used as given.
         if (
             token_mask is not None
-            and self.covariance
+            and (self.covariance or self._input_start)
             and (token_mask.device.type != "cpu" or not bool(token_mask.all()))
         ):
             device = slots[0].device if slots else token_mask.device
             self._mask = token_mask.to(device=device, dtype=torch.float32).unsqueeze(-1)
+            self._mask_row = self._mask.transpose(1, 2)  # (B, 1, T)
             self._n_tokens = self._mask.sum(dtype=torch.float64)
         for layer in self.layers:
             layer._stack.clear()
             layer._fired = False
+            layer._started = False
         self.batches += 1
         deferred = self._deferred
         if deferred is not None:
@@ -201,6 +207,7 @@ class Capture:
                 layer._stack.clear()
             self._slots = None
             self._mask = None
+            self._mask_row = None
 
     # -- hooks ----------------------------------------------------------------------------
     def _make_forward_hook(self, i: int):
@@ -226,7 +233,25 @@ class Capture:
                     "example of the micro-batch"
                 )
             if layer.full_factor:  # the raw input: autograd keeps it for the weight grad anyway
-                stack.append(a)  # detached in the backward hook, only where grad mode is on
+                deferred = self._deferred
+                if layer.input_start and not layer._started and deferred is not None:
+                    # the half step from the input side, while a is hot: v = Σ_t a_t into the
+                    # layer's scratch row and c_t = a_t · v, so that the backward hook reads g
+                    # once (u = Σ_t c_t g_t = G v); a later use in this batch keeps a only
+                    layer._started = True
+                    x = a.detach()
+                    if x.dim() == 2:
+                        x = x.unsqueeze(1)
+                    if x.dtype != f32:
+                        x = x.float()
+                    b, t = x.shape[0], x.shape[1]
+                    v = deferred.raw(i, b)[1]  # (B, 1, d_in)
+                    m = self._mask_row  # real tokens only: padding has no gradient
+                    ones = m if m is not None and m.shape[2] == t else deferred.ones(b, t)
+                    torch.bmm(ones, x, out=v)
+                    stack.append((torch.bmm(v, x.transpose(1, 2)), a))  # ((B, 1, T), a)
+                else:
+                    stack.append(a)  # detached in the backward hook, only where grad mode is on
                 output.register_hook(backward_hook)
                 return None
             a = a.detach()
@@ -258,6 +283,9 @@ class Capture:
         """
         slots = self._slots
         a = layer._stack.pop()  # (B, T, d_in), the layer's raw input
+        c = None  # input start: (B, 1, T) c_t = a_t · v, v already in the scratch row
+        if type(a) is tuple:
+            c, a = a
         if torch.is_grad_enabled():  # backward(create_graph=True): build no graph from here
             a, g = a.detach(), g.detach()
         if a.dim() == 2:
@@ -271,7 +299,13 @@ class Capture:
         scale = self._scale
         deferred = self._deferred
         if deferred is not None and i in deferred.member_set:
-            if not layer._fired:  # the default: three ops here, the rest after the backward
+            if not layer._fired and c is not None:  # input start: one op here
+                torch.bmm(c, g, out=deferred.raw(i, g.shape[0])[0])  # u = Σ_t c_t g_t = G v
+                deferred.pending.add(i)
+                layer._fired = True
+                self._covariance_if_due(layer, a, g, scale)
+                return
+            if not layer._fired and not layer.input_start:  # three ops here, the rest later
                 b, t = g.shape[0], g.shape[1]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
                 torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
@@ -281,8 +315,12 @@ class Capture:
                 layer._fired = True
                 self._covariance_if_due(layer, a, g, scale)
                 return
-            deferred.write((slots, scale, {i}))  # second use: the first one's record, then sum
-        u, v = full_factors(a, g, layer.rank, layer.power_iters)  # (B, d_out, r), (B, d_in, r)
+            # a second use (or an input-start layer's later use fired first): the first one's
+            # record into its slot now, then this one's from its own a and g, summed
+            deferred.write((slots, scale, {i}))
+        m = self._mask_row if layer.input_start else None
+        m = m if m is not None and m.shape[2] == a.shape[1] else None
+        u, v = full_factors(a, g, layer.rank, layer.power_iters, layer.input_start, m)
         u, v = project_factor(u, layer._P_out_T), project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import constants as C
 from ..errors import ConfigError
-from ..settings import EmbeddingMode, FactorSpace, SketchKind, TrackSettings
+from ..settings import EmbeddingMode, FactorSpace, HalfStepStart, SketchKind, TrackSettings
 from .sketch import layer_seed, random_projection, sparse_jl, vocab_projection
 
 try:  # GPT-2 style layers: y = x @ W + b with W of shape (d_in, d_out)
@@ -42,6 +42,7 @@ class TrackedLayer:
     factor_dtype: str = "float32"  # storage dtype of the factors
     full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
     power_iters: int = 0
+    input_start: bool = False  # rank-1 half step from Σ_t a_t (TrackSettings.half_step_start)
     cov_stride: int = 1  # K-FAC statistics over every cov_stride-th batch (full_factor layers)
     cov_tokens: int = 0  # at most ≈ this many token rows of such a batch; 0 = all
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
@@ -66,6 +67,7 @@ class TrackedLayer:
     a_rows: int = 0  # tokens of unmasked batches (a host count: no device op per step)
     _stack: list = field(default_factory=list, repr=False)
     _fired: bool = False
+    _started: bool = False  # input start: this batch's Σ_t a_t row is written (first use)
 
     @classmethod
     def from_stored(
@@ -397,6 +399,16 @@ def build_layers(
                 layer.factor_dtype = settings.factor_dtype.value
                 layer.full_factor = settings.factor_space is FactorSpace.FULL
                 layer.power_iters = settings.power_iters
+                layer.input_start = (
+                    settings.half_step_start is HalfStepStart.NARROW
+                    and not settings.optimizer_aware
+                    and layer.full_factor
+                    and layer.rank == 1
+                    and layer.power_iters == 0
+                    and not layer.output_head
+                    and not layer.embedding
+                    and layer.d_in < layer.d_out
+                )
                 layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
                 layer.cov_tokens = settings.covariance_tokens if layer.full_factor else 0
         layers.append(layer)

@@ -108,21 +108,14 @@ class DeferredFactors:
         self._rows = 0
         self._views: dict[tuple[int, int], dict] = {}  # (row, size) -> member -> (σ, w) views
         self._ones: dict[tuple[int, int], torch.Tensor] = {}
-        # where each member's σ row is, and for every row of every group the member it belongs to
-        self._sigma_keys = sorted({self._where[(i, "out")][0] for i in self.members}, key=str)
-        sigma_order = [
-            i for key in self._sigma_keys for i in self.members if self._where[(i, "out")][0] == key
-        ]
+        # where each member's unit row is (σ; v for an input-start layer, whose out row holds
+        # u = G v), and for every row of every group the member it belongs to
+        unit = {i: self._where[(i, "in" if layers[i].input_start else "out")] for i in self.members}
+        self._sigma_keys = sorted({unit[i][0] for i in self.members}, key=str)
+        sigma_order = [i for key in self._sigma_keys for i in self.members if unit[i][0] == key]
         pos = {i: p for p, i in enumerate(sigma_order)}  # member -> row of the concatenated norms
         self._sigma_rows = {
-            key: torch.tensor(
-                [
-                    self._where[(i, "out")][1]
-                    for i in sigma_order
-                    if self._where[(i, "out")][0] == key
-                ],
-                device=device,
-            )
+            key: torch.tensor([unit[i][1] for i in sigma_order if unit[i][0] == key], device=device)
             for key in self._sigma_keys
         }
         owner: dict = {key: [None] * n for key, n in self._n.items()}

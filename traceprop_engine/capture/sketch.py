@@ -180,7 +180,12 @@ def top_factors(
 
 
 def full_factors(
-    a: torch.Tensor, g: torch.Tensor, rank: int, iters: int
+    a: torch.Tensor,
+    g: torch.Tensor,
+    rank: int,
+    iters: int,
+    input_start: bool = False,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``r`` factors of every per-example ``G_b = Σ_t g_bt a_btᵀ`` without forming it.
 
@@ -196,6 +201,10 @@ def full_factors(
         rank: ``r``; iters: iterations; ``0`` is half a step: ``u`` = the orthonormalised
             start, ``v = Gᵀ u`` (so ``u vᵀ = u uᵀ G``, the projection of ``G`` on the start's
             span; two batched products instead of four).
+        input_start: with ``r = 1`` and ``iters = 0``, start from the input side instead:
+            ``v̂ = Σ_t a_t / ‖·‖``, ``u = G v̂`` (``u vᵀ = G v̂ v̂ᵀ``;
+            ``TrackSettings.half_step_start``), the sum over the tokens ``token_mask``
+            ``(B, 1, T)`` keeps (padding has activations but no gradient; None: every token).
 
     Returns:
         ``u`` (B, d_out, r) = ``G v`` (singular values folded in) and ``v`` (B, d_in, r) with
@@ -206,6 +215,11 @@ def full_factors(
     # rows, MKL reads g and a along their contiguous dimension at ~2-4x the rate of the
     # (B, T, d) x (B, d, r) batched GEMV (measured on 8 x 128 tokens, widths 256-1024).
     b, t, _ = g.shape
+    if input_start and rank == 1 and iters == 0:
+        v = a.sum(1, keepdim=True) if token_mask is None else torch.bmm(token_mask, a)
+        vt = _orthonormal(v.transpose(1, 2)).transpose(1, 2)  # (B, 1, d_in): v̂
+        ut = torch.matmul(torch.matmul(vt, a.transpose(1, 2)), g)  # (B, 1, d_out): (G v̂)ᵀ
+        return ut.transpose(1, 2), vt.transpose(1, 2)
     if rank == 1:
         ut = g.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
     else:

@@ -147,6 +147,7 @@ def _cmd_bench_overhead(a) -> int:
             projection=a.projection,
             factor_space=a.factor_space,
             power_iters=a.power_iters,
+            half_step_start=a.half_step_start,
             covariance_stride=a.covariance_stride,
             covariance_tokens=a.covariance_tokens,
         ),
