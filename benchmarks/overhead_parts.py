@@ -101,6 +101,12 @@ def main() -> None:
         default="auto",
         help="TrackSettings.embedding (the bench's model is built from a config: auto is off)",
     )
+    p.add_argument(
+        "--half-step-start",
+        choices=("output", "narrow"),
+        default=TrackSettings().half_step_start.value,
+        help="TrackSettings.half_step_start",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     timer = HookTimer()
@@ -108,6 +114,7 @@ def main() -> None:
     keys = ("scope", "k_in", "k_out", "rank", "factor_dtype", "sketch", "dense_k")
     track = {k: d[k] for k in keys} | {"buffer_records": 256, "seed": 0}
     track["embedding"] = args.embedding
+    track["half_step_start"] = args.half_step_start
     shape = {k: getattr(args, k) for k in ("layers", "width", "vocab", "batch", "seq")}
     rows = {k: [] for k in ("plain", "tracked", "fwd", "bwd", "ops", "proj", "flush")}
     cov_s = 0.0
