@@ -11,6 +11,7 @@ from helpers import (
     causal_batch,
     check_causal,
     per_example_grads,
+    record_causal_step,
     record_step,
     reference_sketches,
     single_causal_losses,
@@ -329,6 +330,28 @@ def test_gradient_checkpointing_records_each_example_once(tmp_path, reentrant):
     store, _ = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=4, k_out=6))
     _, mask, _, _ = causal_batch()
     assert store.covariance(0).n_tokens == int(mask.sum())  # A counted once, not per re-run
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("start", ["output", "narrow"])
+def test_gradient_checkpointing_keeps_the_default_records(tmp_path, reentrant, start):
+    """The default rank-1 records, from either side (``half_step_start``; the input side is
+    summed in the forward, which checkpointing runs again inside the backward), are those of
+    the same step without checkpointing."""
+
+    def records(checkpointing: bool, path):
+        model = tiny_neox()
+        if checkpointing:
+            kw = {"use_reentrant": reentrant}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            model.train()
+        settings = TrackSettings(factor_dtype="float32", half_step_start=start)
+        store, _ = record_causal_step(path, model, settings)
+        return [np.asarray(store.sketches(li)) for li in range(len(store.layers))]
+
+    plain = records(False, tmp_path / "plain.h5")
+    for got, want in zip(records(True, tmp_path / "ckpt.h5"), plain, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_backward_with_create_graph_records_the_same_sketches():

@@ -269,6 +269,12 @@ def test_default_half_step_record_matches_autograd(tmp_path, k, start):
         qkv = next(i for i, x in enumerate(layers) if x.name.endswith("query_key_value"))
         assert (layers[qkv].k_in, layers[qkv].k_out) == (32, 64)
         assert store.sketches(qkv)[0].shape == (64, 32)
+    _check_half_step_records(model, layers, store, ids, labels, lengths)
+
+
+def _check_half_step_records(model, layers, store, ids, labels, lengths) -> None:
+    """Every layer's stored record against :func:`_half_step_reference` of the example's own
+    autograd gradient (a one-example, unpadded backward), the start of its layer's kind."""
     sigma: dict[str, np.ndarray] = {}
     alpha: dict[str, np.ndarray] = {}
 
@@ -293,6 +299,29 @@ def test_default_half_step_record_matches_autograd(tmp_path, k, start):
         for h in handles:
             h.remove()
         model.zero_grad()
+
+
+def test_lora_half_step_from_the_narrow_side_matches_autograd(tmp_path):
+    """peft LoRA under ``half_step_start='narrow'``: every ``lora_B`` (rank 4 → 96 or 32) starts
+    from its summed input, every ``lora_A`` (32 → 4) from its summed output gradient, and both
+    records equal the autograd reference."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["query_key_value", "dense"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(tiny_neox(), cfg)
+    settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", half_step_start="narrow")
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
+    layers = build_layers(model, settings)
+    assert {x.name for x in layers if x.input_start} == {
+        x.name for x in layers if "lora_B" in x.name
+    }
+    _check_half_step_records(model, layers, store, ids, labels, lengths)
 
 
 class _TwiceWide(torch.nn.Module):
