@@ -11,6 +11,9 @@ writes each example's record into its buffer slot:
   of ``G_b = Σ_t g_bt a_btᵀ`` by power iteration on ``a`` and ``g`` themselves
   (:func:`~.sketch.full_factors`), projected per example by ``P_out``, ``P_in`` after the
   backward (:class:`~.project.DeferredFactors`): the per-token cost does not grow with k;
+  with ``half_step_start='narrow'`` a layer whose input is narrower than its output starts
+  from ``v = Σ_t a_t`` instead, summed with ``c_t = a_t · v`` in the forward hook while ``a``
+  is hot, so that its backward hook reads ``g`` once (``u = Σ_t c_t g_t = G v``);
 - factor records of the sketch (``'sketch'``) and full sketches (``rank=0``): every token
   projected, ``Ŝ_b = Σ_t (P_out g̃)(P_in a)ᵀ``, then factored (:func:`~.sketch.top_factors`);
 - dense records: ``vec(G_b)`` through a sparse JL matrix.

@@ -10,7 +10,10 @@ gradients, three ops into preallocated scratch rows:
     c_t = g_t · σ        (B, 1, T)    bmm
     w = Σ_t c_t a_t      (B, d_in)    bmm(out=)        i.e. w = Gᵀ σ
 
-and :meth:`DeferredFactors.write` turns every layer's ``(σ, w)`` into its record later:
+(an input-start layer, ``TrackSettings.half_step_start='narrow'``, holds ``u = G v`` in the
+σ row and ``v = Σ_t a_t`` in the w row instead, and is normalised by ``‖v‖``: the record
+``s · P_out G v̂ v̂ᵀ P_inᵀ``), and :meth:`DeferredFactors.write` turns every layer's ``(σ, w)``
+into its record later:
 ``U = s · P_out σ / ‖σ‖``, ``V = P_in w / ‖σ‖`` (the same factors as
 :func:`~traceprop_engine.capture.sketch.full_factors` with ``iters = 0``), with one batched GEMM per
 group of sides that share a ``(width, k)`` (the 34 sides of the default tiny model's 17 layers
