@@ -48,6 +48,49 @@ def test_model_origin_tells_scratch_pretrained_and_adapter_apart(tmp_path):
     assert model_origin(lora) == C.ORIGIN_ADAPTER
 
 
+def test_the_lds_harness_initialisation_trains_a_model_from_scratch(tmp_path):
+    """``traceprop eval lds`` saves the tiny model's shared initialisation and trains every run
+    from that directory: those runs train a model from scratch (``model_origin`` scratch, so
+    ``auto`` picks what a user's ``--model tiny`` run gets), not a pretrained one. A folder saved
+    before the marker existed gets it on its next use."""
+    import json
+    import types
+
+    from traceprop_engine.evaluate.lds import _base_model
+    from traceprop_engine.training.models import UNTRAINED_KEY, build_model, save_model
+
+    data = tmp_path / "train.txt"
+    data.write_text("\n".join(f"fact {i} is the number {i * 7}" for i in range(12)) + "\n")
+    train = types.SimpleNamespace(
+        model="tiny",
+        task=types.SimpleNamespace(value="causal-lm"),
+        data=str(data),
+        eval_data=str(data),
+        eval_fraction=0.1,
+        seed=0,
+        tiny_vocab=300,
+        tiny_width=16,
+        tiny_layers=1,
+        max_length=16,
+    )
+    base = _base_model(types.SimpleNamespace(train=train), tmp_path / "ev")
+    info = json.loads((tmp_path / "ev" / "base_model" / "traceprop_model.json").read_text())
+    assert info[UNTRAINED_KEY] is True
+    assert model_origin(build_model(base, "causal-lm", []).model) == C.ORIGIN_SCRATCH
+    # a model saved after training is a pretrained one when trained again
+    trained = build_model(base, "causal-lm", [])
+    save_model(trained, tmp_path / "trained")
+    assert model_origin(build_model(str(tmp_path / "trained"), "causal-lm", []).model) == (
+        C.ORIGIN_PRETRAINED_FULL
+    )
+    # an evaluation folder from before the marker: upgraded in place
+    info.pop(UNTRAINED_KEY)
+    (tmp_path / "ev" / "base_model" / "traceprop_model.json").write_text(json.dumps(info))
+    assert model_origin(build_model(base, "causal-lm", []).model) == C.ORIGIN_PRETRAINED_FULL
+    base = _base_model(types.SimpleNamespace(train=train), tmp_path / "ev")
+    assert model_origin(build_model(base, "causal-lm", []).model) == C.ORIGIN_SCRATCH
+
+
 def test_auto_resolves_per_run_and_a_fisher_index_is_its_own(runs, capsys):
     scratch, full = open_run(runs["scratch"]), open_run(runs["full"])
     assert scratch.store.model_origin == C.ORIGIN_SCRATCH

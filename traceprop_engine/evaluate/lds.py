@@ -145,14 +145,21 @@ def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> N
 
 def _base_model(s: LdsSettings, eval_dir: Path) -> str:
     """The shared initial model directory (built once for the tiny model)."""
-    from ..training.models import TINY, build_model, save_model
+    from ..training.models import TINY, UNTRAINED_KEY, build_model, save_model
 
     if s.train.model != TINY:
         return (
             s.train.model
         )  # a local directory or 'minilm': tokenizer and weights are fixed already
     base = eval_dir / BASE_MODEL_DIR
-    if (base / "traceprop_model.json").exists():
+    info_path = base / "traceprop_model.json"
+    if info_path.exists():
+        info = json.loads(info_path.read_text())
+        if not info.get(UNTRAINED_KEY):
+            # saved before the key existed (stop 49): every run trained from it counted as a
+            # fine-tune of a pretrained model (model_origin), not as the model from scratch it is
+            info[UNTRAINED_KEY] = True
+            atomic_write_text(info_path, json.dumps(info, indent=2))
         return str(base.resolve())
     from ..training.data import load_examples, split_eval
 
@@ -171,7 +178,7 @@ def _base_model(s: LdsSettings, eval_dir: Path) -> str:
     )
     tmp = eval_dir / (BASE_MODEL_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(loaded, tmp)
+    save_model(loaded, tmp, untrained=True)
     os.replace(tmp, base)
     return str(base.resolve())
 

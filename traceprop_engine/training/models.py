@@ -163,7 +163,20 @@ def build_model(
         tok.pad_token = tok.eos_token or tok.unk_token
     if getattr(m.config, "pad_token_id", None) is None:
         m.config.pad_token_id = tok.pad_token_id
+    if is_untrained(source):
+        # a saved initialisation, never trained: the run trains a model from scratch, and
+        # what reads "loaded from saved weights" (model_origin, embedding auto) must say so
+        m.config._name_or_path = ""
     return LoadedModel(m, tok, task, source, labels=list(labels) if labels else None)
+
+
+def is_untrained(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds a model saved before any training step (:data:`UNTRAINED_KEY`)."""
+    info = Path(model_dir) / "traceprop_model.json"
+    try:
+        return bool(json.loads(info.read_text()).get(UNTRAINED_KEY)) if info.is_file() else False
+    except (OSError, ValueError):
+        return False
 
 
 def apply_lora(loaded: LoadedModel, rank: int, targets: str = "all-linear") -> LoadedModel:
@@ -188,11 +201,20 @@ def apply_lora(loaded: LoadedModel, rank: int, targets: str = "all-linear") -> L
     return loaded
 
 
-def save_model(loaded: LoadedModel, out: Path, state_dict: dict | None = None) -> dict:
+UNTRAINED_KEY = "untrained"
+"""``traceprop_model.json`` key of a model saved as built from its config, before any training
+step (the shared initialisation of ``traceprop eval lds``): loading it for training gives a model
+that counts as built from a config (``capture.layers.model_origin``: scratch), not a pretrained one."""
+
+
+def save_model(
+    loaded: LoadedModel, out: Path, state_dict: dict | None = None, untrained: bool = False
+) -> dict:
     """``save_pretrained`` the model (peft: the adapter, plus the base when it was built here).
 
     ``state_dict``: the gathered full state dict of an FSDP-sharded model (its own parameters
-    are ``DTensor`` shards); saved under the model's pre-sharding class name.
+    are ``DTensor`` shards); saved under the model's pre-sharding class name. ``untrained``: the
+    weights are a fresh initialisation (:data:`UNTRAINED_KEY`).
     """
     from .fsdp import plain_class
 
@@ -207,6 +229,8 @@ def save_model(loaded: LoadedModel, out: Path, state_dict: dict | None = None) -
         loaded.tokenizer.save_pretrained(out)
     info = {"task": loaded.task, "source": loaded.source, "peft": is_peft, "labels": loaded.labels}
     info["tokenizer"] = loaded.tokenizer is not None
+    if untrained:
+        info[UNTRAINED_KEY] = True
     if is_peft:
         base_dir = loaded.base_source
         # a base built here (the tiny model, or one made from a config in a user's loop) has no
