@@ -39,13 +39,13 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..settings import SketchKind
-from ..store.format import Covariance
 from .layers import TrackedLayer
 from .project import DeferredFactors
 from .sketch import apply_sparse_jl, full_factors, project_factor, top_factors, transposed_on
+from .state import CaptureState
 
 
-class Capture:
+class Capture(CaptureState):
     """Owns the hooks on the tracked layers of one model.
 
     Use as a context manager (hooks attached on enter, always removed on exit), and wrap each
@@ -238,21 +238,10 @@ class Capture:
             if layer.full_factor:  # the raw input: autograd keeps it for the weight grad anyway
                 deferred = self._deferred
                 if layer.input_start and not layer._started and deferred is not None:
-                    # the half step from the input side, while a is hot: v = Σ_t a_t into the
-                    # layer's scratch row and c_t = a_t · v, so that the backward hook reads g
-                    # once (u = Σ_t c_t g_t = G v); a later use in this batch keeps a only
+                    # the half step from the input side while a is hot (its first use in the
+                    # batch; a later one keeps a only): the backward hook then reads g once
                     layer._started = True
-                    x = a.detach()
-                    if x.dim() == 2:
-                        x = x.unsqueeze(1)
-                    if x.dtype != f32:
-                        x = x.float()
-                    b, t = x.shape[0], x.shape[1]
-                    v = deferred.raw(i, b)[1]  # (B, 1, d_in)
-                    m = self._mask_row  # real tokens only: padding has no gradient
-                    ones = m if m is not None and m.shape[2] == t else deferred.ones(b, t)
-                    torch.bmm(ones, x, out=v)
-                    stack.append((torch.bmm(v, x.transpose(1, 2)), a))  # ((B, 1, T), a)
+                    stack.append((deferred.start_from_input(i, a, self._mask_row), a))
                 else:
                     stack.append(a)  # detached in the backward hook, only where grad mode is on
                 output.register_hook(backward_hook)
@@ -424,51 +413,3 @@ class Capture:
                 layer.A.addmm_(a2.T, a2)
                 layer.a_rows += a2.shape[0]
         return None
-
-    # -- covariance -----------------------------------------------------------------------
-    def covariance_arrays(self) -> list[Covariance | None]:
-        """Per layer: ``A``, ``S`` (float64 numpy) and the token count, or None when off."""
-        out: list[Covariance | None] = []
-        for layer in self.layers:
-            if layer.A is None:
-                out.append(None)
-                continue
-            out.append(
-                Covariance(
-                    A=layer.A.double().cpu().numpy(),
-                    S=layer.S.double().cpu().numpy(),
-                    n_tokens=float(layer.a_tokens.item()) + layer.a_rows,
-                )
-            )
-        return out
-
-    # -- checkpoint state -----------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The running state a resumed run needs: ``batches`` (picks the statistics batches and
-        rotates their token offset), per layer ``a_rows`` and, where covariance is on, copies of
-        ``A``, ``S`` and the token sum (``covariance``: a list of dicts or None)."""
-        cov = [
-            None
-            if layer.A is None
-            else {
-                "A": layer.A.detach().clone(),
-                "S": layer.S.detach().clone(),
-                "a_tokens": layer.a_tokens.detach().clone(),
-            }
-            for layer in self.layers
-        ]
-        rows = [int(layer.a_rows) for layer in self.layers]
-        return {"batches": int(self.batches), "a_rows": rows, "covariance": cov}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s values into this capture's tensors (same layers)."""
-        self.batches = int(state.get("batches", 0))
-        pairs = zip(
-            self.layers, state.get("a_rows", []), state.get("covariance") or [], strict=False
-        )
-        for layer, rows, t in pairs:
-            layer.a_rows = int(rows)
-            if t is not None and layer.A is not None:
-                layer.A.copy_(t["A"])
-                layer.S.copy_(t["S"])
-                layer.a_tokens.copy_(t["a_tokens"])

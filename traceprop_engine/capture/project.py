@@ -181,6 +181,28 @@ class DeferredFactors:
                 )
         return views[i]
 
+    def start_from_input(
+        self, i: int, a: torch.Tensor, mask_row: torch.Tensor | None
+    ) -> torch.Tensor:
+        """An input-start layer's forward half (``TrackSettings.half_step_start``): ``v = Σ_t a_t``
+        over the real tokens (``mask_row`` ``(B, 1, T)``, None: every token) into layer ``i``'s
+        w row of the open batch, and the returned ``(B, 1, T)`` ``c_t = a_t · v``, from which
+        its backward hook makes ``u = Σ_t c_t g_t = G v`` in its σ row. In float32, autocast off
+        (an autocast forward would round ``v`` and ``c`` to bfloat16)."""
+        if torch.is_autocast_enabled(a.device.type):
+            with torch.autocast(a.device.type, enabled=False):
+                return self.start_from_input(i, a, mask_row)
+        x = a.detach()
+        if x.dim() == 2:
+            x = x.unsqueeze(1)  # (B, 1, d_in): one "token" per example (classifier heads)
+        if x.dtype != torch.float32:
+            x = x.float()
+        b, t = x.shape[0], x.shape[1]
+        v = self.raw(i, b)[1]  # (B, 1, d_in)
+        m = mask_row if mask_row is not None and mask_row.shape[2] == t else self.ones(b, t)
+        torch.bmm(m, x, out=v)
+        return torch.bmm(v, x.transpose(1, 2))
+
     def scale_rows(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
         """Scale the open batch's raw rows elementwise, ``σ ← a ⊙ σ``, ``w ← b ⊙ w`` (layer
         ``i``: ``scales[i] = (a, b)``), so that the record becomes ``(a ⊙ σ)(b ⊙ w)ᵀ / ‖σ‖²``
