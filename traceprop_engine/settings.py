@@ -99,8 +99,7 @@ class TrackSettings:
     """What the capture hooks record.
 
     The default records a rank-1 approximation of each example's full per-layer gradient,
-    ``û ûᵀ G`` with ``û`` the example's summed output gradient ``Σ_t g_t`` (``G v̂ v̂ᵀ`` with
-    ``v̂`` its summed input where the layer's input is narrower, not an LM head), projected to
+    ``û ûᵀ G`` with ``û`` the example's summed output gradient ``Σ_t g_t``, projected to
     k = 126 per side and stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per
     layer and record. (How the defaults were chosen: benchmarks/EVAL.md.)
     """
@@ -174,16 +173,17 @@ class TrackSettings:
         "sum_t g_t from the left: two batched products)",
     )
     half_step_start: HalfStepStart = knob(
-        HalfStepStart.NARROW,
+        HalfStepStart.OUTPUT,
         help="the default rank-1 records' half power step: 'output' starts every layer from "
         "its summed output gradient (the record u u^T G, u = sum_t g_t); 'narrow' starts a "
         "layer whose input is narrower than its output (an MLP's up projection, a fused QKV, "
         "LoRA's B; never an LM head or an embedding) from its summed input instead (G v v^T, "
         "v = sum_t a_t, taken in the forward while the input is hot), so its backward hook "
-        "reads the output gradient once instead of twice: the same LDS on 27 evaluation "
-        "pairs (mean -0.0005), about 0.6-1.2 points less overhead on Intel Xeon "
-        "(benchmarks/EVAL.md section 1u). Ignored with optimizer_aware; runs recorded before "
-        "it read as 'output'",
+        "reads the output gradient once instead of twice. Measured (benchmarks/EVAL.md section "
+        "1u): LDS within noise of 'output' (mean -0.002 on 8 pairs, -0.0005 on 27 in a first "
+        "pass), 0.3-1.2 points less overhead at the tiny default shape on Intel Xeon, none at "
+        "GPT-2 small, where the LM head's output gradient dominates. Ignored with "
+        "optimizer_aware",
     )
     covariance_stride: int = knob(
         32,

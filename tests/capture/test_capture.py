@@ -354,6 +354,34 @@ def test_gradient_checkpointing_keeps_the_default_records(tmp_path, reentrant, s
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_narrow_start_under_bf16_autocast_matches_float32(tmp_path):
+    """``half_step_start='narrow'`` sums the input in the forward hook, which a bf16 autocast
+    forward runs under: the sums stay float32 (no dtype error in the backward), and the records
+    agree with a float32 step's to bf16 round-off."""
+    from traceprop_engine.capture.hooks import Capture
+
+    ids, mask, labels, _ = causal_batch()
+
+    def records(autocast: bool):
+        model = tiny_neox()
+        settings = TrackSettings(factor_dtype="float32", half_step_start="narrow")
+        layers = build_layers(model, settings)
+        assert any(x.input_start for x in layers)
+        slots = [torch.zeros(3, x.k_out + x.k_in, 1) for x in layers]
+        with Capture(model, layers, covariance=False) as cap, cap.batch(slots, mask, 3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            causal_lm_losses(logits.float(), labels).mean().backward()
+        return [
+            torch.bmm(x[:, : y.k_out], x[:, y.k_out :].transpose(1, 2))
+            for x, y in zip(slots, layers, strict=True)
+        ]
+
+    for got, want in zip(records(True), records(False), strict=True):
+        assert torch.isfinite(got).all()
+        assert float((got - want).norm() / want.norm()) < 0.05
+
+
 def test_backward_with_create_graph_records_the_same_sketches():
     """``backward(create_graph=True)`` (e.g. a gradient-penalty loss) runs the hooks with grad
     mode on: they detach, build no graph and record what a plain backward records."""

@@ -132,9 +132,9 @@ def test_full_space_rank1_is_the_projected_top_singular_pair(tmp_path):
 
 def test_full_space_default_captures_the_top_direction(tmp_path):
     """Half a step from Σ_t g_t keeps >= 95 % of what the converged rank-1 approximation keeps,
-    on every record with a clear top singular value. (From the input side, the default's start
-    on the fused QKV and the MLP's up projection, it keeps 38–67 % on this model; the LDS is
-    the same: benchmarks/EVAL.md §1u.)"""
+    on every record with a clear top singular value. (From the input side, ``half_step_start``
+    ``narrow`` on the fused QKV and the MLP's up projection, it keeps 38–67 % on this model;
+    the LDS is the same within noise: benchmarks/EVAL.md §1u.)"""
     model = tiny_neox()
     settings = TrackSettings(
         k_in=10_000, k_out=10_000, rank=1, factor_dtype="float32", half_step_start="output"

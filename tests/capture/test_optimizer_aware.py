@@ -14,8 +14,8 @@ from traceprop_engine import ConfigError, RunError, Store, Tracker, TrackSetting
 from traceprop_engine.training.losses import causal_lm_losses
 
 # k above every width of the tiny model: no projection, the records are in the full space
-# the raw records the optimizer-aware ones scale: every layer from its output side, as
-# optimizer_aware records them (it ignores half_step_start)
+# the raw records the optimizer-aware ones scale: every layer from its output side (the
+# default), as optimizer_aware records them (it ignores half_step_start)
 BASE = dict(k_in=512, k_out=512, factor_dtype="float32", half_step_start="output")
 RTOL, ATOL_REL = 1e-4, 1e-6  # the same float32 products, scaled before vs after
 
