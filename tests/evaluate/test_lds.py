@@ -387,3 +387,29 @@ def test_cli_config_flag_errors_name_the_allowed_keys(data, tmp_path, capsys):
     assert main([*base, "--config", "k64:k_in=big"]) == 1
     assert "k_in='big' is not a valid int" in capsys.readouterr().err
     assert not (tmp_path / "ev").exists()  # refused before anything was written
+
+
+def test_a_run_recorded_as_pretrained_from_the_untrained_base_is_trained_again(data, tmp_path):
+    """An evaluation folder from before stop 49: its tiny runs were trained from the untrained
+    ``base_model`` but recorded ``model_origin`` pretrained-full. The next use marks the base and
+    trains such a run again (recorded as scratch); a run recorded right is reused as it is."""
+    import h5py
+
+    from traceprop_engine import constants as C
+    from traceprop_engine.evaluate.lds import _base_model, _ensure_run
+
+    s = _settings(data, tmp_path / "ev")
+    base = _base_model(s, tmp_path / "ev")
+    track = TrackSettings(k_in=4, k_out=4)
+    run = _ensure_run("k4", track, s, base, tmp_path / "ev")
+    store = run / C.STORE_FILE
+    with h5py.File(store, "r") as f:
+        assert f.attrs[C.MODEL_ORIGIN] == C.ORIGIN_SCRATCH
+    first = store.stat().st_mtime_ns
+    assert _ensure_run("k4", track, s, base, tmp_path / "ev") == run
+    assert store.stat().st_mtime_ns == first  # recorded right: reused
+    with h5py.File(store, "r+") as f:  # as a run of an older harness recorded it
+        f.attrs[C.MODEL_ORIGIN] = C.ORIGIN_PRETRAINED_FULL
+    _ensure_run("k4", track, s, base, tmp_path / "ev")
+    with h5py.File(store, "r") as f:
+        assert f.attrs[C.MODEL_ORIGIN] == C.ORIGIN_SCRATCH  # trained again

@@ -211,6 +211,24 @@ def _run_names(s: LdsSettings) -> dict[str, TrackSettings]:
     return runs
 
 
+def _trained_as_pretrained(run_dir: Path, base: str) -> bool:
+    """Whether a run trained from an untrained initialisation (``base``: the tiny model's
+    ``base_model``) recorded ``model_origin`` pretrained-full, as every such run did before the
+    initialisation was marked (stop 49): ``auto`` would score it as a pretrained fine-tune."""
+    import h5py
+
+    from ..training.models import is_untrained
+
+    store = run_dir / C.STORE_FILE
+    if not (is_untrained(base) and store.is_file()):
+        return False
+    with h5py.File(store, "r") as f:
+        origin = f.attrs.get(C.MODEL_ORIGIN)
+    if isinstance(origin, bytes):
+        origin = origin.decode()
+    return origin == C.ORIGIN_PRETRAINED_FULL
+
+
 def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval_dir: Path) -> Path:
     from ..training.loop import train
 
@@ -220,9 +238,16 @@ def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval
     if is_completed(run_dir):
         # a tracking field added since that run was made counts as what it recorded then
         # (TrackSettings.from_dict: RECORDED_BEFORE_KEYS, else the field's default)
-        if not sidecar.exists() or _as_recorded(json.loads(sidecar.read_text())) == want:
+        if _trained_as_pretrained(run_dir, base):
+            log.warning(
+                "%s was trained from this evaluation's untrained initialisation but recorded "
+                "as a fine-tune of a pretrained model (before stop 49); training it again",
+                run_dir,
+            )
+        elif not sidecar.exists() or _as_recorded(json.loads(sidecar.read_text())) == want:
             return run_dir  # (no sidecar: a run of an older evaluation, trusted as before)
-        log.warning("%s was tracked with other settings; training it again", run_dir)
+        else:
+            log.warning("%s was tracked with other settings; training it again", run_dir)
     log.info("training the tracked run %s", name)
     train(dataclasses.replace(s.train, model=base, out=str(run_dir), track=track), overwrite=True)
     status = RunManifest.load(run_dir).status
