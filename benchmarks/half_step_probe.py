@@ -25,16 +25,10 @@ from records_probe import eval_sketches, index_lds, print_rows, reference
 
 from traceprop_engine.attribution import open_run
 from traceprop_engine.evaluate.lds import _base_model, _ensure_run
-from traceprop_engine.settings import IndexSettings, TrackSettings, TrainSettings
+from traceprop_engine.settings import IndexSettings, TrackSettings
+from traceprop_engine.training.resume import settings_from_config
 
 MAIN, NARROW = "k126", "narrow"
-
-
-def _train_settings(ev: Path) -> TrainSettings:
-    d = dict(json.loads((ev / "eval.json").read_text())["settings"]["train"])
-    track = d.pop("track", None)
-    t = TrainSettings(**d)
-    return dataclasses.replace(t, track=TrackSettings.from_dict(track)) if track else t
 
 
 def default_lds(ev: Path, name: str, masks, losses) -> float:
@@ -47,7 +41,8 @@ def default_lds(ev: Path, name: str, masks, losses) -> float:
 
 def probe(ev: Path) -> dict[str, float]:
     masks, losses, _ = subset_data(ev)
-    s = types.SimpleNamespace(train=_train_settings(ev))
+    config = json.loads((ev / "eval.json").read_text())["settings"]["train"]
+    s = types.SimpleNamespace(train=settings_from_config(config, ev))
     main = TrackSettings.from_dict(json.loads((ev / "runs" / MAIN / "lds_track.json").read_text()))
     if main.half_step_start.value != "output":
         raise SystemExit(f"{ev}: runs/{MAIN} is not recorded from the output side")

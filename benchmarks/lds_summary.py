@@ -79,7 +79,8 @@ def main(args: list[str]) -> None:
         )
     print("| split-half noise ceiling | " + " | ".join(ceil) + " | | | |")
     att = [
-        f"{docs[n].get('noise_ceiling', {}).get('attainable_lds', float('nan')):.3f}" for n in names
+        f"{(docs[n].get('noise_ceiling') or {}).get('attainable_lds', float('nan')):.3f}"
+        for n in names
     ]
     if any(a != "nan" for a in att):  # results written since stop 49
         print("| attainable LDS (Spearman–Brown) | " + " | ".join(att) + " | | | |")

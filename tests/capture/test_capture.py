@@ -257,16 +257,22 @@ def test_unpadded_mask_and_loss_scale_folding():
 
 
 class _Twice(torch.nn.Module):
-    """One linear layer applied twice per forward (weight reuse, like a tied or looped block)."""
+    """One linear layer applied twice per forward (weight reuse, like a tied or looped block):
+    on its own output (``d_in = d_out``), or ``side_by_side`` on the input and a flipped copy
+    (``d_in → d_out``, e.g. a narrower input)."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_in: int = 6, d_out: int = 6, side_by_side: bool = False) -> None:
         super().__init__()
         torch.manual_seed(4)
-        self.lin = torch.nn.Linear(6, 6)
-        self.head = torch.nn.Linear(6, 1)
+        self.side_by_side = side_by_side
+        self.lin = torch.nn.Linear(d_in, d_out)
+        self.head = torch.nn.Linear(d_out, 1)
 
-    def forward(self, x):  # x (B, T, 6) -> (B,) per-example loss
-        h = self.lin(torch.tanh(self.lin(x)))
+    def forward(self, x):  # x (B, T, d_in) -> (B,) per-example loss
+        if self.side_by_side:
+            h = self.lin(x) + torch.tanh(self.lin(x.flip(1) * 0.5))
+        else:
+            h = self.lin(torch.tanh(self.lin(x)))
         return self.head(h).squeeze(-1).pow(2).mean(1)
 
 

@@ -328,28 +328,28 @@ def test_lora_half_step_from_the_narrow_side_matches_autograd(tmp_path):
     _check_half_step_records(model, layers, store, ids, labels, lengths)
 
 
-class _TwiceWide(torch.nn.Module):
-    """A layer with a narrower input (4 → 8) applied twice per forward, side by side."""
+def _batched_equals_unbatched(monkeypatch, record) -> None:
+    """``record()`` (the records of one batch, as ``U Vᵀ``) through the default batched
+    projection equals the per-layer path's (projections inside the hook, ``full_factors``)."""
+    from traceprop_engine.capture import hooks
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(5)
-        self.lin = torch.nn.Linear(4, 8)
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x):  # x (B, T, 4) -> (B,) per-example loss
-        h = self.lin(x) + torch.tanh(self.lin(x.flip(1) * 0.5))
-        return self.head(h).squeeze(-1).pow(2).mean(1)
+    batched = record()
+    monkeypatch.setattr(hooks.DeferredFactors, "__bool__", lambda self: False)  # per-layer path
+    unbatched = record()
+    assert np.isfinite(batched).all()
+    np.testing.assert_allclose(batched, unbatched, rtol=0, atol=1e-5 * np.abs(unbatched).max())
 
 
 def test_input_start_layer_used_twice_equals_the_unbatched_path(monkeypatch):
     """An input-start layer used twice in one batch, with padding: the first use's record from
     the forward's Σ_t a_t row and the backward's one product, the second's from ``full_factors``
     (input start, the same token mask), factored together, exactly as the per-layer path does."""
+    from test_capture import _Twice
+
     from traceprop_engine.capture import hooks
 
     def record():
-        model = _TwiceWide()
+        model = _Twice(4, 8, side_by_side=True)
         settings = TrackSettings(
             k_in=3, k_out=5, scope=r"^lin$", factor_dtype="float32", half_step_start="narrow"
         )
@@ -368,11 +368,7 @@ def test_input_start_layer_used_twice_equals_the_unbatched_path(monkeypatch):
             model(x).mean().backward()
         return torch.bmm(slots[0][:, :5], slots[0][:, 5:].transpose(1, 2)).double().numpy()
 
-    batched = record()
-    monkeypatch.setattr(hooks.DeferredFactors, "__bool__", lambda self: False)  # per-layer path
-    unbatched = record()
-    assert np.isfinite(batched).all()
-    np.testing.assert_allclose(batched, unbatched, rtol=0, atol=1e-5 * np.abs(unbatched).max())
+    _batched_equals_unbatched(monkeypatch, record)
 
 
 def test_default_record_of_a_layer_used_twice_equals_the_unbatched_path(monkeypatch):
@@ -394,11 +390,7 @@ def test_default_record_of_a_layer_used_twice_equals_the_unbatched_path(monkeypa
             model(x).mean().backward()
         return torch.bmm(slots[0][:, :5], slots[0][:, 5:].transpose(1, 2)).double().numpy()
 
-    batched = record()
-    monkeypatch.setattr(hooks.DeferredFactors, "__bool__", lambda self: False)  # per-layer path
-    unbatched = record()
-    assert np.isfinite(batched).all()
-    np.testing.assert_allclose(batched, unbatched, rtol=0, atol=1e-5 * np.abs(unbatched).max())
+    _batched_equals_unbatched(monkeypatch, record)
 
 
 def test_example_without_gradient_keeps_a_finite_zero_record():

@@ -236,12 +236,11 @@ class Capture(CaptureState):
                     "example of the micro-batch"
                 )
             if layer.full_factor:  # the raw input: autograd keeps it for the weight grad anyway
-                deferred = self._deferred
-                if layer.input_start and not layer._started and deferred is not None:
+                if layer.input_start and not layer._started and self._deferred is not None:
                     # the half step from the input side while a is hot (its first use in the
                     # batch; a later one keeps a only): the backward hook then reads g once
                     layer._started = True
-                    stack.append((deferred.start_from_input(i, a, self._mask_row), a))
+                    stack.append((self._deferred.start_from_input(i, a, self._mask_row), a))
                 else:
                     stack.append(a)  # detached in the backward hook, only where grad mode is on
                 output.register_hook(backward_hook)
@@ -291,18 +290,17 @@ class Capture(CaptureState):
         scale = self._scale
         deferred = self._deferred
         if deferred is not None and i in deferred.member_set:
-            if not layer._fired and c is not None:  # input start: one op here
-                torch.bmm(c, g, out=deferred.raw(i, g.shape[0])[0])  # u = Σ_t c_t g_t = G v
-                deferred.pending.add(i)
-                layer._fired = True
-                self._covariance_if_due(layer, a, g, scale)
-                return
-            if not layer._fired and not layer.input_start:  # three ops here, the rest later
-                b, t = g.shape[0], g.shape[1]
+            # the first use: the products here, the projection after the backward (an input-start
+            # layer whose later use fires first takes the per-layer path below)
+            if not layer._fired and (c is not None or not layer.input_start):
+                b = g.shape[0]
                 sigma, w = deferred.raw(i, b)  # (B, 1, d_out), (B, 1, d_in) scratch rows
-                torch.bmm(deferred.ones(b, t), g, out=sigma)  # σ = Σ_t g_t
-                c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
-                torch.bmm(c, a, out=w)  # w = Gᵀ σ
+                if c is not None:  # input start, v in w already: one op, u = Σ_t c_t g_t = G v
+                    torch.bmm(c, g, out=sigma)
+                else:  # three ops
+                    torch.bmm(deferred.ones(b, g.shape[1]), g, out=sigma)  # σ = Σ_t g_t
+                    c = torch.bmm(sigma, g.transpose(1, 2))  # (B, 1, T): g_t · σ
+                    torch.bmm(c, a, out=w)  # w = Gᵀ σ
                 deferred.pending.add(i)
                 layer._fired = True
                 self._covariance_if_due(layer, a, g, scale)

@@ -215,18 +215,13 @@ def _trained_as_pretrained(run_dir: Path, base: str) -> bool:
     """Whether a run trained from an untrained initialisation (``base``: the tiny model's
     ``base_model``) recorded ``model_origin`` pretrained-full, as every such run did before the
     initialisation was marked (stop 49): ``auto`` would score it as a pretrained fine-tune."""
-    import h5py
-
+    from ..store.sharded import open_run_store
     from ..training.models import is_untrained
 
-    store = run_dir / C.STORE_FILE
-    if not (is_untrained(base) and store.is_file()):
+    if not is_untrained(base):
         return False
-    with h5py.File(store, "r") as f:
-        origin = f.attrs.get(C.MODEL_ORIGIN)
-    if isinstance(origin, bytes):
-        origin = origin.decode()
-    return origin == C.ORIGIN_PRETRAINED_FULL
+    with open_run_store(run_dir) as store:
+        return store.model_origin == C.ORIGIN_PRETRAINED_FULL
 
 
 def _ensure_run(name: str, track: TrackSettings, s: LdsSettings, base: str, eval_dir: Path) -> Path:

@@ -109,6 +109,11 @@ class SearchResult:
     opponent_scores: np.ndarray  # (q, k), ascending (most negative first)
     opponent_ids: np.ndarray
 
+    @classmethod
+    def of_ends(cls, ps, pi, ns, ni) -> SearchResult:
+        """From a search of ``q`` (``ps``, ``pi``) and one of ``-q`` (``ns``, ``ni``)."""
+        return cls(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
+
 
 class VectorIndex:
     """A built or loaded index. Use :func:`~traceprop_engine.attribution.index.build.build_index` or
@@ -236,12 +241,11 @@ class VectorIndex:
     def search_both(self, queries: np.ndarray, k: int) -> SearchResult:
         """Top-k proponents and the k most negative (opponents), via the negated query."""
         q = self._prep(queries)
-        if self.kind is IndexKind.FLAT and not self.extra_dims and self.n > 0 and k >= 1:
+        if self._flat_both_applies(k):
             return self._flat_both(q, k)
         # both ends in one call (10⁶ rows, nprobe 59, k 1000, 2 threads: 7.4 ms, two calls 8.3)
         s, i = self._search_prepped(np.concatenate([q, -q]), k)
-        ps, pi, ns, ni = s[: len(q)], i[: len(q)], s[len(q) :], i[len(q) :]
-        return SearchResult(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
+        return SearchResult.of_ends(s[: len(q)], i[: len(q)], s[len(q) :], i[len(q) :])
 
     def search_ends(
         self, queries: np.ndarray, k: int
@@ -250,18 +254,12 @@ class VectorIndex:
         ``(jobs, join)``, the two ends one job each on one FAISS thread (the query's other jobs
         hold the other cores), and ``join(their results)`` the :class:`SearchResult`. A flat
         index is one job (both ends from one pass over its vectors)."""
-        if len(queries) != 1 or (
-            self.kind is IndexKind.FLAT and not self.extra_dims and self.n > 0 and k >= 1
-        ):
+        if len(queries) != 1 or self._flat_both_applies(k):
             return [lambda: self.search_both(queries, k)], lambda got: got[0]
         q = self._prep(queries)
         jobs = [lambda sign=sign: self._search_prepped(sign * q, k, threads=1) for sign in (1, -1)]
 
-        def join(got: list) -> SearchResult:
-            (ps, pi), (ns, ni) = got
-            return SearchResult(ps, pi, np.where(ni < 0, np.inf, -ns).astype(np.float32), ni)
-
-        return jobs, join
+        return jobs, lambda got: SearchResult.of_ends(*got[0], *got[1])
 
     def search_among(
         self, queries: np.ndarray, k: int, among: np.ndarray, sign: float = 1.0
@@ -300,6 +298,10 @@ class VectorIndex:
         else:
             params = faiss.SearchParameters(sel=sel)
         return self._search_prepped(q, k, threads=1, params=params)
+
+    def _flat_both_applies(self, k: int) -> bool:
+        """Whether :meth:`_flat_both` answers a search of ``k`` (an exact index of plain vectors)."""
+        return self.kind is IndexKind.FLAT and not self.extra_dims and self.n > 0 and k >= 1
 
     def _flat_both(self, q: np.ndarray, k: int) -> SearchResult:
         """Both ends of an exact (flat) index from one pass over its vectors: FAISS searches
