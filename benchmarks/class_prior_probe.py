@@ -2,7 +2,8 @@
 
 Reads finished classification ``traceprop eval lds`` folders and scores their main run
 (``runs/k126``) through the engine at the default settings with ``class_prior`` swept (0 is the
-records alone; the default, auto, is ``DEFAULT_CLASS_PRIOR``), beside the evaluation's own
+records alone; the default, auto, is ``DEFAULT_CLASS_PRIOR``, or ``ADAPTER_CLASS_PRIOR`` for a run
+that trained adapters), beside the evaluation's own
 same-label and full-gradient cosine rows. Every score comes from ``AttributionRun.all_scores``
 on the eval rows' own query sketches (which carry their label), so the rows are the engine's.
 
@@ -18,10 +19,9 @@ from gap_probe import subset_data
 from records_probe import eval_sketches, index_lds, print_rows, reference
 
 from traceprop_engine.attribution import open_run
-from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
 from traceprop_engine.settings import IndexSettings
 
-PRIORS = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)  # DEFAULT_CLASS_PRIOR among them
+PRIORS = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)  # DEFAULT_CLASS_PRIOR and ADAPTER_CLASS_PRIOR among them
 
 
 def probe(ev: Path) -> dict[str, float]:
@@ -33,8 +33,9 @@ def probe(ev: Path) -> dict[str, float]:
         sketches = eval_sketches(run)
         run.index(IndexSettings(), rebuild=True)  # once: the prior is a query-time term
         out = {}
+        auto = run.settings().class_prior  # the run's own default (adapters: ADAPTER_CLASS_PRIOR)
         for c in PRIORS:
-            name = f"default, class_prior {c:g}" + (" (auto)" if c == DEFAULT_CLASS_PRIOR else "")
+            name = f"default, class_prior {c:g}" + (" (auto)" if c == auto else "")
             ix = IndexSettings(class_prior=c)
             out[name] = index_lds(run, ix, sketches, masks, losses, rebuild=False)
     finally:

@@ -39,10 +39,10 @@ FAST = dict(
 )
 
 
-def train_classifier_run(root: Path, labels: Sequence[str]) -> Path:
-    """The shipped MiniLM classifier fine-tuned in full and tracked by the engine (``train``) on
-    short texts of ``labels`` (8 training and 2 eval rows each, lineage with labels): a
-    classification run to query, in ``root/run``."""
+def train_classifier_run(root: Path, labels: Sequence[str], lora_rank: int = 0) -> Path:
+    """The shipped MiniLM classifier fine-tuned in full (with ``lora_rank``: peft LoRA adapters
+    of that rank) and tracked by the engine (``train``) on short texts of ``labels`` (8 training
+    and 2 eval rows each, lineage with labels): a classification run to query, in ``root/run``."""
     import json
 
     from traceprop_engine.training.loop import train
@@ -68,6 +68,7 @@ def train_classifier_run(root: Path, labels: Sequence[str]) -> Path:
             batch_size=4,
             max_length=16,
             threads=1,
+            lora_rank=lora_rank,
             track=TrackSettings(k_in=4, k_out=4),
         )
     )

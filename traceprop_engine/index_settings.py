@@ -85,7 +85,13 @@ DEFAULT_CLASS_PRIOR = 1.0
 """The class prior of a classification run scored with cosine (``IndexSettings.class_prior``
 left at auto), in cosine units: the best mean LDS over fifteen classification pairs of three
 kinds (MiniLM fine-tuned in full, with LoRA, and a classifier trained from random weights), checked
-on four held-out ones (benchmarks/EVAL.md §1t; 0.2 until stop 48, §1s)."""
+on four held-out ones (benchmarks/EVAL.md §1t; 0.2 until stop 48, §1s). A run that trained
+adapters takes :data:`ADAPTER_CLASS_PRIOR` instead."""
+ADAPTER_CLASS_PRIOR = 0.2
+"""The class prior of a classification run that trained adapters (peft LoRA; the store's
+``model_origin`` is ``adapter``): on every LoRA classifier measured, 0.2 scored above 1, the
+records of an adapter run ranking within a class better than the label alone
+(benchmarks/EVAL.md §1v)."""
 
 
 @document_fields
@@ -165,7 +171,8 @@ class IndexSettings:
         "-1/(C-1) otherwise) to every score, the similarity of the classifier head's bias "
         "gradients at uniform predictions (the new head's first steps), which the weight records "
         "leave out; a query-time term, the index is the same (None: auto, DEFAULT_CLASS_PRIOR "
-        "for a classification run scored with cosine, 0 otherwise; 0: the records alone)",
+        "for a classification run scored with cosine, ADAPTER_CLASS_PRIOR for one that trained "
+        "adapters, 0 otherwise; 0: the records alone)",
     )
 
     def __post_init__(self) -> None:

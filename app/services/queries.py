@@ -22,7 +22,10 @@ import streamlit as st
 
 from traceprop_engine import attribution
 from traceprop_engine import constants as C
-from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR  # noqa: F401 - the pages' copy
+from traceprop_engine.index_settings import (  # noqa: F401 - the pages' copies
+    ADAPTER_CLASS_PRIOR,
+    DEFAULT_CLASS_PRIOR,
+)
 
 from . import model_worker
 from .runs import step_times

@@ -98,8 +98,10 @@ if classification:
         value=True,
         key="infl_prior",
         help="Add the classifier head's bias term the weight records leave out: "
-        f"{queries.DEFAULT_CLASS_PRIOR:g} for an example of the queried label, "
-        f"-{queries.DEFAULT_CLASS_PRIOR:g}/(C-1) for another label's (benchmarks/EVAL.md sections 1s-1t). "
+        f"{run.class_prior:g} for an example of the queried label, "
+        f"-{run.class_prior:g}/(C-1) for another label's (this run's default: "
+        f"{queries.ADAPTER_CLASS_PRIOR:g} for a run that trained adapters, "
+        f"{queries.DEFAULT_CLASS_PRIOR:g} otherwise; benchmarks/EVAL.md sections 1s-1v). "
         "Off: the records' gradient similarity alone.",
     )
     prior = None if on else 0.0

@@ -12,11 +12,11 @@ import pytest
 from helpers import train_classifier_run
 
 from traceprop_engine.attribution import open_run
-from traceprop_engine.attribution.overview import CLASS_PRIOR_NOTE, resolve_settings
+from traceprop_engine.attribution.overview import CLASS_PRIOR_NOTE, describe, resolve_settings
 from traceprop_engine.attribution.score.ranking import CLASS_PRIOR_LAYER
 from traceprop_engine.cli.main import main as cli_main
 from traceprop_engine.errors import ConfigError
-from traceprop_engine.index_settings import DEFAULT_CLASS_PRIOR
+from traceprop_engine.index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR
 from traceprop_engine.settings import IndexSettings, TrackSettings
 
 LABELS = ("alpha", "beta", "gamma")
@@ -102,6 +102,31 @@ def test_class_prior_zero_a_causal_lm_and_unlabelled_sketches_add_nothing(classi
     )
     # a causal LM: no prior by default (the rule is the task's, whatever the store)
     assert resolve_settings(run.store, None, "causal-lm").class_prior == 0.0
+
+
+def test_a_classifier_that_trained_adapters_takes_the_adapter_prior(classifier_run, tmp_path):
+    """``auto`` resolves by what the run trained: a peft LoRA classifier (``model_origin``
+    adapter) gets :data:`ADAPTER_CLASS_PRIOR`, the same classifier fine-tuned in full
+    :data:`DEFAULT_CLASS_PRIOR`; the scores carry it and the overview the app reads says it."""
+    assert ADAPTER_CLASS_PRIOR != DEFAULT_CLASS_PRIOR  # else this test could not fail
+    full = open_run(classifier_run)
+    assert describe(full).class_prior == DEFAULT_CLASS_PRIOR
+    run = open_run(train_classifier_run(tmp_path, LABELS, lora_rank=2))
+    assert run.store.model_origin == "adapter"
+    s = run.settings()
+    assert s.class_prior == ADAPTER_CLASS_PRIOR and CLASS_PRIOR_NOTE in run.notes
+    assert describe(run).class_prior == ADAPTER_CLASS_PRIOR
+    e, label = run.eval_examples()["example_id"][0], run.eval_examples()["label"][0]
+    res = run.query(eval_example=e, top_k=3)
+    assert res.query["class_prior"] == ADAPTER_CLASS_PRIOR
+    _, ids, _ = run.index(s)
+    with_prior = run.all_scores(res.sketches, s)
+    alone = run.all_scores(res.sketches, IndexSettings(class_prior=0))
+    same = _labels(run, ids) == label
+    want = np.where(same, ADAPTER_CLASS_PRIOR, -ADAPTER_CLASS_PRIOR / (len(LABELS) - 1))
+    np.testing.assert_allclose(with_prior - alone, want, rtol=0, atol=EXACT)
+    # an explicit prior is the one asked for, adapters or not
+    assert run.settings(IndexSettings(class_prior=1.0)).class_prior == 1.0
 
 
 def test_a_classifier_without_labelled_lineage_gets_no_prior(tmp_path):

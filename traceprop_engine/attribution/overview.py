@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import constants as C
-from ..index_settings import DEFAULT_CLASS_PRIOR
+from ..index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR
 from ..settings import (
     IndexSettings,
     LayerWeighting,
@@ -66,8 +66,8 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     ``both`` (the mean of the inline and the final model's statistics) where the weighting is
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
     §1q); identity uses none and is always ``inline``. ``class_prior=None`` becomes
-    :data:`~traceprop_engine.index_settings.DEFAULT_CLASS_PRIOR` for a classification run scored
-    with cosine and 0 otherwise (EVAL.md §1s)."""
+    :func:`default_class_prior` for a classification run scored with cosine and 0 otherwise
+    (EVAL.md §1s, §1v)."""
     s = s or IndexSettings()
     auto = s.preconditioner is PreconditionerKind.AUTO
     if auto:
@@ -93,8 +93,16 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     prior = s.class_prior
     if prior is None:
         classifier = task == Task.CLASSIFICATION.value and s.cosine
-        prior = DEFAULT_CLASS_PRIOR if classifier else 0.0
+        prior = default_class_prior(store) if classifier else 0.0
     return dataclasses.replace(s, weighting=weighting, statistics=statistics, class_prior=prior)
+
+
+def default_class_prior(store) -> float:
+    """The class prior ``auto`` gives a classification run scored with cosine:
+    :data:`~traceprop_engine.index_settings.ADAPTER_CLASS_PRIOR` where it trained adapters (the
+    store's ``model_origin``), :data:`~traceprop_engine.index_settings.DEFAULT_CLASS_PRIOR`
+    otherwise (a store written before ``model_origin`` included)."""
+    return ADAPTER_CLASS_PRIOR if store.model_origin == C.ORIGIN_ADAPTER else DEFAULT_CLASS_PRIOR
 
 
 def ekfac_by_default(store, task: str) -> bool:
@@ -123,12 +131,14 @@ class RunOverview:
     n_layers: int
     notes: tuple[str, ...]  # e.g. a partial store (cancelled or failed run)
     preconditioners: tuple[str, ...]
+    class_prior: float = 0.0  # the default's, resolved (0: none, e.g. a causal LM)
 
 
 def describe(run) -> RunOverview:
     """The overview of an :class:`~traceprop_engine.attribution.query.AttributionRun`; its
     preconditioners are the run's default first (what the app selects before a reader picks)."""
-    first = run.settings().preconditioner
+    default = run.settings()
+    first = default.preconditioner
     usable = usable_preconditioners(run.store)
     return RunOverview(
         run_id=run.run_id,
@@ -137,6 +147,7 @@ def describe(run) -> RunOverview:
         n_layers=len(run.store.layers),
         notes=tuple(run.notes),
         preconditioners=tuple(k.value for k in [first, *(k for k in usable if k is not first)]),
+        class_prior=float(default.class_prior or 0.0),
     )
 
 
