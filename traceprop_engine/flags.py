@@ -145,7 +145,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 def add_index_flags(p, query: bool = False) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults; ``query``: also
     the query-time ones (``--class-prior``), which change no index."""
-    from .index_settings import DEFAULT_CLASS_PRIOR
+    from .index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR
     from .settings import DEFAULT_DAMPING
     from .settings import IndexSettings as S
 
@@ -167,7 +167,12 @@ def add_index_flags(p, query: bool = False) -> None:
         S,
         "class_prior",
         type=float,
-        help=help_of(S, "class_prior", f" = {DEFAULT_CLASS_PRIOR:g}"),
+        help=help_of(
+            S,
+            "class_prior",
+            f"; DEFAULT_CLASS_PRIOR = {DEFAULT_CLASS_PRIOR:g}, "
+            f"ADAPTER_CLASS_PRIOR = {ADAPTER_CLASS_PRIOR:g}",
+        ),
     )
 
 
