@@ -90,6 +90,16 @@ def scores_kronfluence(
     from kronfluence.arguments import FactorArguments
     from kronfluence.task import Task
 
+    # a run that trained adapters: kronfluence tracks the modules that were trained (peft's LoRA
+    # A/B and the modules it saved, e.g. a new classifier head), as its own LoRA examples do, not
+    # the frozen base layers beside them; a full fine-tune: every linear layer (None)
+    adapters = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ("lora_" in n or "modules_to_save" in n)
+    ]
+    tracked = adapters or None
+
     class DS(torch.utils.data.Dataset):
         def __init__(self, b):
             self.b = b
@@ -123,6 +133,9 @@ def scores_kronfluence(
         def get_attention_mask(self, batch):
             return batch["attention_mask"]
 
+        def get_influence_tracked_modules(self):
+            return tracked
+
     class ClassifierTask(Task):
         """A classifier's loss, as Traceprop's (cross-entropy per example); the true Fisher's
         labels sampled from the model's own prediction."""
@@ -146,6 +159,9 @@ def scores_kronfluence(
 
         def get_attention_mask(self, batch):
             return batch["attention_mask"]
+
+        def get_influence_tracked_modules(self):
+            return tracked
 
     task = ClassifierTask() if task_name == "classification" else LMTask()
     model = prepare_model(model, task)
