@@ -40,6 +40,10 @@ def test_the_class_prior_shows_and_toggles_off(trained, app_env):
     at.switch_page("views/influencers.py").run()
     assert not at.exception, [e.message for e in at.exception]
     assert at.toggle(key="infl_prior").value is True
+    # the switch's help states this run's own prior (a full fine-tune: the default, not adapters')
+    assert f"{DEFAULT_CLASS_PRIOR:g} for an example of the queried label" in (
+        at.toggle(key="infl_prior").help
+    )
     res = _ask(at)
     assert res.query["class_prior"] == DEFAULT_CLASS_PRIOR
     assert any(f"class prior {DEFAULT_CLASS_PRIOR:g}" in c.value for c in at.caption)
