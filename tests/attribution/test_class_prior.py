@@ -15,6 +15,7 @@ from traceprop_engine.attribution import open_run
 from traceprop_engine.attribution.overview import CLASS_PRIOR_NOTE, describe, resolve_settings
 from traceprop_engine.attribution.score.ranking import CLASS_PRIOR_LAYER
 from traceprop_engine.cli.main import main as cli_main
+from traceprop_engine.constants import ORIGIN_ADAPTER
 from traceprop_engine.errors import ConfigError
 from traceprop_engine.index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR
 from traceprop_engine.settings import IndexSettings, TrackSettings
@@ -37,6 +38,19 @@ def _labels(run, ids):
     return run.examples()["label"].to_numpy()[ids]
 
 
+def _scores_add_the_prior(run, res, s, label, weight):
+    """Check that every exact score of query ``res`` under ``s`` is the records' alone plus
+    ``weight`` for an example of ``label`` and ``-weight/(C-1)`` otherwise; returns ``(the scores
+    with the prior, the index's row -> example ids, the prior of each row)``."""
+    _, ids, _ = run.index(s)
+    with_prior = run.all_scores(res.sketches, s)
+    alone = run.all_scores(res.sketches, IndexSettings(class_prior=0))
+    same = _labels(run, ids) == label
+    want = np.where(same, weight, -weight / (len(LABELS) - 1))
+    np.testing.assert_allclose(with_prior - alone, want, rtol=0, atol=EXACT)
+    return with_prior, ids, want
+
+
 def test_the_default_adds_the_class_prior_to_every_score(classifier_run):
     run = open_run(classifier_run)
     s = run.settings()
@@ -47,12 +61,7 @@ def test_the_default_adds_the_class_prior_to_every_score(classifier_run):
         res = run.query(eval_example=e, top_k=3)
         assert res.query["class_prior"] == DEFAULT_CLASS_PRIOR
         assert res.layer_names[-1] == CLASS_PRIOR_LAYER
-        _, ids, _ = run.index(s)
-        with_prior = run.all_scores(res.sketches, s)
-        alone = run.all_scores(res.sketches, IndexSettings(class_prior=0))
-        same = _labels(run, ids) == label
-        want = np.where(same, DEFAULT_CLASS_PRIOR, -DEFAULT_CLASS_PRIOR / (len(LABELS) - 1))
-        np.testing.assert_allclose(with_prior - alone, want, rtol=0, atol=EXACT)
+        with_prior, ids, want = _scores_add_the_prior(run, res, s, label, DEFAULT_CLASS_PRIOR)
         # the ranking is the brute-force one of the exact scores, prior included, both ends
         for kind, order in (
             ("proponent", np.argsort(-with_prior)),
@@ -112,19 +121,14 @@ def test_a_classifier_that_trained_adapters_takes_the_adapter_prior(classifier_r
     full = open_run(classifier_run)
     assert describe(full).class_prior == DEFAULT_CLASS_PRIOR
     run = open_run(train_classifier_run(tmp_path, LABELS, lora_rank=2))
-    assert run.store.model_origin == "adapter"
+    assert run.store.model_origin == ORIGIN_ADAPTER
     s = run.settings()
     assert s.class_prior == ADAPTER_CLASS_PRIOR and CLASS_PRIOR_NOTE in run.notes
     assert describe(run).class_prior == ADAPTER_CLASS_PRIOR
     e, label = run.eval_examples()["example_id"][0], run.eval_examples()["label"][0]
     res = run.query(eval_example=e, top_k=3)
     assert res.query["class_prior"] == ADAPTER_CLASS_PRIOR
-    _, ids, _ = run.index(s)
-    with_prior = run.all_scores(res.sketches, s)
-    alone = run.all_scores(res.sketches, IndexSettings(class_prior=0))
-    same = _labels(run, ids) == label
-    want = np.where(same, ADAPTER_CLASS_PRIOR, -ADAPTER_CLASS_PRIOR / (len(LABELS) - 1))
-    np.testing.assert_allclose(with_prior - alone, want, rtol=0, atol=EXACT)
+    _scores_add_the_prior(run, res, s, label, ADAPTER_CLASS_PRIOR)
     # an explicit prior is the one asked for, adapters or not
     assert run.settings(IndexSettings(class_prior=1.0)).class_prior == 1.0
 

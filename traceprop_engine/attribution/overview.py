@@ -147,7 +147,7 @@ def describe(run) -> RunOverview:
         n_layers=len(run.store.layers),
         notes=tuple(run.notes),
         preconditioners=tuple(k.value for k in [first, *(k for k in usable if k is not first)]),
-        class_prior=float(default.class_prior or 0.0),
+        class_prior=float(default.class_prior),  # resolved: never None
     )
 
 
