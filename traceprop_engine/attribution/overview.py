@@ -40,7 +40,8 @@ CLASS_PRIOR_NOTE = (
     "a classification run's scores add a class prior by default: class_prior x (+1 for an "
     "example of the query's label, -1/(C-1) otherwise), the similarity of the classifier head's "
     "bias gradients at the start of fine-tuning, which the weight records leave out "
-    "(benchmarks/EVAL.md sections 1s-1t); --class-prior 0 scores the records alone"
+    "(benchmarks/EVAL.md sections 1s-1t; 0.2 for a run that trained adapters, section 1v); "
+    "--class-prior 0 scores the records alone"
 )
 
 
