@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.evaluate import bootstrap_ci
+from traceprop_engine.evaluate import bootstrap_ci, paired_delta
 
 
 def per_example(results: dict, method: str) -> np.ndarray:
@@ -30,7 +30,9 @@ def per_example(results: dict, method: str) -> np.ndarray:
     if not rows:
         have = sorted({r["method"] for r in results["rows"]})
         raise SystemExit(f"no row {method!r} with per-example values; rows: {have}")
-    return np.asarray(rows[-1]["per_example"], dtype=np.float64)
+    main_k = results.get("settings", {}).get("main_k")
+    row = next((r for r in rows if r.get("k") == main_k), rows[-1])
+    return np.array([np.nan if v is None else v for v in row["per_example"]], dtype=np.float64)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,14 +50,12 @@ def main(argv: list[str] | None = None) -> None:
         name, _, folder = item.partition("=")
         results = json.loads((Path(folder) / "results.json").read_text())
         x, y = per_example(results, a.row), per_example(results, a.ref) + a.plus
-        d = x - y
-        lo, hi = bootstrap_ci(d)
-        mean = float(np.nanmean(d))
+        p = paired_delta(x, y)
+        (lo, hi), mean = p["ci"], p["delta"]
         deltas.append(mean)
-        verdict = "above" if lo > 0 else "below" if hi < 0 else "tie"
         print(
             f"| {name} | {np.nanmean(x):.3f} | {np.nanmean(y):.3f} | "
-            f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] | {verdict} |"
+            f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] | {p['verdict']} |"
         )
     deltas_a = np.asarray(deltas)
     lo, hi = bootstrap_ci(deltas_a) if len(deltas_a) > 1 else (np.nan, np.nan)

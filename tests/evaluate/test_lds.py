@@ -19,7 +19,14 @@ from traceprop_engine.evaluate.hard_data import (
     generate_hard_facts,
 )
 from traceprop_engine.evaluate.lds import run_lds
-from traceprop_engine.evaluate.lds_report import bootstrap_ci, lds_scores, spearman_rows
+from traceprop_engine.evaluate.lds_report import (
+    GOALS,
+    bootstrap_ci,
+    goal_checks,
+    lds_scores,
+    paired_delta,
+    spearman_rows,
+)
 from traceprop_engine.evaluate.lds_retrain import draw_subsets
 from traceprop_engine.evaluate.lds_scoring import bm25_scores
 from traceprop_engine.evaluate.lds_settings import LdsSettings, parse_config_spec
@@ -67,6 +74,43 @@ def _linear_datamodel(n_train=40, n_eval=10, m=30, seed=0):
         masks[j, s] = True
     losses = 5.0 - masks.astype(float) @ tau.T  # (m, n_eval)
     return tau, masks, losses
+
+
+def test_paired_delta_cancels_what_two_rows_share_and_drops_nan():
+    rng = np.random.default_rng(3)
+    shared = rng.uniform(-0.5, 0.9, 80)  # what both rows get right or wrong per eval example
+    x, y = shared + 0.02, shared.copy()
+    x[5], y[9] = np.nan, np.nan
+    p = paired_delta(x, y)
+    assert p["delta"] == pytest.approx(0.02, abs=1e-12) and p["verdict"] == "above"
+    assert p["ci"][0] == pytest.approx(0.02, abs=1e-12) and p["ci"][1] == pytest.approx(
+        0.02, abs=1e-12
+    )
+    # unpaired, the two rows' own intervals overlap: the pairing is what tells them apart
+    assert bootstrap_ci(x)[0] < bootstrap_ci(y)[1]
+    assert paired_delta(x, y, plus=0.05)["verdict"] == "below"
+    noisy = paired_delta(shared + rng.normal(0, 0.3, 80), shared)
+    assert noisy["verdict"] == "tie" and noisy["ci"][0] < 0 < noisy["ci"][1]
+
+
+def test_goal_checks_take_the_main_k_default_and_each_bar_present():
+    base = np.linspace(0.0, 0.8, 30)
+
+    def row(method, values, k=None):
+        return {"method": method, "k": k, "per_example": [float(v) for v in values]}
+
+    table = [
+        row("default", base + 0.5, k=32),  # another k's default row: not the one checked
+        row("default", base + 0.01, k=126),
+        row("full-gradient cosine", base),
+        row("bm25", base - 0.10),
+    ]
+    goals = {g["ref"]: g for g in goal_checks(table, main_k=126)}
+    assert set(goals) == {"full-gradient cosine", "bm25"}  # no same-label row: no such bar
+    assert goals["full-gradient cosine"]["delta"] == pytest.approx(0.01, abs=1e-12)
+    assert goals["bm25"]["plus"] == dict(GOALS)["bm25"] == 0.05
+    assert goals["bm25"]["delta"] == pytest.approx(0.01 + 0.10 - 0.05, abs=1e-12)
+    assert goal_checks(table[2:], main_k=126) == []
 
 
 def test_lds_of_exact_linear_influence_is_one():
@@ -319,6 +363,15 @@ def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
     run.close()
     csv = (out / "results.csv").read_text()
     assert "exact kfac,exact,," in csv and "\nbm25,baseline,," in csv
+    # the default against each bar, paired per eval example, in results.json
+    goals = {g["ref"]: g for g in json.loads((out / "results.json").read_text())["goals"]}
+    d = np.array(rows["default"]["per_example"], dtype=float)
+    b = np.array(rows["bm25"]["per_example"], dtype=float) + 0.05
+    ok = ~np.isnan(d - b)
+    assert goals["bm25"]["delta"] == pytest.approx(float((d - b)[ok].mean()), abs=1e-9)
+    lo, hi = goals["bm25"]["ci"]
+    assert lo <= goals["bm25"]["delta"] <= hi
+    assert goals["bm25"]["verdict"] == ("above" if lo > 0 else "below" if hi < 0 else "tie")
     fig = json.loads((out / "figure.json").read_text())
     assert {"exact kfac", "bm25"} <= set(fig["data"][0]["x"])
     assert {"exact kfac", "bm25"} <= {t.get("name") for t in fig["data"]}  # k-sweep reference lines
@@ -413,3 +466,19 @@ def test_a_run_recorded_as_pretrained_from_the_untrained_base_is_trained_again(d
     _ensure_run("k4", track, s, base, tmp_path / "ev")
     with h5py.File(store, "r") as f:
         assert f.attrs[C.MODEL_ORIGIN] == C.ORIGIN_SCRATCH  # trained again
+
+
+def test_the_cli_prints_each_bar_with_its_verdict(capsys):
+    from types import SimpleNamespace
+
+    from traceprop_engine.cli.evaluate import _print_goals
+
+    base = np.linspace(0.0, 0.8, 30)
+    table = [
+        {"method": "default", "k": 126, "per_example": list(base + 0.02)},
+        {"method": "same label", "k": None, "per_example": list(base)},
+    ]
+    _print_goals(table, SimpleNamespace(main_k=126, bootstrap=200, seed=0))
+    out = capsys.readouterr().out
+    assert "paired per eval example" in out
+    assert ">= same label + 0.05" in out and "-0.030  [-0.030, -0.030]  below" in out

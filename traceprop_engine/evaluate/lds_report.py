@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .lds_settings import (
+    DEFAULT_METHOD,
     FIGURE_FILE,
     PRECONDITIONERS,
     RESULTS_CSV,
@@ -89,6 +90,49 @@ def summarize(per_example: np.ndarray, n_boot: int = 2000, seed: int = 0) -> dic
     }
 
 
+GOALS = (("full-gradient cosine", 0.0), ("bm25", 0.05), ("same label", 0.05))
+"""Issue 26's bars for the default row, as ``(reference row, margin)``: at least full-gradient
+cosine on the final model, BM25 + 0.05 and, for a classifier, the same-label baseline + 0.05."""
+
+
+def paired_delta(
+    x: np.ndarray, y: np.ndarray, plus: float = 0.0, n_boot: int = 2000, seed: int = 0
+) -> dict:
+    """``x − (y + plus)`` per eval example (two rows scored on the same examples of the same
+    retrains, ``nan`` dropped where either is): its mean, 95 % bootstrap interval and a verdict,
+    ``above`` / ``below`` when the interval excludes 0, ``tie`` otherwise. The pairing cancels
+    what the two rows share (an eval example that no method predicts well), so the interval is
+    far tighter than either row's own."""
+    d = np.asarray(x, dtype=np.float64) - (np.asarray(y, dtype=np.float64) + plus)
+    lo, hi = bootstrap_ci(d, n_boot, seed=seed)
+    valid = ~np.isnan(d)
+    mean = float(d[valid].mean()) if valid.any() else float("nan")
+    verdict = "above" if lo > 0 else "below" if hi < 0 else "tie"
+    return {"delta": mean, "ci": [lo, hi], "verdict": verdict}
+
+
+def per_example_of(row: dict) -> np.ndarray:
+    """A table row's per-example LDS as floats (``None`` read as ``nan``)."""
+    return np.array([np.nan if v is None else v for v in row["per_example"]], dtype=np.float64)
+
+
+def goal_checks(table: list[dict], main_k=None, n_boot: int = 2000, seed: int = 0) -> list[dict]:
+    """The default row (of the run at ``main_k`` where the table has several) against each
+    :data:`GOALS` reference the table has, paired per eval example (:func:`paired_delta`);
+    empty without a scored default row."""
+    rows = {r["method"]: r for r in table if r.get("per_example")}
+    defaults = [r for r in table if r["method"] == DEFAULT_METHOD and r.get("per_example")]
+    at_main = [r for r in defaults if r.get("k") == main_k]
+    if not defaults:
+        return []
+    x = per_example_of((at_main or defaults)[0])
+    return [
+        {"ref": ref, "plus": plus, **paired_delta(x, per_example_of(rows[ref]), plus, n_boot, seed)}
+        for ref, plus in GOALS
+        if ref in rows
+    ]
+
+
 def _finite(obj):
     """NaN -> None, so the JSON is standard (an undefined LDS reads as null)."""
     if isinstance(obj, float) and not np.isfinite(obj):
@@ -122,6 +166,7 @@ def write_results(
         "seconds": seconds,
         "retrain_seeds": s.retrain_seeds,
         "noise_ceiling": noise_ceiling,
+        "goals": goal_checks(table, s.main_k, s.bootstrap, s.seed),
         "rows": table,
     }
     atomic_write_text(eval_dir / RESULTS_JSON, json.dumps(_finite(doc), indent=1))
