@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.evaluate import bootstrap_ci, paired_delta
+from traceprop_engine.evaluate import bootstrap_ci, paired_delta, per_example_of
 
 
 def per_example(results: dict, method: str) -> np.ndarray:
@@ -32,7 +32,7 @@ def per_example(results: dict, method: str) -> np.ndarray:
         raise SystemExit(f"no row {method!r} with per-example values; rows: {have}")
     main_k = results.get("settings", {}).get("main_k")
     row = next((r for r in rows if r.get("k") == main_k), rows[-1])
-    return np.array([np.nan if v is None else v for v in row["per_example"]], dtype=np.float64)
+    return per_example_of(row)
 
 
 def main(argv: list[str] | None = None) -> None:
