@@ -363,8 +363,15 @@ def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
     run.close()
     csv = (out / "results.csv").read_text()
     assert "exact kfac,exact,," in csv and "\nbm25,baseline,," in csv
+    # the model every run trained from, by content (a base pretrained again differs)
+    from traceprop_engine.training.fingerprint import model_fingerprint
+
+    doc = json.loads((out / "results.json").read_text())
+    base = out / "base_model"
+    assert doc["base_model"] == {"path": str(base.resolve()), "sha256": model_fingerprint(base)}
+    assert len(doc["base_model"]["sha256"]) == 64
     # the default against each bar, paired per eval example, in results.json
-    goals = {g["ref"]: g for g in json.loads((out / "results.json").read_text())["goals"]}
+    goals = {g["ref"]: g for g in doc["goals"]}
     d = np.array(rows["default"]["per_example"], dtype=float)
     b = np.array(rows["bm25"]["per_example"], dtype=float) + 0.05
     ok = ~np.isnan(d - b)

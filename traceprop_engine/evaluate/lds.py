@@ -86,6 +86,19 @@ class LdsResult:
     rows: list[dict] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
     noise_ceiling: dict | None = None
+    base_model: dict | None = None
+
+
+def base_model_record(base: str) -> dict:
+    """Which model every run of the evaluation trained from: its directory (``minilm``
+    resolved) and the sha256 of its weight files (``training.fingerprint``). Two evaluations
+    with the same path but another hash (a base pretrained again, on another CPU) are not
+    comparable row by row."""
+    from ..training.fingerprint import model_fingerprint
+    from ..training.models import resolve_model_path
+
+    path = Path(resolve_model_path(base))
+    return {"path": str(path), "sha256": model_fingerprint(path)}
 
 
 _TRAIN_DEFAULTS = {
@@ -292,10 +305,11 @@ def run_lds(
     eval_dir = Path(s.out)
     check_out_dir(eval_dir)
     _check_or_write_config(eval_dir, s, overwrite)
+    result = LdsResult(out=eval_dir, complete=False)
     base = _base_model(s, eval_dir)
+    result.base_model = base_model_record(base)
     runs = _run_names(s)
     main = f"k{s.main_k}"
-    result = LdsResult(out=eval_dir, complete=False)
     t0 = time.perf_counter()
     main_dir = _ensure_run(main, runs[main], s, base, eval_dir)
     result.seconds["tracked_run_main"] = round(time.perf_counter() - t0, 2)
@@ -321,7 +335,9 @@ def run_lds(
     result.seconds["scoring"] = round(time.perf_counter() - t3, 2)
     result.rows = table
     result.complete = True
-    write_results(eval_dir, s, table, losses, result.seconds, result.noise_ceiling)
+    write_results(
+        eval_dir, s, table, losses, result.seconds, result.noise_ceiling, result.base_model
+    )
     return result
 
 

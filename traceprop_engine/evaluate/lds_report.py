@@ -151,6 +151,7 @@ def write_results(
     losses: np.ndarray,
     seconds: dict,
     noise_ceiling: dict | None = None,
+    base_model: dict | None = None,
 ) -> None:
     import csv
 
@@ -166,6 +167,7 @@ def write_results(
         "seconds": seconds,
         "retrain_seeds": s.retrain_seeds,
         "noise_ceiling": noise_ceiling,
+        "base_model": base_model,
         "goals": goal_checks(table, s.main_k, s.bootstrap, s.seed),
         "rows": table,
     }
