@@ -21,17 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.evaluate import bootstrap_ci, paired_delta, per_example_of
+from traceprop_engine.evaluate import bootstrap_ci, paired_delta, per_example_of, scored_row
 
 
 def per_example(results: dict, method: str) -> np.ndarray:
     """The row ``method``'s Spearman per eval example (the main k's row when there are several)."""
-    rows = [r for r in results["rows"] if r["method"] == method and r.get("per_example")]
-    if not rows:
+    row = scored_row(results["rows"], method, results.get("settings", {}).get("main_k"))
+    if row is None:
         have = sorted({r["method"] for r in results["rows"]})
         raise SystemExit(f"no row {method!r} with per-example values; rows: {have}")
-    main_k = results.get("settings", {}).get("main_k")
-    row = next((r for r in rows if r.get("k") == main_k), rows[-1])
     return per_example_of(row)
 
 

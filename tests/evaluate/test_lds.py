@@ -476,8 +476,6 @@ def test_a_run_recorded_as_pretrained_from_the_untrained_base_is_trained_again(d
 
 
 def test_the_cli_prints_each_bar_with_its_verdict(capsys):
-    from types import SimpleNamespace
-
     from traceprop_engine.cli.evaluate import _print_goals
 
     base = np.linspace(0.0, 0.8, 30)
@@ -485,7 +483,7 @@ def test_the_cli_prints_each_bar_with_its_verdict(capsys):
         {"method": "default", "k": 126, "per_example": list(base + 0.02)},
         {"method": "same label", "k": None, "per_example": list(base)},
     ]
-    _print_goals(table, SimpleNamespace(main_k=126, bootstrap=200, seed=0))
+    _print_goals(goal_checks(table, main_k=126, n_boot=200))
     out = capsys.readouterr().out
     assert "paired per eval example" in out
     assert ">= same label + 0.05" in out and "-0.030  [-0.030, -0.030]  below" in out

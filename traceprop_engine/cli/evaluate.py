@@ -261,18 +261,16 @@ def _cmd_lds(a) -> int:
                 "  attainable LDS (Spearman–Brown from the split half: the best any method can "
                 f"expect against these retrains' mean loss): {nc['attainable_lds']:.3f}"
             )
-    _print_goals(r.rows, s)
+    _print_goals(r.goals)
     print(
         f"results: {r.out / 'results.csv'}, {r.out / 'results.json'}, figure {r.out / 'figure.json'}"
     )
     return 0
 
 
-def _print_goals(rows: list[dict], s) -> None:
-    """The default against issue 26's bars, paired per eval example (results.json 'goals')."""
-    from ..evaluate import goal_checks
-
-    goals = goal_checks(rows, s.main_k, s.bootstrap, s.seed)
+def _print_goals(goals: list[dict]) -> None:
+    """The default against issue 26's bars, paired per eval example (``LdsResult.goals``, the
+    same as results.json's 'goals')."""
     if goals:
         print("the default against each bar, paired per eval example (mean difference, 95% CI):")
     for g in goals:

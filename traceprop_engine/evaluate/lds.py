@@ -51,7 +51,7 @@ from .. import constants as C
 from ..errors import ConfigError, RunError
 from ..run import RunManifest, is_completed
 from ..settings import EmbeddingMode, TrackSettings, TrainSettings
-from .lds_report import lds_scores, summarize, write_results
+from .lds_report import goal_checks, lds_scores, summarize, write_results
 from .lds_retrain import record, retrain_subsets, subset_losses, write_subsets
 from .lds_scoring import score_methods
 from .lds_settings import (
@@ -87,6 +87,7 @@ class LdsResult:
     seconds: dict = field(default_factory=dict)
     noise_ceiling: dict | None = None
     base_model: dict | None = None
+    goals: list[dict] = field(default_factory=list)  # the default against each bar (lds_report)
 
 
 def base_model_record(base: str) -> dict:
@@ -305,11 +306,10 @@ def run_lds(
     eval_dir = Path(s.out)
     check_out_dir(eval_dir)
     _check_or_write_config(eval_dir, s, overwrite)
-    result = LdsResult(out=eval_dir, complete=False)
     base = _base_model(s, eval_dir)
-    result.base_model = base_model_record(base)
     runs = _run_names(s)
     main = f"k{s.main_k}"
+    result = LdsResult(out=eval_dir, complete=False)
     t0 = time.perf_counter()
     main_dir = _ensure_run(main, runs[main], s, base, eval_dir)
     result.seconds["tracked_run_main"] = round(time.perf_counter() - t0, 2)
@@ -334,9 +334,18 @@ def run_lds(
     table = _lds_table(s, run_dirs, subsets, eval_ids, len(rows), losses, progress)
     result.seconds["scoring"] = round(time.perf_counter() - t3, 2)
     result.rows = table
+    result.goals = goal_checks(table, s.main_k, s.bootstrap, s.seed)
+    result.base_model = base_model_record(base)  # hashed once the table is done, not per resume
     result.complete = True
     write_results(
-        eval_dir, s, table, losses, result.seconds, result.noise_ceiling, result.base_model
+        eval_dir,
+        s,
+        table,
+        losses,
+        result.seconds,
+        result.noise_ceiling,
+        result.base_model,
+        result.goals,
     )
     return result
 

@@ -116,20 +116,26 @@ def per_example_of(row: dict) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in row["per_example"]], dtype=np.float64)
 
 
+def scored_row(table: list[dict], method: str, main_k=None) -> dict | None:
+    """The row ``method`` with per-example values: the one of the run at ``main_k`` where a k
+    sweep gives several (else the first), or None."""
+    rows = [r for r in table if r["method"] == method and r.get("per_example")]
+    return next((r for r in rows if r.get("k") == main_k), rows[0] if rows else None)
+
+
 def goal_checks(table: list[dict], main_k=None, n_boot: int = 2000, seed: int = 0) -> list[dict]:
-    """The default row (of the run at ``main_k`` where the table has several) against each
-    :data:`GOALS` reference the table has, paired per eval example (:func:`paired_delta`);
-    empty without a scored default row."""
-    rows = {r["method"]: r for r in table if r.get("per_example")}
-    defaults = [r for r in table if r["method"] == DEFAULT_METHOD and r.get("per_example")]
-    at_main = [r for r in defaults if r.get("k") == main_k]
-    if not defaults:
+    """The default row (:func:`scored_row` at ``main_k``) against each :data:`GOALS` reference
+    the table has, paired per eval example (:func:`paired_delta`); empty without a scored
+    default row."""
+    default = scored_row(table, DEFAULT_METHOD, main_k)
+    if default is None:
         return []
-    x = per_example_of((at_main or defaults)[0])
+    x = per_example_of(default)
+    refs = ((ref, plus, scored_row(table, ref)) for ref, plus in GOALS)
     return [
-        {"ref": ref, "plus": plus, **paired_delta(x, per_example_of(rows[ref]), plus, n_boot, seed)}
-        for ref, plus in GOALS
-        if ref in rows
+        {"ref": ref, "plus": plus, **paired_delta(x, per_example_of(row), plus, n_boot, seed)}
+        for ref, plus, row in refs
+        if row is not None
     ]
 
 
@@ -152,6 +158,7 @@ def write_results(
     seconds: dict,
     noise_ceiling: dict | None = None,
     base_model: dict | None = None,
+    goals: list[dict] | None = None,
 ) -> None:
     import csv
 
@@ -168,7 +175,7 @@ def write_results(
         "retrain_seeds": s.retrain_seeds,
         "noise_ceiling": noise_ceiling,
         "base_model": base_model,
-        "goals": goal_checks(table, s.main_k, s.bootstrap, s.seed),
+        "goals": goals or [],
         "rows": table,
     }
     atomic_write_text(eval_dir / RESULTS_JSON, json.dumps(_finite(doc), indent=1))
