@@ -13,7 +13,14 @@ format, but none of the evaluated entities' facts), and trains the tiny model on
 where LoRA must learn the evaluated set's new entity facts on top of a model that already
 speaks its language: the regime of a user's LoRA fine-tune, at a size this machine can retrain.
 
-Usage: ``python benchmarks/pretrain_tiny.py OUT [--epochs 20] [--layers 2 --width 64 --vocab 1024]``.
+``--corpus prose`` pretrains on real technical prose instead: the first paragraphs of the
+standard library's docstrings (``prose_data.stdlib_docstrings``, about 1500 texts), for a LoRA
+fine-tune on the installed libraries' docstrings, which it never saw (EVAL.md §1x):
+
+    traceprop eval lds --set pkgdocslm6 --seed 0 --model OUT/model --lora-rank 8 ...
+
+Usage: ``python benchmarks/pretrain_tiny.py OUT [--corpus facts|prose] [--epochs 20] [--layers 2
+--width 64 --vocab 1024]``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ import tempfile
 from pathlib import Path
 
 from traceprop_engine.evaluate.hard_data import generate_hard_facts
+from traceprop_engine.evaluate.prose_data import (
+    PACKAGE_FAMILIES,
+    collect_docstrings,
+    stdlib_docstrings,
+)
 
 SEEDS = (11, 12, 13, 14, 15, 16)
 """Data seeds of the corpus: disjoint from every evaluation seed used in EVAL.md (0, 1)."""
@@ -68,9 +80,25 @@ def write_corpus(path: Path) -> int:
     return len(rows)
 
 
+def write_prose_corpus(path: Path) -> int:
+    """The standard library's docstrings (first paragraphs) as one JSONL of ``{"text"}`` rows,
+    less every text of the installed libraries' families (``pkgdocslm6`` is fine-tuned on them)."""
+    package = [t for texts in collect_docstrings(PACKAGE_FAMILIES).values() for t in texts]
+    rows = stdlib_docstrings(exclude=package)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    return len(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="run directory to create; the model lands in OUT/model")
+    p.add_argument(
+        "--corpus",
+        choices=("facts", "prose"),
+        default="facts",
+        help="facts: the hard sets' language at unused seeds; prose: standard-library docstrings",
+    )
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--layers", type=int, default=2)
@@ -79,7 +107,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     corpus = a.out.with_name(a.out.name + "-corpus") / "corpus.jsonl"
-    n = write_corpus(corpus)
+    n = (write_prose_corpus if a.corpus == "prose" else write_corpus)(corpus)
     print(f"corpus: {n} rows in {corpus}", flush=True)
     cmd = [
         sys.executable, "-m", "traceprop_engine", "train", "--data", str(corpus),

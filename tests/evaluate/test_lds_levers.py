@@ -35,6 +35,7 @@ from traceprop_engine.evaluate.prose_data import (
     PROSE_EVAL_FILE,
     PROSE_TRAIN_FILE,
     generate_docstring_classes,
+    stdlib_docstrings,
 )
 from traceprop_engine.settings import IndexSettings, TrackSettings
 from traceprop_engine.training.losses import example_losses
@@ -209,6 +210,54 @@ def test_package_docstring_classes_read_the_installed_libraries(tmp_path):
     )
     assert _first_paragraph(wrapped) is None
     assert _first_paragraph(wrapped.replace("(", " ").replace(")", " ")) is not None
+
+
+@pytest.mark.parametrize("name, families, n_train, n_eval", [
+    ("docslm8", FAMILIES, 20, 6), ("pkgdocslm6", PACKAGE_FAMILIES, 24, 8)
+])  # fmt: skip
+def test_docstring_lm_sets_are_the_labelled_draw_without_labels(
+    tmp_path, name, families, n_train, n_eval
+):
+    """docslm8 / pkgdocslm6: the docstrings of docs8's / pkgdocs6's draw (same seed, same rows
+    in the same order), as ``{"text"}`` rows only, so `traceprop eval lds --set` trains them as
+    a causal LM; source.json says so."""
+    from traceprop_engine.evaluate.lds_sets import CLASSIFICATION_SETS, make_set
+
+    assert name not in CLASSIFICATION_SETS
+    train_dir, eval_dir = make_set(name, tmp_path / "ev", seed=1)
+    train = _jsonl(Path(train_dir) / "docs.jsonl")
+    ev = _jsonl(Path(eval_dir) / "docs.jsonl")
+    assert len(train) == n_train * len(families) and len(ev) == n_eval * len(families)
+    assert all(set(r) == {"text"} for r in train + ev)
+    generate_docstring_classes(
+        tmp_path / "cls", seed=1, n_train_per_class=n_train, n_eval_per_class=n_eval,
+        families=families,
+    )  # fmt: skip
+    labelled = _jsonl(tmp_path / "cls" / PROSE_TRAIN_FILE)
+    assert [r["text"] for r in train] == [r["text"] for r in labelled]
+    info = json.loads((Path(train_dir).parent / "source.json").read_text())
+    assert info["task"] == "causal-lm" and info["generator"].endswith("generate_docstring_texts")
+    from traceprop_engine.training.data import load_examples
+
+    examples, _ = load_examples(train_dir, task="causal-lm")
+    assert len(examples) == len(train)
+
+
+def test_stdlib_corpus_is_prose_disjoint_from_the_package_sets():
+    """The pretraining corpus of ``pretrain_tiny.py --corpus prose``: standard-library
+    docstrings kept by the same rule as the sets (60-400 characters, no code), each once, and
+    none of the installed libraries' texts that pkgdocslm6 fine-tunes on."""
+    from traceprop_engine.evaluate.prose_data import collect_docstrings
+
+    pkg = {t for texts in collect_docstrings(PACKAGE_FAMILIES).values() for t in texts}
+    whole = stdlib_docstrings()
+    corpus = stdlib_docstrings(exclude=pkg)
+    assert len(corpus) > 500 and len(set(corpus)) == len(corpus)
+    assert all(60 <= len(t) <= 400 and ">>>" not in t for t in corpus)
+    docs8 = {t for texts in collect_docstrings(FAMILIES).values() for t in texts}
+    assert len(docs8 & set(corpus)) > 0.9 * len(docs8)  # the standard library's families
+    assert len(pkg) > 500 and not pkg & set(corpus)
+    assert set(corpus) == set(whole) - pkg  # an inherited docstring (abc.ABC's) is left out
 
 
 def test_lexical_hard_variant_adds_contrast_and_echo_rows(tmp_path):

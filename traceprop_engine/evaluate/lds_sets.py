@@ -15,6 +15,12 @@ Each set writes ``train/`` and ``eval/`` under a folder beside the evaluation di
   6 eval docstrings of each of six installed libraries (numpy, polars, torch, h5py,
   transformers, plotly), labelled by library: a second classification set of real prose, by
   other authors, added in stop 46 and not looked at before (classification; data seed = seed).
+- ``docslm8``: docs8's draw without labels, a causal LM set of real prose (every token of a
+  docstring a target; 160 training and 48 eval texts; data seed = seed).
+- ``pkgdocslm6``: pkgdocs6's families without labels, 24 training and 8 eval docstrings of
+  each library (144 / 48; data seed = seed). Its texts are disjoint from the standard library's,
+  so a model pretrained on those (``benchmarks/pretrain_tiny.py --corpus prose``) can be
+  fine-tuned on it with LoRA: real text on a pretrained base (EVAL.md §1x).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8", "pkgdocs6")
+SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8", "pkgdocs6", "docslm8", "pkgdocslm6")
 CLASSIFICATION_SETS = ("docs8", "pkgdocs6")
 
 
@@ -58,6 +64,16 @@ def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
 
         generate_docstring_classes(
             d, seed=seed, n_train_per_class=24, n_eval_per_class=6, families=PACKAGE_FAMILIES
+        )
+    elif name == "docslm8":
+        from .prose_data import generate_docstring_texts
+
+        generate_docstring_texts(d, seed=seed, n_train_per_class=20, n_eval_per_class=6)
+    elif name == "pkgdocslm6":
+        from .prose_data import PACKAGE_FAMILIES, generate_docstring_texts
+
+        generate_docstring_texts(
+            d, seed=seed, n_train_per_class=24, n_eval_per_class=8, families=PACKAGE_FAMILIES
         )
     else:
         raise ConfigError(f"unknown LDS set {name!r}; one of {', '.join(SETS)}")

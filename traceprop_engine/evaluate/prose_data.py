@@ -13,6 +13,14 @@ The labels are the module family, which a docstring's words often but not always
 (``"Return the absolute value ..."`` is ``numbers``; ``"Return a new ...`` could be anything):
 the model has to learn from the prose, and a training row's influence on an eval row is not
 just "same label".
+
+The same draw without labels (``labelled=False``, :func:`generate_docstring_texts`) is a causal
+LM set of real prose (``docslm8``, ``pkgdocslm6``): every token of a docstring is a target, so
+each example's per-layer gradient is a sum over many tokens with different targets, where the
+generated fact sets put the loss on a few answer tokens. :func:`stdlib_docstrings` is a larger
+corpus of the same kind (every public standard-library module) to pretrain a small causal LM on
+before a LoRA fine-tune on the package docstrings (``benchmarks/pretrain_tiny.py --corpus
+prose``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import random
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +43,8 @@ __all__ = [
     "PROSE_EVAL_FILE",
     "PROSE_TRAIN_FILE",
     "generate_docstring_classes",
+    "generate_docstring_texts",
+    "stdlib_docstrings",
 ]
 
 PROSE_TRAIN_FILE = "train/docs.jsonl"
@@ -219,6 +230,7 @@ def generate_docstring_classes(
     n_train_per_class: int = 30,
     n_eval_per_class: int = 8,
     families: dict[str, tuple[str, ...]] | None = None,
+    labelled: bool = True,
 ) -> dict[str, Any]:
     """Write the docstring classification set: ``train/docs.jsonl``, ``eval/docs.jsonl``.
 
@@ -234,6 +246,8 @@ def generate_docstring_classes(
         families: ``{label: modules}`` (default :data:`FAMILIES`, the standard library's;
             :data:`PACKAGE_FAMILIES` reads the installed libraries' docstrings and records their
             versions).
+        labelled: False writes ``{"text"}`` rows only (the same docstrings in the same order):
+            a causal LM set (:func:`generate_docstring_texts`).
 
     Returns:
         The ``source.json`` dictionary.
@@ -259,13 +273,18 @@ def generate_docstring_classes(
         evals += [{"text": t, "label": fam} for t in pick[n_train_per_class:]]
     rng.shuffle(train)
     rng.shuffle(evals)
+    if not labelled:
+        train = [{"text": r["text"]} for r in train]
+        evals = [{"text": r["text"]} for r in evals]
     out_dir = Path(out_dir)
     for rel, rows in ((PROSE_TRAIN_FILE, train), (PROSE_EVAL_FILE, evals)):
         p = out_dir / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     info = {
-        "generator": "traceprop_engine.evaluate.prose_data.generate_docstring_classes",
+        "generator": "traceprop_engine.evaluate.prose_data."
+        + ("generate_docstring_classes" if labelled else "generate_docstring_texts"),
+        "task": "classification" if labelled else "causal-lm",
         "python": sys.version.split()[0],
         "seed": seed,
         "families": {f: list(m) for f, m in families.items()},
@@ -276,3 +295,91 @@ def generate_docstring_classes(
     }
     (out_dir / PROSE_INFO_FILE).write_text(json.dumps(info, indent=1))
     return info
+
+
+def generate_docstring_texts(out_dir: Path, **kwargs) -> dict[str, Any]:
+    """The docstring set as a causal LM set: :func:`generate_docstring_classes` with
+    ``labelled=False`` (``{"text"}`` rows; the same keyword arguments otherwise)."""
+    return generate_docstring_classes(out_dir, labelled=False, **kwargs)
+
+
+# standard-library modules never imported for the corpus: they open windows or browsers, print
+# on import, need a terminal or another platform, or hold tests rather than documented API
+_STDLIB_SKIP = frozenset(
+    [
+        "antigravity",
+        "this",
+        "idlelib",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "pydoc",
+        "pydoc_data",
+        "lib2to3",
+        "ensurepip",
+        "venv",
+        "test",
+        "unittest",
+        "msvcrt",
+        "winreg",
+        "winsound",
+        "nt",
+        "msilib",
+        "curses",
+        "readline",
+        "crypt",
+        "nis",
+        "ossaudiodev",
+        "spwd",
+        "sqlite3",
+        "webbrowser",
+        "distutils",
+    ]
+)
+
+
+def stdlib_docstrings(exclude: Iterable[str] = ()) -> list[str]:
+    """First paragraphs (as :func:`generate_docstring_classes` keeps them) of every public
+    module of the running Python's standard library and of its packages' public submodules,
+    each text once, in module order, less the texts in ``exclude``: a pretraining corpus of
+    technical prose (about 1450 texts on Python 3.11). Modules that fail to import are skipped;
+    importing prints nothing. A library's class can inherit a standard-library docstring
+    (``inspect.getdoc``), so a corpus for a fine-tune on :data:`PACKAGE_FAMILIES` passes their
+    texts as ``exclude``."""
+    import contextlib
+    import io
+    import pkgutil
+    import warnings
+
+    names = []
+    quiet = io.StringIO()
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(quiet),
+        contextlib.redirect_stderr(quiet),
+    ):
+        warnings.simplefilter("ignore")
+        for top in sorted(sys.stdlib_module_names):
+            if top.startswith("_") or top in _STDLIB_SKIP:
+                continue
+            names.append(top)
+            try:
+                mod = importlib.import_module(top)
+            except Exception:  # noqa: BLE001 (a platform's module missing here)
+                continue
+            for info in pkgutil.walk_packages(getattr(mod, "__path__", []), top + "."):
+                parts = info.name.split(".")[1:]
+                if not any(p.startswith(("_", "test")) or p in _STDLIB_SKIP for p in parts):
+                    names.append(info.name)
+        seen: set[str] = set(exclude)
+        out = []
+        for name in names:
+            try:
+                docs = _module_docs(name)
+            except Exception:  # noqa: BLE001 (a submodule that fails on import)
+                continue
+            for t in docs:
+                if t not in seen:
+                    seen.add(t)
+                    out.append(t)
+    return out
