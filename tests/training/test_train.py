@@ -18,7 +18,12 @@ from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
 from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import StopFlag, train
-from traceprop_engine.training.prepare import MIN_COVARIANCE_BATCHES, short_run_track
+from traceprop_engine.training.prepare import (
+    FREE_TEXT_TARGETS,
+    MIN_COVARIANCE_BATCHES,
+    free_text_note,
+    short_run_track,
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,54 @@ def test_short_run_track_only_ever_lowers_the_stride():
     assert short_run_track(off, 60) is off
     lowered = short_run_track(t, 60)
     assert lowered.k_in == t.k_in and lowered.covariance_tokens == t.covariance_tokens
+
+
+def test_free_text_note_only_for_rank_1_records_of_many_targets(caplog):
+    """Answers of a few tokens: no note. Free text (more than FREE_TEXT_TARGETS targets an
+    example, median): a logged note with the median and the rank that recovers the quality;
+    none when the records already have a higher rank."""
+    short = [np.arange(4)] * 9 + [np.arange(200)]  # the median decides, not the longest
+    text = [np.arange(FREE_TEXT_TARGETS + 1)] * 5 + [np.arange(2)]
+    assert free_text_note(TrackSettings(), short) is None
+    assert free_text_note(TrackSettings(), []) is None
+    assert free_text_note(TrackSettings(rank=16), text) is None
+    with caplog.at_level("INFO", logger="traceprop_engine"):
+        note = free_text_note(TrackSettings(), text)
+    assert f"median of {FREE_TEXT_TARGETS + 1} target tokens" in note and "--rank 16" in note
+    assert note in caplog.text
+
+
+def test_a_free_text_run_logs_the_note_and_a_facts_run_does_not(data, tmp_path, caplog):
+    """Through `train`: the facts data's completions are short, every token of a text row is
+    a target."""
+    with caplog.at_level("INFO", logger="traceprop_engine"):
+        train(fast_settings(data, tmp_path / "facts"))
+    assert "free text" not in caplog.text
+    texts = tmp_path / "texts"
+    words = [
+        "the",
+        "model",
+        "reads",
+        "every",
+        "token",
+        "of",
+        "this",
+        "row",
+        "as",
+        "a",
+        "target",
+        "of",
+        "the",
+        "loss",
+    ]
+    for part, n in (("train", 12), ("eval", 2)):
+        (texts / part).mkdir(parents=True)
+        rows = [{"text": " ".join(words[i % 5 :] * 2 + words[: i % 5])} for i in range(n)]
+        (texts / part / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="traceprop_engine"):
+        train(fast_settings(texts, tmp_path / "text"))
+    assert "free text" in caplog.text
 
 
 def test_no_track_runs_the_same_loop_without_a_store(data, tmp_path):

@@ -367,7 +367,10 @@ def stdlib_docstrings(exclude: Iterable[str] = ()) -> list[str]:
                 mod = importlib.import_module(top)
             except Exception:  # noqa: BLE001 (a platform's module missing here)
                 continue
-            for info in pkgutil.walk_packages(getattr(mod, "__path__", []), top + "."):
+            subs = pkgutil.walk_packages(
+                getattr(mod, "__path__", []), top + ".", onerror=lambda _name: None
+            )  # a subpackage that raises on import (any error) is skipped, not fatal
+            for info in subs:
                 parts = info.name.split(".")[1:]
                 if not any(p.startswith(("_", "test")) or p in _STDLIB_SKIP for p in parts):
                     names.append(info.name)
