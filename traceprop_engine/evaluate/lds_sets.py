@@ -31,6 +31,12 @@ from ..errors import ConfigError
 
 SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8", "pkgdocs6", "docslm8", "pkgdocslm6")
 CLASSIFICATION_SETS = ("docs8", "pkgdocs6")
+_DOCSTRING_SETS = {  # name: (the installed libraries' families?, train / eval per family, labelled)
+    "docs8": (False, 20, 6, True),
+    "pkgdocs6": (True, 24, 6, True),
+    "docslm8": (False, 20, 6, False),
+    "pkgdocslm6": (True, 24, 8, False),
+}
 
 
 def set_data_dir(out: str | Path) -> Path:
@@ -55,25 +61,17 @@ def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
             n_entities=48 if lexical else 160 if name == "hard160" else 60,
             variant="lexical" if lexical else "basic",
         )
-    elif name == "docs8":
-        from .prose_data import generate_docstring_classes
-
-        generate_docstring_classes(d, seed=seed, n_train_per_class=20, n_eval_per_class=6)
-    elif name == "pkgdocs6":
+    elif name in _DOCSTRING_SETS:
         from .prose_data import PACKAGE_FAMILIES, generate_docstring_classes
 
+        packages, n_train, n_eval, labelled = _DOCSTRING_SETS[name]
         generate_docstring_classes(
-            d, seed=seed, n_train_per_class=24, n_eval_per_class=6, families=PACKAGE_FAMILIES
-        )
-    elif name == "docslm8":
-        from .prose_data import generate_docstring_texts
-
-        generate_docstring_texts(d, seed=seed, n_train_per_class=20, n_eval_per_class=6)
-    elif name == "pkgdocslm6":
-        from .prose_data import PACKAGE_FAMILIES, generate_docstring_texts
-
-        generate_docstring_texts(
-            d, seed=seed, n_train_per_class=24, n_eval_per_class=8, families=PACKAGE_FAMILIES
+            d,
+            seed=seed,
+            n_train_per_class=n_train,
+            n_eval_per_class=n_eval,
+            families=PACKAGE_FAMILIES if packages else None,
+            labelled=labelled,
         )
     else:
         raise ConfigError(f"unknown LDS set {name!r}; one of {', '.join(SETS)}")

@@ -171,7 +171,7 @@ def _module_docs(name: str) -> list[str]:
     """First paragraphs of the public functions, classes and methods defined in module ``name``."""
     try:
         mod = importlib.import_module(name)
-    except ImportError:
+    except Exception:  # noqa: BLE001 (missing here, or a module that fails on import)
         return []
     out = []
     for attr, obj in sorted(vars(mod).items()):
@@ -374,15 +374,6 @@ def stdlib_docstrings(exclude: Iterable[str] = ()) -> list[str]:
                 parts = info.name.split(".")[1:]
                 if not any(p.startswith(("_", "test")) or p in _STDLIB_SKIP for p in parts):
                     names.append(info.name)
-        seen: set[str] = set(exclude)
-        out = []
-        for name in names:
-            try:
-                docs = _module_docs(name)
-            except Exception:  # noqa: BLE001 (a submodule that fails on import)
-                continue
-            for t in docs:
-                if t not in seen:
-                    seen.add(t)
-                    out.append(t)
-    return out
+        texts = collect_docstrings({"stdlib": tuple(names)})["stdlib"]
+    skip = set(exclude)
+    return [t for t in texts if t not in skip]
