@@ -102,6 +102,12 @@ def main() -> None:
         help="TrackSettings.embedding (the bench's model is built from a config: auto is off)",
     )
     p.add_argument(
+        "--rank",
+        type=int,
+        default=TrackSettings().rank,
+        help="TrackSettings.rank (16: what a free-text run records by default)",
+    )
+    p.add_argument(
         "--half-step-start",
         choices=("output", "narrow"),
         default=TrackSettings().half_step_start.value,
@@ -115,6 +121,7 @@ def main() -> None:
     track = {k: d[k] for k in keys} | {"buffer_records": 256, "seed": 0}
     track["embedding"] = args.embedding
     track["half_step_start"] = args.half_step_start
+    track["rank"] = args.rank
     shape = {k: getattr(args, k) for k in ("layers", "width", "vocab", "batch", "seq")}
     rows = {k: [] for k in ("plain", "tracked", "fwd", "bwd", "ops", "proj", "flush")}
     cov_s = 0.0

@@ -89,8 +89,9 @@ def add_field_flags(p, cls, *names: str) -> None:
         add_field_flag(p, cls, name)
 
 
-def add_track_flags(p) -> None:
-    """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults."""
+def add_track_flags(p, **free_text_rank) -> None:
+    """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults
+    (``free_text_rank``: overrides of --free-text-rank's ``default`` and ``help``)."""
     from .settings import TrackSettings as T
 
     add_field_flags(p, T, "k_in", "k_out", "projection", "embedding")
@@ -108,6 +109,11 @@ def add_track_flags(p) -> None:
         p,
         T,
         "rank",
+    )
+    add_field_flag(p, T, "free_text_rank", **free_text_rank)
+    add_field_flags(
+        p,
+        T,
         "factor_dtype",
         "factor_space",
         "power_iters",
@@ -160,6 +166,7 @@ def add_index_flags(p, query: bool = False) -> None:
     add_field_flag(p, S, "statistics")
     add_field_flag(p, S, "kind", "--index-kind")
     add_field_flag(p, S, "lists", action=argparse.BooleanOptionalAction)
+    add_field_flag(p, S, "columns", type=int)
     if not query:
         return
     add_field_flag(
@@ -190,5 +197,6 @@ def index_settings(a):
         statistics=getattr(a, "statistics", "auto"),
         kind=a.index_kind,
         lists=getattr(a, "lists", None),
+        columns=getattr(a, "columns", None),
         class_prior=getattr(a, "class_prior", None),
     )

@@ -165,6 +165,16 @@ class IndexSettings:
         "most of the gradient energy (None: from 200k index rows on, where FAISS is an IVF "
         "index; True: on any run whose records allow it; False: never)",
     )
+    columns: int | None = knob(
+        None,
+        help="the columns of rank-r records that score (a free-text run records rank 16, "
+        "TrackSettings.free_text_rank; the first column is the rank-1 record): None = auto, "
+        "per query: the first column for a query whose loss covers at most 16 tokens (an "
+        "answer, a label), every column for a longer one (free text); 0 = every column; c = "
+        "the first c. Measured (benchmarks/EVAL.md section 1y): an answer scored against every "
+        "column lost 0.37 LDS, a free-text query against the first column alone 0.16. No "
+        "effect on runs recorded at rank 1",
+    )
     class_prior: float | None = knob(
         None,
         help="classification: add class_prior x (+1 when the example's label is the query's, "
@@ -192,6 +202,11 @@ class IndexSettings:
             )
         if prior is not None:
             object.__setattr__(self, "class_prior", float(prior))
+        c = self.columns
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ConfigError(
+                f"columns must be an integer >= 0 (0: every column) or None (auto), got {c!r}"
+            )
         for name, zero in (("index_side", "no index projection"), ("index_dims", "no reduction")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -239,6 +254,8 @@ class IndexSettings:
             parts.append(f"r{self.index_dims}")
         if self.lists is not None:
             parts.append("lists" if self.lists else "nolists")
+        if self.columns:  # the first c columns of the records: another index
+            parts.append(f"c{self.columns}")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -260,4 +277,6 @@ class IndexSettings:
             # statistics: inline is what every index built before it used (auto is resolved
             # per run first, AttributionRun.settings)
             **({"statistics": self.statistics.value} if self.uses_final_statistics else {}),
+            # columns: every index built before it scored every column (no key)
+            **({"columns": self.columns} if self.columns else {}),
         }

@@ -83,6 +83,7 @@ RECORDED_BEFORE_KEYS = {
     "vocab_rows": False,
     "embedding": EmbeddingMode.OFF.value,
     "half_step_start": HalfStepStart.OUTPUT.value,
+    "free_text_rank": 0,
 }
 """How a run recorded before one of these fields existed was tracked (its run.json lacks the
 key: :meth:`TrackSettings.from_dict`, ``evaluate.pareto.assess``)."""
@@ -101,7 +102,10 @@ class TrackSettings:
     The default records a rank-1 approximation of each example's full per-layer gradient,
     ``û ûᵀ G`` with ``û`` the example's summed output gradient ``Σ_t g_t``, projected to
     k = 126 per side and stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per
-    layer and record. (How the defaults were chosen: benchmarks/EVAL.md.)
+    layer and record. A run whose examples are free text (more than 16 loss tokens each) records
+    rank-16 factors instead (``free_text_rank``), whose first column is that rank-1 record: a
+    query of a few loss tokens scores against it, a free-text query against all 16
+    (``IndexSettings.columns``). (How the defaults were chosen: benchmarks/EVAL.md.)
     """
 
     scope: str = knob(
@@ -157,7 +161,17 @@ class TrackSettings:
         "(rank*(k_out + k_in) numbers instead of k_out*k_in); 0 stores the full sketch. Rank 1 "
         "suits targets of a few tokens (answers, labels); on free text, where every token is a "
         "target, a higher rank keeps much more (benchmarks/EVAL.md section 1x: rank 16 scored "
-        "0.69 LDS against 0.50 at rank 1, at 16 times the bytes)",
+        "0.69 LDS against 0.50 at rank 1, at 16 times the bytes); see free_text_rank",
+    )
+    free_text_rank: int = knob(
+        16,
+        help="with rank 1, the rank a run's records take when its examples are free text: a "
+        "median of more than 16 loss tokens per example (decided from the targets when given, "
+        "traceprop train gives them; otherwise at the first step, from the tokens whose output "
+        "gradient is not zero). Answers and labels keep rank 1. 0 (or 1) = always rank 1. "
+        "Measured (benchmarks/EVAL.md sections 1x, 1y): on free text rank 16 scored 0.16 LDS "
+        "above rank 1 and at or above full-gradient cosine; on answers no rank beat rank 1. "
+        "Runs recorded before it read as 0",
     )
     factor_dtype: FactorDtype = knob(
         FactorDtype.INT8,
@@ -255,6 +269,11 @@ class TrackSettings:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ConfigError(
                 f"rank must be a non-negative integer (0 = store full sketches), got {self.rank!r}"
+            )
+        v = self.free_text_rank
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(
+                f"free_text_rank must be a non-negative integer (0 = always rank 1), got {v!r}"
             )
         for name in (
             "k_in",

@@ -79,22 +79,25 @@ def test_short_run_track_only_ever_lowers_the_stride():
     assert lowered.k_in == t.k_in and lowered.covariance_tokens == t.covariance_tokens
 
 
-def test_free_text_note_only_for_rank_1_records_of_many_targets(caplog):
+def test_free_text_note_only_for_rank_1_records_kept_on_many_targets(caplog):
     """Answers of a few tokens: no note. Free text (more than FREE_TEXT_TARGETS targets an
-    example, median): a logged note with the median and the rank that recovers the quality;
-    none when the records already have a higher rank."""
+    example, median) with the free-text rank turned off: a logged note with the median and the
+    setting that recovers the quality; none when the records take a higher rank (explicitly, or
+    the free-text rank of the default)."""
     short = [np.arange(4)] * 9 + [np.arange(200)]  # the median decides, not the longest
     text = [np.arange(FREE_TEXT_TARGETS + 1)] * 5 + [np.arange(2)]
-    assert free_text_note(TrackSettings(), short) is None
-    assert free_text_note(TrackSettings(), []) is None
+    off = TrackSettings(free_text_rank=0)
+    assert free_text_note(off, short) is None
+    assert free_text_note(off, []) is None
     assert free_text_note(TrackSettings(rank=16), text) is None
+    assert free_text_note(TrackSettings(), text) is None  # the default takes rank 16 there
     with caplog.at_level("INFO", logger="traceprop_engine"):
-        note = free_text_note(TrackSettings(), text)
-    assert f"median of {FREE_TEXT_TARGETS + 1} target tokens" in note and "--rank 16" in note
-    assert note in caplog.text
+        note = free_text_note(off, text)
+    assert f"median of {FREE_TEXT_TARGETS + 1} target tokens" in note
+    assert "--free-text-rank 16" in note and note in caplog.text
 
 
-def test_a_free_text_run_logs_the_note_and_a_facts_run_does_not(data, tmp_path, caplog):
+def test_a_free_text_run_takes_the_free_text_rank_and_a_facts_run_does_not(data, tmp_path, caplog):
     """Through `train`: the facts data's completions are short, every token of a text row is
     a target."""
     with caplog.at_level("INFO", logger="traceprop_engine"):
@@ -123,8 +126,13 @@ def test_a_free_text_run_logs_the_note_and_a_facts_run_does_not(data, tmp_path, 
         (texts / part / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     caplog.clear()
     with caplog.at_level("INFO", logger="traceprop_engine"):
-        train(fast_settings(texts, tmp_path / "text"))
-    assert "free text" in caplog.text
+        run = train(fast_settings(texts, tmp_path / "text"))
+    assert "free text" in caplog.text and "rank 16 instead of 1" in caplog.text
+    # the free-text rank, clamped to the layers' k = 4; the facts run kept rank 1
+    assert read_manifest(run)["tracking"]["rank"] == 16
+    with Store(run / "store.h5") as store:
+        assert {info.rank for info in store.layers} == {4}
+    assert read_manifest(tmp_path / "facts")["tracking"]["rank"] == 1
 
 
 def test_no_track_runs_the_same_loop_without_a_store(data, tmp_path):

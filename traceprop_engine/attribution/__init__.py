@@ -41,6 +41,7 @@ _LAZY = {
     "WorkerUnavailable": ".model_side.worker",
     "model_answer": ".model_side.answer",
     "token_contributions": ".model_side.tokens",
+    "query_targets": ".model_side.test_side",
     # the fitted preconditioner (H^-1/2 per layer) every index and score of a run goes through
     "Preconditioner": ".precondition.preconditioner",
     # scores beyond one query
@@ -84,6 +85,7 @@ __all__ = [
     "model_answer",
     "open_run",
     "overlap",
+    "query_targets",
     "rank_changes",
     "rank_examples",
     "rows_for_export",
@@ -98,6 +100,7 @@ if TYPE_CHECKING:
     from traceprop_engine.settings import IndexSettings
 
     from .model_side.answer import model_answer
+    from .model_side.test_side import query_targets
     from .model_side.tokens import token_contributions
     from .model_side.worker import QueryWorker, WorkerUnavailable
     from .overview import RunOverview, describe, example_tokens

@@ -22,6 +22,8 @@ from ..settings import (
     StatisticsSource,
     Task,
 )
+from .score.class_prior import labelled
+from .score.ranking import ZERO_LR_NOTE
 
 NO_STATISTICS_NOTE = (
     "this run has no K-FAC statistics (trained with --no-covariance, or stopped before they were "
@@ -155,3 +157,28 @@ def describe(run) -> RunOverview:
 def example_tokens(run, example_id: int) -> tuple[np.ndarray, np.ndarray]:
     """The token ids and loss mask example ``example_id`` was trained on (from the store)."""
     return run.store.tokens(int(example_id))
+
+
+def run_notes(run) -> list[str]:
+    """What every query of ``run`` (an ``AttributionRun``) should say: a partial store, what
+    the default preconditioner resolved to where it is not K-FAC, a class prior in use, records
+    of learning rate 0, and the example table's own notes."""
+    out = []
+    default = run.settings()
+    if run.store.is_partial:  # says so when it has no covariance
+        out.append(run.store.describe_partial())
+    else:  # what the default (auto) resolved to on this run, where it is not K-FAC
+        if default.preconditioner is PreconditionerKind.IDENTITY:  # no statistics
+            out.append(NO_STATISTICS_NOTE)
+        elif default.preconditioner is PreconditionerKind.EKFAC:  # pretrained classifier, full
+            out.append(CLASSIFIER_FULL_NOTE)
+    if run._labelled is None:  # lineage with two labels or more: a prior can apply
+        run._labelled = labelled(run.examples()["label"].unique().to_list())
+    if run.task == "classification" and default.class_prior and run._labelled:
+        out.append(CLASS_PRIOR_NOTE)
+    if run._zero_lr is None:
+        lr = run.store.records()[C.REC_LR]
+        run._zero_lr = bool(len(lr)) and not np.any(lr)
+    if run._zero_lr:
+        out.append(ZERO_LR_NOTE)
+    return out + run._notes_extra

@@ -27,28 +27,23 @@ import polars as pl
 from .. import constants as C
 from ..errors import QueryError, RunError
 from ..run import RunManifest
-from ..settings import IndexSettings, PreconditionerKind, StatisticsSource
+from ..settings import IndexSettings, StatisticsSource
+from ..store.column_view import query_columns
 from ..store.sharded import open_run_store
 from .index.candidates import candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
-from .model_side.test_side import TestSideMixin
-from .overview import (
-    CLASS_PRIOR_NOTE,
-    CLASSIFIER_FULL_NOTE,
-    NO_STATISTICS_NOTE,
-    resolve_settings,
-)
+from .model_side.test_side import TestSideMixin, query_targets
+from .overview import resolve_settings, run_notes
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
 from .query_input import Query
 from .query_sketches import label_of
 from .result import QueryResult, TestSide
 from .score.blas_threads import one_blas_thread
-from .score.class_prior import RowClasses, labelled
+from .score.class_prior import RowClasses
 from .score.ranking import (
     CLASS_PRIOR_LAYER,
-    ZERO_LR_NOTE,
     example_table,
     hit_rows,
     signed_hits,
@@ -106,25 +101,8 @@ class AttributionRun(TestSideMixin):
 
     @property
     def notes(self) -> list[str]:
-        out = []
-        default = self.settings()
-        if self.store.is_partial:  # says so when it has no covariance
-            out.append(self.store.describe_partial())
-        else:  # what the default (auto) resolved to on this run, where it is not K-FAC
-            if default.preconditioner is PreconditionerKind.IDENTITY:  # no statistics
-                out.append(NO_STATISTICS_NOTE)
-            elif default.preconditioner is PreconditionerKind.EKFAC:  # pretrained classifier, full
-                out.append(CLASSIFIER_FULL_NOTE)
-        if self._labelled is None:  # lineage with two labels or more: a prior can apply
-            self._labelled = labelled(self.examples()["label"].unique().to_list())
-        if self.task == "classification" and default.class_prior and self._labelled:
-            out.append(CLASS_PRIOR_NOTE)
-        if self._zero_lr is None:
-            lr = self.store.records()[C.REC_LR]
-            self._zero_lr = bool(len(lr)) and not np.any(lr)
-        if self._zero_lr:
-            out.append(ZERO_LR_NOTE)
-        return out + self._notes_extra
+        """What every query of this run should say (:func:`~.overview.run_notes`)."""
+        return run_notes(self)
 
     def examples(self) -> pl.DataFrame:
         """The example table: example_id, source, row, sha256, split, text, prompt, completion, label."""
@@ -152,7 +130,8 @@ class AttributionRun(TestSideMixin):
         """Fit from the statistics ``s`` names (EK-FAC streams the sketches once for its
         eigenvalues)."""
         s = self.settings(s)
-        return fit_preconditioner(self.store, s, progress, self.statistics(s, self.index_root(s)))
+        store = self.indexes.store_for(s)
+        return fit_preconditioner(store, s, progress, self.statistics(s, self.index_root(s)))
 
     def index_root(self, s: IndexSettings | None = None) -> Path:
         """The folder holding the index ``s`` (and the final model's statistics):
@@ -219,9 +198,9 @@ class AttributionRun(TestSideMixin):
         """
         if top_k < 1:
             raise QueryError(f"top_k must be at least 1, got {top_k}")
-        s = self.settings(settings)
         t0 = time.perf_counter()
         ts = test_side or self.test_side(Query.of(prompt, completion, **query))
+        s = self.for_query(settings, ts.n_targets)
         encode_ms = ts.elapsed_ms if test_side is not None else 0.0
         rows, sign_notes = self.rank(ts.sketches, s, top_k, opponents)
         index, _, pre = self.index(s)
@@ -234,6 +213,7 @@ class AttributionRun(TestSideMixin):
             "weighting": s.weighting.value,  # resolved (recorded / fisher), also where omitted
             "statistics": s.statistics.value,  # resolved (inline / final / both)
             "class_prior": s.class_prior,  # resolved (0: the records alone)
+            "columns": s.columns,  # resolved for this query (0: every column)
             "n_vectors": int(index.n),
         }
         prior = self.class_prior_scores(ts.sketches, s, np.zeros(0, np.int64)) is not None
@@ -246,6 +226,15 @@ class AttributionRun(TestSideMixin):
             sketches=ts.sketches,
             model_fingerprint=ts.model_fingerprint,
         )
+
+    def for_query(self, s: IndexSettings | None, n_targets: int | None) -> IndexSettings:
+        """``s`` resolved for a query of ``n_targets`` loss tokens: its ``auto`` choices
+        (:meth:`settings`) and the record columns it scores against (``columns=None``: the
+        first alone for a short query on records of rank above 1, :func:`query_columns`)."""
+        s = self.settings(s)
+        if s.columns is None:
+            s = dataclasses.replace(s, columns=query_columns(self.store.layers, n_targets))
+        return s
 
     def rank(
         self, sketches: list[np.ndarray], s: IndexSettings, top_k: int = 10, opponents: bool = True
@@ -392,13 +381,16 @@ class AttributionRun(TestSideMixin):
                 "scores() gives one score per example: use settings with per_record=False"
             )
         queries, batched = Query.of(prompt, completion, **query).split()
-        _, ids, _ = self.index(s)
-        n = max(self.examples().height, int(ids.max()) + 1 if len(ids) else 0)
-        out = np.zeros((len(queries), n), np.float64)
+        out = None
         for qi, one in enumerate(queries):
             enc, _, _ = self.encode(one)  # torch: the queries run through the model
             sk, _ = self.query_sketches(enc)
-            out[qi, ids] = self.all_scores(sk, s)
+            sq = self.for_query(s, query_targets(enc))
+            _, ids, _ = self.index(sq)
+            if out is None:
+                n = max(self.examples().height, int(ids.max()) + 1 if len(ids) else 0)
+                out = np.zeros((len(queries), n), np.float64)
+            out[qi, ids] = self.all_scores(sk, sq)
         return out if batched else out[0]
 
     def influence_by_source(
@@ -414,6 +406,8 @@ class AttributionRun(TestSideMixin):
         """``example_id, source, row, score``: the exact score of every indexed training example
         for the query of ``result`` (what by-source totals and score histograms are made of)."""
         s = self.settings(settings)
+        if s.columns is None:  # the columns the result was ranked with (none recorded: every one)
+            s = dataclasses.replace(s, columns=int(result.query.get("columns") or 0))
         sk = result.sketches
         if sk is None:  # a result rebuilt from its description (e.g. an audit trail)
             enc, _, _ = self.encode(Query.from_description(result.query))

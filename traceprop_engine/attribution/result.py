@@ -27,6 +27,8 @@ class TestSide:
         elapsed_ms: the time the encoding and backward took.
         model_fingerprint: the fingerprint of the model the sketches were taken on (checked
             against the run's record when it was loaded).
+        n_targets: the query's loss tokens (1 for a classification label; None: not known),
+            which pick the record columns it scores against (``IndexSettings.columns``).
     """
 
     __test__ = False  # not a pytest test class
@@ -37,6 +39,7 @@ class TestSide:
     notes: list[str] = field(default_factory=list)
     elapsed_ms: float = 0.0
     model_fingerprint: str | None = None
+    n_targets: int | None = None
 
 
 @dataclass

@@ -129,6 +129,9 @@ class _Arms:
         # the batch's tokens are the training targets, as `traceprop train` passes them, so the
         # LM head gets its vocabulary rows like a default run's (same shapes, same cost)
         targets = [row[1:].numpy() for row in self.labels]
+        # every token a target is free text: the records stay rank 1 (what answers and labels
+        # get) unless the caller asks for free_text_rank (the free-text default: 16)
+        track = {"free_text_rank": 0, **track}
         self.trackers = {
             "tracked": Tracker(
                 self.model,
@@ -316,7 +319,9 @@ def run_overhead_bench(
 
     ``scope``, ``sketch``, ``k_in``, ``k_out``, ``rank``, ``factor_dtype``, ``dense_k`` default to
     :class:`TrackSettings`' defaults, so the bench measures the default configuration unless
-    told otherwise."""
+    told otherwise, except ``free_text_rank``: the batch's every token is a target, so a default
+    run would record it at rank 16; the bench times rank 1 (what answers and labels get) unless
+    ``track_extra`` asks for ``free_text_rank``."""
     d = TrackSettings().to_dict()
     given = dict(
         scope=scope,

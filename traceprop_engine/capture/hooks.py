@@ -77,6 +77,8 @@ class Capture(CaptureState):
         self._input_start = any(layer.input_start for layer in layers)
         # a query's per-token factors: one list per layer, or None (training never sets it)
         self.token_factors: list[list] | None = None
+        # counts each example's loss positions in one batch (free_text.TargetProbe), or None
+        self.probe = None
 
     # -- lifetime -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -127,6 +129,16 @@ class Capture(CaptureState):
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+    def relayout(self) -> None:
+        """Rebuild what depends on the layers' record form after their rank changed
+        (:func:`~.layers.set_rank`): what is queued is written first, in the former form."""
+        self.write_deferred()
+        self._input_start = any(layer.input_start for layer in self.layers)
+        self._deferred = None
+        if self._handles:
+            device = next(self.model.parameters()).device
+            self._deferred = DeferredFactors(self.layers, device) or None
 
     def write_deferred(self) -> None:
         """Write the records of every batch run with ``defer=True`` into their slots now."""
@@ -362,6 +374,8 @@ class Capture(CaptureState):
         slots = self._slots
         if not layer._stack or slots is None:
             return
+        if self.probe is not None:
+            self.probe.add(g)
         if layer.full_factor:
             self._backward_full(layer, i, g)
             return

@@ -394,22 +394,30 @@ def build_layers(
                 )
             else:
                 layer.P_out = random_projection(kind, layer.k_out, d_out, out_seed)
-            if settings.rank:
-                layer.rank = min(settings.rank, layer.k_out, layer.k_in)
-                layer.factor_dtype = settings.factor_dtype.value
-                layer.full_factor = settings.factor_space is FactorSpace.FULL
-                layer.power_iters = settings.power_iters
-                layer.input_start = (
-                    settings.half_step_start is HalfStepStart.NARROW
-                    and not settings.optimizer_aware
-                    and layer.full_factor
-                    and layer.rank == 1
-                    and layer.power_iters == 0
-                    and not layer.output_head
-                    and not layer.embedding
-                    and layer.d_in < layer.d_out
-                )
-                layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
-                layer.cov_tokens = settings.covariance_tokens if layer.full_factor else 0
+            set_rank(layer, settings)
         layers.append(layer)
     return layers
+
+
+def set_rank(layer: TrackedLayer, settings: TrackSettings) -> None:
+    """A factored layer's record form from ``settings``: its rank (clamped to the layer), factor
+    dtype and space, power iterations, half-step start and statistics sampling. Also used to
+    change a layer's rank before its first record is stored (:mod:`.free_text`)."""
+    if not settings.rank:
+        return
+    layer.rank = min(settings.rank, layer.k_out, layer.k_in)
+    layer.factor_dtype = settings.factor_dtype.value
+    layer.full_factor = settings.factor_space is FactorSpace.FULL
+    layer.power_iters = settings.power_iters
+    layer.input_start = (
+        settings.half_step_start is HalfStepStart.NARROW
+        and not settings.optimizer_aware
+        and layer.full_factor
+        and layer.rank == 1
+        and layer.power_iters == 0
+        and not layer.output_head
+        and not layer.embedding
+        and layer.d_in < layer.d_out
+    )
+    layer.cov_stride = settings.covariance_stride if layer.full_factor else 1
+    layer.cov_tokens = settings.covariance_tokens if layer.full_factor else 0

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -160,3 +163,45 @@ def warn_silent_embedding(embeddings, warned: bool) -> bool:
         )
         return True
     return warned
+
+
+def padding_mask_of(padding_mask, token_mask):
+    """``Tracker.step``'s padding mask, given as ``padding_mask`` or by its deprecated alias
+    ``token_mask`` (a warning).
+
+    Raises:
+        ConfigError: both given.
+    """
+    if token_mask is None:
+        return padding_mask
+    if padding_mask is not None:
+        raise ConfigError(
+            "Tracker.step got both padding_mask and token_mask: pass padding_mask only"
+        )
+    warnings.warn(
+        "Tracker.step(token_mask=...) is deprecated: it is the padding (attention) mask, "
+        "pass padding_mask=...",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return token_mask
+
+
+def check_store_path(store_path, new: bool) -> None:
+    """A Tracker's store path: a file name, and (``new``: no store reopened, no overwrite asked)
+    no file there yet.
+
+    Raises:
+        ConfigError: a directory; an existing file where a new store would go.
+    """
+    if Path(store_path).is_dir():
+        raise ConfigError(
+            f"the store path {store_path} is a directory: give the store's file name, "
+            f"e.g. {Path(store_path) / C.STORE_FILE}"
+        )
+    if new and os.path.lexists(store_path):
+        raise ConfigError(
+            f"{store_path} already exists (the store of an earlier run?): a new Tracker "
+            "would replace it with an empty store. Give another path, or pass "
+            "overwrite=True to replace it"
+        )

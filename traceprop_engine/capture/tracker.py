@@ -35,7 +35,6 @@ import contextlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from ..run_record import make_run
 from ..settings import TrackSettings
 from ..store.writer import StoreWriter
 from .buffer import BackgroundSink, SketchBuffer
+from .free_text import TargetProbe, adapts, median_targets, rank_for, rank_from_first_step
 from .hooks import Capture
 from .layers import build_layers, model_origin, resolved_embedding, target_counts
 from .optimizer_scale import (
@@ -62,9 +62,11 @@ from .project import deferrable
 from .step_checks import (
     check_losses,
     check_step_args,
+    check_store_path,
     check_tokens_in_vocab,
     example_ids,
     few_statistics,
+    padding_mask_of,
     warn_silent_embedding,
 )
 
@@ -95,7 +97,10 @@ class Tracker:
             loss is taken, e.g. ``ids[loss_mask == 1]``). With ``settings.vocab_rows`` the LM
             head's output projection keeps the most frequent ones exact, which makes the head's
             scores nearly exact (benchmarks/EVAL.md §1g); without them the head's output side
-            is a plain random projection.
+            is a plain random projection. They also decide the records' rank
+            (``settings.free_text_rank``: free text, a median of more than 16 targets an
+            example, records at rank 16); without them the first step decides it
+            (:mod:`.free_text`).
 
     A record is ``lr × raw per-example gradient`` (sketched): gradient clipping and the
     optimizer's own preconditioning (Adam's moments, momentum, weight decay) are not reflected.
@@ -118,23 +123,18 @@ class Tracker:
         optimizer=None,
         targets: Sequence[np.ndarray] | None = None,
     ) -> None:
-        if Path(store_path).is_dir():
-            raise ConfigError(
-                f"the store path {store_path} is a directory: give the store's file name, "
-                f"e.g. {Path(store_path) / C.STORE_FILE}"
-            )
-        if writer is None and not overwrite and os.path.lexists(store_path):
-            raise ConfigError(
-                f"{store_path} already exists (the store of an earlier run?): a new Tracker "
-                "would replace it with an empty store. Give another path, or pass "
-                "overwrite=True to replace it"
-            )
+        check_store_path(store_path, new=writer is None and not overwrite)
         self.model = model
         self.store_path = Path(store_path)
         # embedding='auto' decided here, once: a resumed store (writer) by what it records
-        self.settings = resolved_embedding(
+        settings = resolved_embedding(
             settings or TrackSettings(), model, None if writer is None else writer.layer_kinds
         )
+        # free_text_rank: the records' rank from the data (a resumed store keeps its own)
+        self._probe_rank = writer is None and adapts(settings) and targets is None
+        if writer is None and targets is not None:
+            settings = rank_for(settings, median_targets(targets))
+        self.settings = settings
         counts = None if targets is None else target_counts(targets)
         self.layers = build_layers(model, self.settings, counts)
         self.capture = Capture(model, self.layers, covariance=self.settings.covariance)
@@ -145,17 +145,7 @@ class Tracker:
         if writer is None:  # what was trained: AttributionRun.settings' weighting=auto reads it
             self.writer.set_attrs(**{C.MODEL_ORIGIN: model_origin(model)})
         self._sink = BackgroundSink(self.writer) if background else self.writer.append
-        device = next(model.parameters()).device
-        self.buffer = SketchBuffer(
-            [layer.record_shape for layer in self.layers],
-            self.settings.buffer_records,
-            device,
-            self._sink,
-            # full-space factors are written by the hooks; sketch-space ones by the buffer
-            ranks=[0 if layer.full_factor else layer.rank for layer in self.layers],
-            # the default factors of a buffer's steps are projected together, before it flushes
-            before_flush=self.capture.write_deferred,
-        )
+        self.buffer = self._make_buffer()
         self.step_ms: list[float] = []
         self.flush_ms = 0.0
         self._closed = False
@@ -174,6 +164,19 @@ class Tracker:
             self.capture.row_scales = self._optimizer_scales
             if optimizer is not None:
                 self.attach_optimizer(optimizer)
+
+    def _make_buffer(self) -> SketchBuffer:
+        """The device buffer of the layers' records (made again when their rank changes)."""
+        return SketchBuffer(
+            [layer.record_shape for layer in self.layers],
+            self.settings.buffer_records,
+            next(self.model.parameters()).device,
+            self._sink,
+            # full-space factors are written by the hooks; sketch-space ones by the buffer
+            ranks=[0 if layer.full_factor else layer.rank for layer in self.layers],
+            # the default factors of a buffer's steps are projected together, before it flushes
+            before_flush=self.capture.write_deferred,
+        )
 
     def attach_optimizer(self, optimizer) -> None:
         """The optimizer whose second moments scale the records (``optimizer_aware``)."""
@@ -295,18 +298,7 @@ class Tracker:
                 layers; ``rec.losses`` not set, not one loss per example, or not finite (a
                 diverged step is not recorded).
         """
-        if token_mask is not None:
-            if padding_mask is not None:
-                raise ConfigError(
-                    "Tracker.step got both padding_mask and token_mask: pass padding_mask only"
-                )
-            warnings.warn(
-                "Tracker.step(token_mask=...) is deprecated: it is the padding (attention) mask, "
-                "pass padding_mask=...",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            padding_mask = token_mask
+        padding_mask = padding_mask_of(padding_mask, token_mask)
         if self._in_step:
             raise RunError(
                 "Tracker.step() was called inside another Tracker.step() block: record each "
@@ -325,6 +317,8 @@ class Tracker:
         t0 = time.perf_counter()
         self._in_step = True
         queued = False  # the block ran to its end: its records wait in the capture's queue
+        if self._probe_rank:
+            self.capture.probe = TargetProbe()
         try:
             with self.capture.batch(
                 slots,
@@ -342,12 +336,16 @@ class Tracker:
                 )
             losses = check_losses(rec.losses, b, step, lr)
             self._embedding_warned = warn_silent_embedding(self._embeddings, self._embedding_warned)
+            if self._probe_rank:
+                self._probe_rank = False
+                slots = rank_from_first_step(self, slots)
         except BaseException:
             if queued:  # not committed: its records must not be written into the buffer
                 self.capture.drop_deferred_batch()
             raise
         finally:
             self._in_step = False
+            self.capture.probe = None
         if epoch is None:
             epoch = self._infer_epoch(idx)
         self.buffer.commit(idx, step=step, epoch=epoch, lr=lr, loss=losses)

@@ -41,7 +41,13 @@ def add_bench(sub) -> None:
     o.add_argument("--seq", type=int, default=d["max_length"])
     o.add_argument("--scope", default=field_defaults(TrackSettings)["scope"])
     add_sketch_flag(o)
-    add_track_flags(o)
+    add_track_flags(
+        o,
+        default=0,
+        help="the bench's batch is free text (every token a target), where a default run's "
+        "records take rank 16 (TrackSettings.free_text_rank); 0 times the rank-1 records that "
+        "answers and labels get, 16 the free-text default",
+    )
     add_dense_k_flag(o)
     o.add_argument(
         "--repeats", type=int, default=40, help="interleaved rounds (each: one step of every arm)"
@@ -147,6 +153,7 @@ def _cmd_bench_overhead(a) -> int:
             projection=a.projection,
             factor_space=a.factor_space,
             power_iters=a.power_iters,
+            free_text_rank=a.free_text_rank,
             half_step_start=a.half_step_start,
             covariance_stride=a.covariance_stride,
             covariance_tokens=a.covariance_tokens,

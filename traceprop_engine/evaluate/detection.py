@@ -163,16 +163,19 @@ def _normed(h: np.ndarray) -> np.ndarray:
 
 def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[str, np.ndarray]:
     """Summed influence of every training example on the queries, per preconditioner."""
+    from ..attribution import query_targets
     from ..settings import IndexSettings
 
-    sketches = [run.query_sketches(run.encode(p, c)[0])[0] for p, c in queries]
+    encs = [run.encode(p, c)[0] for p, c in queries]
+    sketches = [run.query_sketches(enc)[0] for enc in encs]
     out = {}
     for p in PRECONDITIONERS:
         ix = IndexSettings(preconditioner=p, cosine=False)  # summed raw influence
-        _, ids, pre = run.index(ix)
         total = np.zeros(n_train)
-        for sk in sketches:
-            total[ids] += run.all_scores(sk, ix)
+        for sk, enc in zip(sketches, encs, strict=True):
+            ixq = run.for_query(ix, query_targets(enc))  # the record columns this query scores
+            _, ids, _ = run.index(ixq)
+            total[ids] += run.all_scores(sk, ixq)
         out[p] = total
     return out
 

@@ -164,11 +164,13 @@ def _guarded(what: str, fn, *args):
 
 def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[int], n_train: int):
     """One tracked run's methods: its eval sketches scored under every preconditioner."""
-    from ..attribution import open_run
+    from ..attribution import open_run, query_targets
     from ..settings import IndexSettings
 
     run = open_run(run_dir)
-    sketches = [run.query_sketches(run.encode(eval_example=e)[0])[0] for e in eval_ids]
+    encs = [run.encode(eval_example=e)[0] for e in eval_ids]
+    sketches = [run.query_sketches(enc)[0] for enc in encs]
+    targets = [query_targets(enc) for enc in encs]  # which record columns each query scores
     # each preconditioner scores the records alone; the default row (family factored) is
     # IndexSettings() as the run resolves it: its preconditioner and a classifier's class prior
     rows = [
@@ -187,7 +189,7 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
         rows.append((DEFAULT_METHOD, IndexSettings(damping=s.damping)))
     for p, ix in rows:
         try:
-            _, ids, pre = run.index(ix)
+            _, ids, pre = run.index(run.for_query(ix, targets[0] if targets else None))
         except Exception as e:  # noqa: BLE001 - a method that cannot be fitted is reported, not fatal
             log.warning("%s/%s cannot be scored: %s", run_dir.name, p, e)
             yield {
@@ -201,7 +203,9 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
             continue
         scores = np.zeros((len(eval_ids), n_train), np.float64)
         for r, sk in enumerate(sketches):
-            scores[r, ids] = run.all_scores(sk, ix)
+            ixq = run.for_query(ix, targets[r])
+            _, ids, _ = run.index(ixq)
+            scores[r, ids] = run.all_scores(sk, ixq)
         yield {
             "method": f"{family} {p}" if family != "factored" else p,
             "family": family,

@@ -25,17 +25,16 @@ from .. import constants as C
 from ..errors import ConfigError
 from .format import (
     DIGEST_ATTR,
-    FACTOR_STORAGE,
     FULL_DIGEST_ATTR,
     Covariance,
     append_records,
-    chunk_rows,
     content_digest,
     create_records_group,
     encode_factors,
     full_content_digest,
     strings_digest,
 )
+from .layer_datasets import create_factors, create_layer
 from .space import METADATA_BYTES, array_bytes, ensure_room, growth_bytes
 
 log = logging.getLogger(__name__)
@@ -90,11 +89,12 @@ class StoreWriter:
         f.attrs["layer_names"] = json.dumps([layer.name for layer in layers])
         create_records_group(f)
         lg = f.create_group(C.G_LAYERS)
+        self._compression = compression
         self._sketch_ds = []
         self._sq_norm = np.zeros(len(layers), dtype=np.float64)
         for i, layer in enumerate(layers):
             self._sketch_ds.append(
-                self._create_layer(lg.create_group(f"{i:03d}"), layer, sketch, compression)
+                create_layer(lg.create_group(f"{i:03d}"), layer, sketch, compression)
             )
         f.create_group(C.G_TIMINGS)
         f.flush()
@@ -118,6 +118,7 @@ class StoreWriter:
 
         self = cls.__new__(cls)
         self.path = Path(path)
+        self._compression = None
         try:
             self._f = h5py.File(self.path, "r+", libver=("earliest", "v110"))
         except OSError as e:
@@ -161,88 +162,28 @@ class StoreWriter:
         with self._lock:
             return [float(x) for x in self._sq_norm]
 
-    @staticmethod
-    def _create_layer(g: h5py.Group, layer, sketch: str, compression: str | None):
-        """One layer's attributes, its empty resizable record datasets and its projections.
+    def relayout(self, layers: Sequence) -> None:
+        """Recreate the record datasets of the factored layers whose rank changed, before any
+        record is written (a rank decided at the first step, :mod:`~traceprop_engine.capture.free_text`).
 
-        Returns what :meth:`append` writes records into: the ``sketch`` dataset, or for rank-r
-        factors ``([U, V(, scale)], k_out, factor dtype)``.
+        Raises:
+            RuntimeError: records were already written (their layout is fixed).
         """
-        g.attrs.update(
-            name=layer.name,
-            kind=layer.kind,
-            sketch=sketch,
-            d_in=layer.d_in,
-            d_out=layer.d_out,
-            k_in=layer.k_in,
-            k_out=layer.k_out,
-            dense_k=getattr(layer, "dense_k", 0),
-        )
-        if getattr(layer, "output_head", False):
-            g.attrs[C.L_OUTPUT_HEAD] = 1
-        rank = int(getattr(layer, "rank", 0))
-        if rank:  # rank-r factors: U (n, k_out, r), V (n, k_in, r)
-            fdt = str(getattr(layer, "factor_dtype", "float32"))
-            g.attrs[C.L_RANK] = rank
-            g.attrs[C.L_FACTOR_DTYPE] = fdt
-            pair = []
-            for name, rows in ((C.L_U, layer.k_out), (C.L_V, layer.k_in)):
-                pair.append(
-                    g.create_dataset(
-                        name,
-                        shape=(0, rows, rank),
-                        maxshape=(None, rows, rank),
-                        dtype=FACTOR_STORAGE[fdt],
-                        chunks=(chunk_rows(rows * rank), rows, rank),
-                        compression=compression,
-                        fletcher32=True,
-                    )
+        with self._lock:
+            if self.n_records:
+                raise RuntimeError(
+                    f"{self.path} already holds {self.n_records} records: their layout is fixed"
                 )
-            if fdt == "int8":
-                pair.append(
-                    g.create_dataset(
-                        C.L_SCALE,
-                        shape=(0,),
-                        maxshape=(None,),
-                        dtype="f4",
-                        chunks=(chunk_rows(layer.k_out * rank),),  # as U's chunks
-                        fletcher32=True,
-                    )
-                )
-            sketch_ds = (pair, layer.k_out, fdt)
-        else:
-            shape = tuple(layer.record_shape)
-            sketch_ds = g.create_dataset(
-                C.L_SKETCH,
-                shape=(0, *shape),
-                maxshape=(None, *shape),
-                dtype="f4",
-                chunks=(chunk_rows(int(np.prod(shape))), *shape),
-                compression=compression,
-                fletcher32=True,
-            )
-        # Fletcher-32 here too: a flipped byte in a projection fails the read (it moves scores)
-        if layer.P_in is not None:
-            g.create_dataset(C.L_P_IN, data=layer.P_in.numpy(), fletcher32=True)
-        if layer.P_out is not None:
-            g.create_dataset(C.L_P_OUT, data=layer.P_out.numpy(), fletcher32=True)
-        if getattr(layer, "vocab_ids", None) is not None:
-            g.create_dataset(C.L_VOCAB_IDS, data=layer.vocab_ids.astype(np.int64), fletcher32=True)
-        if getattr(layer, "dense_index", None) is not None:
-            g.create_dataset(
-                C.L_DENSE_INDEX,
-                data=layer.dense_index.numpy().astype(np.int32),
-                compression="gzip",
-                fletcher32=True,
-            )
-            g.create_dataset(
-                C.L_DENSE_SIGN,
-                data=(layer.dense_sign.numpy() > 0).astype(np.int8),
-                compression="gzip",
-                fletcher32=True,
-            )
-            g.attrs["dense_nnz"] = int(layer.dense_index.shape[0])
-        return sketch_ds
+            for i, layer in enumerate(layers):
+                g = self._f[C.G_LAYERS][f"{i:03d}"]
+                rank = int(getattr(layer, "rank", 0))
+                if not rank or int(g.attrs.get(C.L_RANK, 0)) == rank:
+                    continue
+                for name in (C.L_U, C.L_V, C.L_SCALE):
+                    if name in g:
+                        del g[name]
+                self._sketch_ds[i] = create_factors(g, layer, self._compression)
+            self._f.flush()
 
     def write_examples(
         self,

@@ -11,13 +11,13 @@ import dataclasses
 import json
 import logging
 import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import constants as C
+from ..capture.free_text import FREE_TEXT_TARGETS, adapts, median_targets
 from ..capture.step_checks import short_run_stride
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
@@ -233,30 +233,26 @@ def short_run_track(track: TrackSettings, total_steps: int) -> TrackSettings:
     return dataclasses.replace(track, covariance_stride=stride)
 
 
-FREE_TEXT_TARGETS = 16
-"""A causal LM run whose training examples have more target tokens than this (median) is
-trained on free text: each example's per-layer gradient sums many tokens with different
-targets, and rank-1 records keep one direction of it (:func:`free_text_note`)."""
-
-
 def free_text_note(track: TrackSettings, targets: list) -> str | None:
-    """Log (and return) a note when rank-1 records meet free text, where they keep too little.
+    """Log (and return) a note when rank-1 records are kept on free text, where they keep too
+    little: a run with ``free_text_rank`` off (the default takes rank 16 there, :mod:`~traceprop_engine.capture.free_text`).
 
     Measured (benchmarks/EVAL.md §1x): on causal LMs whose loss covers every token of a
     docstring, rank-1 records score 0.50 / 0.37 LDS (from scratch / LoRA on a pretrained base)
     against 0.71 / 0.50 for full-gradient cosine; rank 16 scores 0.69 / 0.52, at 16 times the
     bytes. On answer-only targets (a few tokens) rank 1 is as good as any rank. ``targets``: each
     training example's target ids (:func:`training_targets`)."""
-    if track.rank != 1 or not targets:
+    if track.rank != 1 or adapts(track) or not targets:
         return None
-    median = statistics.median(len(t) for t in targets)
+    median = median_targets(targets)
     if median <= FREE_TEXT_TARGETS:
         return None
     note = (
-        f"the training examples are free text (a median of {median:.0f} target tokens each): "
-        "rank-1 records keep one direction of each example's gradient, and on such runs "
-        "benchmarks/EVAL.md §1x measured them 0.07-0.21 LDS below full-gradient similarity; "
-        "--rank 16 recovers that at 16 times the bytes per record and about +13 % training time"
+        f"the training examples are free text (a median of {median:.0f} target tokens each) "
+        "and the records are kept at rank 1, which keeps one direction of each example's "
+        "gradient: on such runs benchmarks/EVAL.md §1x measured them 0.07-0.21 LDS below "
+        "full-gradient similarity; --free-text-rank 16 (the default) recovers that at 16 times "
+        "the bytes per record"
     )
     log.info(note)
     return note

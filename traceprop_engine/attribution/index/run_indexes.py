@@ -29,6 +29,7 @@ from ...errors import IndexBuildError, IndexStaleError, RunError, StoreError, Tr
 from ...permissions import make_temp_dir
 from ...run import is_bundled
 from ...settings import IndexSettings
+from ...store.column_view import column_view
 from ..precondition.preconditioner import Preconditioner
 from ..precondition.vectors import fit_preconditioner, write_vectors
 from ..score import record_cache
@@ -59,9 +60,9 @@ BUILD_FORMAT = 3
 """What a build writes, recorded in ``build.json`` (absent: 1). 2: the rows' per-layer norms
 (the layer-by-layer re-rank, :mod:`~traceprop_engine.attribution.score.rerank`) and the index
 projection split by energy. 3: the factor lists of large runs
-(:mod:`~traceprop_engine.attribution.index.lists`). An index of an older format still answers
-exactly (its vectors only pick candidates) and is reused; its queries get :data:`OLD_BUILD_NOTE` (a
-format-2 index only where this release would have built lists)."""
+(:mod:`~traceprop_engine.attribution.index.lists`). An older index still answers exactly (its vectors
+only pick candidates) and is reused; its queries get :data:`OLD_BUILD_NOTE` (format 2: only where
+this release would build lists)."""
 OLD_BUILD_NOTE = (
     "this index was built by an earlier version of Traceprop: every score is still exact, but "
     "rebuilding it (`traceprop index RUN --rebuild` with the same settings) makes queries "
@@ -69,10 +70,9 @@ OLD_BUILD_NOTE = (
 )
 _READ_ROWS = 65536  # vectors read from the memory map at a time
 
+# progress(stage, done, total): "statistics" (the final model's, where the settings use them),
+# "preconditioner", "vectors", "records", "lists", "index"
 Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``, stage one of "statistics" (the final model's K-FAC
-statistics, where the settings use them), "preconditioner", "vectors", "records", "lists",
-"index"."""
 
 
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -104,9 +104,17 @@ class RunIndexes:
         self._vector_maps: dict[str, np.ndarray] = {}  # the memory-mapped vectors.npy of each
         self._build_formats: dict[str, int] = {}  # build.json's build_format of each
         self._where: dict[str, Path] = {}  # index root of each name not under RUN/index
+        self._views: dict = {}  # columns -> the store read through them
         # IndexSettings.statistics final / both: (settings, index root, progress) -> the
         # statistics to fit with (None: the store's); set by AttributionRun, which has the model
         self.statistics: Callable[..., list | None] | None = None
+
+    def store_for(self, s: IndexSettings):
+        """The store as the index ``s`` reads it (its first ``s.columns`` factor columns)."""
+        c = s.columns or 0
+        if c not in self._views:
+            self._views[c] = column_view(self.store, c)
+        return self._views[c]
 
     def dir(self, s: IndexSettings) -> Path:
         """The folder of the index ``s`` (it may not exist yet): ``RUN/index/<name>``, or the
@@ -128,7 +136,7 @@ class RunIndexes:
                 )
 
     def _fingerprint(self, s: IndexSettings) -> str:
-        blob = json.dumps({"store": self.store.fingerprint, **s.to_dict()}, sort_keys=True)
+        blob = json.dumps({"store": self.store_for(s).fingerprint, **s.to_dict()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def get(
@@ -232,7 +240,10 @@ class RunIndexes:
                 s, root, progress and (lambda d, n: progress("statistics", d, n))
             )
         return fit_preconditioner(
-            self.store, s, progress and (lambda d, n: progress("preconditioner", d, n)), covariances
+            self.store_for(s),
+            s,
+            progress and (lambda d, n: progress("preconditioner", d, n)),
+            covariances,
         )
 
     def _build_locked(self, s: IndexSettings, final: Path, progress) -> VectorIndex:
@@ -241,12 +252,13 @@ class RunIndexes:
             # a build killed before it could clean up (we hold the lock: nobody else is building)
             shutil.rmtree(leftover, ignore_errors=True)
         out = make_temp_dir(root, f".{s.name}.tmp-")  # the umask's mode, not 0700
+        store = self.store_for(s)
         try:
             t0 = time.perf_counter()
             pre = self._fit(s, root, progress)
             pre.save(out / PRECOND_FILE)
             ids = write_vectors(
-                self.store,
+                store,
                 s,
                 pre,
                 out / VECTORS_FILE,
@@ -256,12 +268,12 @@ class RunIndexes:
             vectors = np.load(out / VECTORS_FILE, mmap_mode="r")
             # the records again, memory-mapped: the re-rank reads scattered candidates from it
             cache_names: list[str] = []
-            scorer = ExactScorer(self.store, pre, ids, s.per_record, s.records)
-            if self.store.n_records >= record_cache.MIN_RECORDS:
+            scorer = ExactScorer(store, pre, ids, s.per_record, s.records)
+            if store.n_records >= record_cache.MIN_RECORDS:
                 cache_names = write_record_cache(
-                    self.store, out, progress and (lambda d, n: progress("records", d, n))
+                    store, out, progress and (lambda d, n: progress("records", d, n))
                 )
-                scorer.cache = RecordCache(out, self.store)
+                scorer.cache = RecordCache(out, store)
             layer_norms = scorer.example_sq_norms()  # (n, L); None: too large
             files = (PRECOND_FILE, VECTORS_FILE, IDS_FILE, BUILD_FILE, *cache_names)
             if layer_norms is not None:  # exact self-influence and cosine denominators
@@ -295,7 +307,7 @@ class RunIndexes:
                 "dim": pre.dim,
                 "build_s": round(time.perf_counter() - t0, 3),
                 "build_format": BUILD_FORMAT,
-                "store_fingerprint": self.store.fingerprint,
+                "store_fingerprint": store.fingerprint,
             }
             (out / BUILD_FILE).write_text(json.dumps(meta, indent=2))
             # index.json last: it records the digests of everything written before it
@@ -314,7 +326,7 @@ class RunIndexes:
         """The factor lists of a build (:mod:`~traceprop_engine.attribution.index.lists`), when
         ``s`` and the run want them: written into ``out`` and given to ``scorer``; returns their
         file names."""
-        layers = list_layers(layer_norms, [i.rank == 1 for i in self.store.layers])
+        layers = list_layers(layer_norms, [i.rank == 1 for i in self.store_for(s).layers])
         if not layers or not wants_lists(s.lists, scorer.n_rows):
             return ()
         xn = np.sqrt(np.maximum(scorer.row_sq_norms, 1e-60))
@@ -377,9 +389,10 @@ class RunIndexes:
         _, ids, pre = self.get(s)
         hit = self._scorers.get(s.name)
         if hit is None or hit.pre is not pre:
-            hit = self._scorers[s.name] = ExactScorer(self.store, pre, ids, s.per_record, s.records)
+            store = self.store_for(s)
+            hit = self._scorers[s.name] = ExactScorer(store, pre, ids, s.per_record, s.records)
             try:  # an index built before the record cache existed reads the store instead
-                hit.cache = RecordCache.open(self.dir(s), self.store)
+                hit.cache = RecordCache.open(self.dir(s), store)
             except (OSError, ValueError) as e:
                 log.warning("record cache of %s unusable (%s); reading the store", s.name, e)
             try:  # none: FAISS alone proposes the candidates
@@ -430,10 +443,6 @@ class RunIndexes:
         path = self.dir(s) / NORMS_FILE
         if path.exists():
             return np.load(path)
-        vectors = self.vectors(s)
-        return np.concatenate(
-            [
-                np.einsum("ij,ij->i", x := np.asarray(vectors[i : i + _READ_ROWS]), x)
-                for i in range(0, len(vectors), _READ_ROWS)
-            ]
-        )
+        v = self.vectors(s)
+        parts = (np.asarray(v[i : i + _READ_ROWS]) for i in range(0, len(v), _READ_ROWS))
+        return np.concatenate([np.einsum("ij,ij->i", x, x) for x in parts])

@@ -84,4 +84,12 @@ class TestSideMixin:
         sk, qloss = self.query_sketches(enc)
         elapsed = (time.perf_counter() - t0) * 1e3
         notes = [*self.encoder.model_notes, *notes]
-        return TestSide(sk, qloss, desc, notes, elapsed, self.encoder.model_fingerprint)
+        return TestSide(
+            sk, qloss, desc, notes, elapsed, self.encoder.model_fingerprint, query_targets(enc)
+        )
+
+
+def query_targets(enc) -> int:
+    """The loss tokens of an encoded query: 1 for a classification label (its mask marks every
+    token), else its loss mask's ones."""
+    return 1 if getattr(enc, "label", -1) >= 0 else int(enc.loss_mask.sum())

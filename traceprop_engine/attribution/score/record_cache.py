@@ -46,18 +46,26 @@ def _parts(info) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     return [(C.L_SKETCH, np.dtype("f4"), tuple(info.record_shape))]
 
 
-def _raw_rows(store, li: int, start: int, stop: int) -> list[np.ndarray]:
-    """The stored arrays of records ``start:stop`` of layer ``li`` (shards read in turn)."""
+def _raw_rows(store, li: int, start: int, stop: int, info=None) -> list[np.ndarray]:
+    """The stored arrays of records ``start:stop`` of layer ``li`` (shards read in turn), as
+    ``info`` (default: the store's layer) describes them: a column view's first factor columns
+    (``store.column_view``)."""
+    info = store.layers[li] if info is None else info
     shards = getattr(store, "shards", None)
     if shards is None:
-        g = store._f[store.layers[li].group]
-        return [g[name][start:stop] for name, _, _ in _parts(store.layers[li])]
+        g = store._f[info.group]
+        return [
+            g[name][start:stop, :, : shape[1]]
+            if len(shape) == 2 and info.rank
+            else g[name][start:stop]
+            for name, _, shape in _parts(info)
+        ]
     out = []
     offsets = store._offsets
     for sh, lo, hi in zip(shards, offsets[:-1], offsets[1:], strict=True):
         a, b = max(start, lo), min(stop, hi)
         if a < b:
-            out.append(_raw_rows(sh, li, int(a - lo), int(b - lo)))
+            out.append(_raw_rows(sh, li, int(a - lo), int(b - lo), info))
     return [np.concatenate(col) for col in zip(*out, strict=True)]
 
 

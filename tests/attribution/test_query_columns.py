@@ -1,0 +1,79 @@
+"""A free-text run records rank-r factors (``TrackSettings.free_text_rank``); a query of a few
+loss tokens scores against their first column, which is the rank-1 record a run with the
+free-text rank turned off keeps, and a free-text query against every column
+(``IndexSettings.columns`` auto, benchmarks/EVAL.md §1y)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import fast_settings
+
+from traceprop_engine import constants as C
+from traceprop_engine.attribution import open_run
+from traceprop_engine.settings import IndexSettings, TrackSettings
+from traceprop_engine.training.loop import train
+
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "every",
+    "token",
+    "of",
+    "this",
+    "row",
+    "as",
+    "a",
+    "target",
+    "of",
+    "the",
+    "loss",
+]
+# the same float32 records through two paths (the rank-1 deferred projection, the rank-r QR and
+# per-layer projection), then the same scoring: products in another order
+F32_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("columns")
+    for part, n in (("train", 12), ("eval", 2)):
+        (root / "data" / part).mkdir(parents=True)
+        rows = [{"text": " ".join(WORDS[i % 5 :] * 2 + WORDS[: i % 5])} for i in range(n)]
+        (root / "data" / part / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = {}
+    for name, ftr in (("text", 16), ("rank1", 0)):
+        track = TrackSettings(k_in=4, k_out=4, factor_dtype="float32", free_text_rank=ftr)
+        out[name] = open_run(train(fast_settings(root / "data", root / name, track=track)))
+    yield out
+    for run in out.values():
+        run.close()
+
+
+def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(runs):
+    text, rank1 = runs["text"], runs["rank1"]
+    assert {i.rank for i in text.store.layers} == {4} and {i.rank for i in rank1.store.layers} == {
+        1
+    }
+    short = dict(prompt="the model reads every", completion=" token")
+    res = text.query(**short, top_k=3)
+    assert res.query["columns"] == 1
+    a, b = text.scores(**short), rank1.scores(**short)
+    np.testing.assert_allclose(a, b, rtol=F32_RTOL, atol=F32_RTOL * np.abs(b).max())
+    # a long query (every token of a row a target): every column, another score than rank 1's
+    long = " ".join(WORDS * 2)
+    assert text.query(long, top_k=3).query["columns"] == 0
+    every = text.scores(long)
+    np.testing.assert_allclose(
+        every, text.scores(long, settings=IndexSettings(columns=0)), rtol=1e-12
+    )
+    assert not np.allclose(every, rank1.scores(long), rtol=1e-2)
+    # a result's by-example scores follow the columns it was ranked with
+    table = text.example_scores(res)
+    np.testing.assert_allclose(
+        table.sort("example_id")["score"].to_numpy(), a[np.sort(table["example_id"].to_numpy())]
+    )
+    assert (text.dir / C.INDEX_DIR / f"{text.settings().name}-c1").is_dir()

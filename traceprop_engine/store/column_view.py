@@ -1,0 +1,94 @@
+"""A store read through the first ``c`` columns of its rank-r factor records.
+
+A record stored at rank ``r > 1`` (a free-text run, ``TrackSettings.free_text_rank``) is
+``U Vᵀ = Σ_j u_j v_jᵀ``, and its first column ``u_0 v_0ᵀ`` is exactly the rank-1 record the
+default keeps (``û ûᵀ G``, ``û = Σ_t g_t / ‖·‖``: the half power step starts its first column
+there, :func:`~traceprop_engine.capture.sketch.full_factors`). A query whose loss is a short
+answer is scored best against that column alone, a free-text query against every column
+(benchmarks/EVAL.md §1y): :class:`ColumnView` is the store as rank-``c`` records, for the
+indexes and scorers of such queries (``IndexSettings.columns``).
+
+Everything but the factors (records table, examples, statistics, projections) is the store's.
+An int8 record keeps its one scale: the first columns decode to the same numbers as in the
+whole record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import constants as C
+from ..errors import StoreError
+
+
+class ColumnView:
+    """``store`` with every factor layer of rank above ``columns`` read as its first ``columns``.
+
+    Args:
+        store: a :class:`~.reader.Store` or :class:`~.sharded.ShardedStore`.
+        columns: the columns kept (>= 1).
+    """
+
+    def __init__(self, store, columns: int) -> None:
+        if columns < 1:
+            raise StoreError(f"a column view keeps at least one column, got {columns}")
+        self.base = store
+        self.columns = int(columns)
+        self.layers = [
+            dataclasses.replace(info, rank=min(info.rank, self.columns)) if info.rank else info
+            for info in store.layers
+        ]
+
+    def __getattr__(self, name: str):  # everything else is the store's
+        return getattr(self.base, name)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.base.fingerprint}:columns{self.columns}"
+
+    @property
+    def dim(self) -> int:
+        return sum(layer.dim for layer in self.layers)
+
+    def factors(
+        self, layer: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        u, v = self.base.factors(layer, start, stop)
+        c = self.layers[layer].rank
+        return np.ascontiguousarray(u[..., :c]), np.ascontiguousarray(v[..., :c])
+
+    def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        u, v = self.base.factors_at(layer, records)
+        c = self.layers[layer].rank
+        return np.ascontiguousarray(u[..., :c]), np.ascontiguousarray(v[..., :c])
+
+    def sketches(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if not self.layers[layer].rank:
+            return self.base.sketches(layer, start, stop)
+        u, v = self.factors(layer, start, stop)
+        return np.matmul(u, v.transpose(0, 2, 1))
+
+    def sketches_at(self, layer: int, records: np.ndarray) -> np.ndarray:
+        if not self.layers[layer].rank:
+            return self.base.sketches_at(layer, records)
+        u, v = self.factors_at(layer, records)
+        return np.matmul(u, v.transpose(0, 2, 1))
+
+
+def column_view(store, columns: int):
+    """``store`` read through its first ``columns`` factor columns; ``store`` itself when no
+    layer has more (or ``columns`` is 0: every column)."""
+    if columns and any(info.rank > columns for info in store.layers):
+        return ColumnView(store, columns)
+    return store
+
+
+def query_columns(layers, n_targets: int | None) -> int:
+    """The columns a query of ``n_targets`` loss tokens scores against (``IndexSettings.columns``
+    auto): the first alone for a short one (an answer, a label: at most
+    :data:`~traceprop_engine.constants.FREE_TEXT_TARGETS`) on records of rank above 1, every
+    column (0) otherwise."""
+    short = n_targets is not None and n_targets <= C.FREE_TEXT_TARGETS
+    return 1 if short and any(info.rank > 1 for info in layers) else 0
