@@ -21,21 +21,47 @@ Each set writes ``train/`` and ``eval/`` under a folder beside the evaluation di
   each library (144 / 48; data seed = seed). Its texts are disjoint from the standard library's,
   so a model pretrained on those (``benchmarks/pretrain_tiny.py --corpus prose``) can be
   fine-tuned on it with LoRA: real text on a pretrained base (EVAL.md §1x).
+- ``hard60text``, ``lexical48text``: hard60's / lexical48's draw with each training row one
+  text, prompt and completion joined (the loss on every token of the fact, not only on its
+  answer); the same eval questions (EVAL.md §1y).
+- ``hard60doc``: hard60's training rows three at a time, joined into one text (60 texts of
+  three unrelated facts, every token a target; more than 16 tokens each): long training texts
+  asked about with short answers (EVAL.md §1y).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import ConfigError
 
-SETS = ("facts24", "hard60", "hard160", "lexical48", "docs8", "pkgdocs6", "docslm8", "pkgdocslm6")
+SETS = (
+    "facts24",
+    "hard60",
+    "hard160",
+    "lexical48",
+    "docs8",
+    "pkgdocs6",
+    "docslm8",
+    "pkgdocslm6",
+    "hard60text",
+    "lexical48text",
+    "hard60doc",
+)
 CLASSIFICATION_SETS = ("docs8", "pkgdocs6")
 _DOCSTRING_SETS = {  # name: (the installed libraries' families?, train / eval per family, labelled)
     "docs8": (False, 20, 6, True),
     "pkgdocs6": (True, 24, 6, True),
     "docslm8": (False, 20, 6, False),
     "pkgdocslm6": (True, 24, 8, False),
+}
+
+
+_TEXT_SETS = {  # name: (base set, facts per training text)
+    "hard60text": ("hard60", 1),
+    "lexical48text": ("lexical48", 1),
+    "hard60doc": ("hard60", 3),
 }
 
 
@@ -47,6 +73,15 @@ def set_data_dir(out: str | Path) -> Path:
 def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
     """Write set ``name`` for evaluation directory ``out``; returns ``(train dir, eval dir)``."""
     d = set_data_dir(out)
+    if name in _TEXT_SETS:  # the base set, its training rows as texts (every token a target)
+        base, per_text = _TEXT_SETS[name]
+        make_set(base, out, seed)
+        for path in sorted((d / "train").glob("*.jsonl")):
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            facts = [r["prompt"] + r["completion"] for r in rows]
+            texts = [". ".join(facts[i : i + per_text]) for i in range(0, len(facts), per_text)]
+            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        return str(d / "train"), str(d / "eval")
     if name == "facts24":
         from ..samples.data import generate_sample_data
 
