@@ -288,6 +288,28 @@ def test_named_sets_are_generated_beside_the_evaluation_folder(tmp_path):
         make_set("nope", tmp_path / "x", 0)
 
 
+def test_text_sets_are_the_base_draw_as_running_text(tmp_path):
+    """hard60text / hard60doc: hard60's training rows, one or three a text (every token a
+    target: no prompt), in order; the eval questions as hard60's."""
+    from traceprop_engine.evaluate.lds_sets import make_set
+
+    def rows(d):
+        return [
+            json.loads(x)
+            for f in sorted(Path(d).glob("*.jsonl"))
+            for x in f.read_text().splitlines()
+        ]
+
+    base_tr, base_ev = make_set("hard60", tmp_path / "b", seed=2)
+    facts = [r["prompt"] + r["completion"] for r in rows(base_tr)]
+    for name, per in (("hard60text", 1), ("hard60doc", 3)):
+        tr, ev = make_set(name, tmp_path / name, seed=2)
+        texts = [r["text"] for r in rows(tr)]
+        assert all(set(r) == {"text"} for r in rows(tr))
+        assert texts == [". ".join(facts[i : i + per]) for i in range(0, len(facts), per)]
+        assert rows(ev) == rows(base_ev)
+
+
 def test_cli_set_and_data_together_is_an_error(tmp_path, capsys):
     from traceprop_engine.cli.main import main
 
