@@ -12,7 +12,8 @@ direct cost; the A/B difference of the same rounds is printed beside it for refe
 
 Usage: ``python benchmarks/overhead_parts.py [--repeats 64]`` (the bench's default shape: 4
 layers, width 256, vocabulary 1024, batch 8 × 128 tokens, one torch thread; ``--layers 12
---width 768 --vocab 50257 --batch 4 --seq 128`` for GPT-2 small). The covariance share is
+--width 768 --vocab 50257 --batch 4 --seq 128`` for GPT-2 small; ``--rank 16`` for what a
+free-text run records, which takes the per-layer path: its products are not split out). The covariance share is
 the mean cost of the tracked arm's statistics batches (warm-up included) divided by the stride.
 """
 

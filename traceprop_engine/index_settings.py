@@ -172,8 +172,8 @@ class IndexSettings:
         "per query: the first column for a query whose loss covers at most 16 tokens (an "
         "answer, a label), every column for a longer one (free text); 0 = every column; c = "
         "the first c. Measured (benchmarks/EVAL.md section 1y): an answer scored against every "
-        "column lost 0.37 LDS, a free-text query against the first column alone 0.16. No "
-        "effect on runs recorded at rank 1",
+        "column lost up to 0.37 LDS, a free-text query against the first column alone 0.16. "
+        "No effect on runs recorded at rank 1",
     )
     class_prior: float | None = knob(
         None,

@@ -11,6 +11,7 @@ from helpers import write_factor_store
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution.index.run_indexes import RunIndexes
+from traceprop_engine.attribution.overview import resolve_settings
 from traceprop_engine.attribution.score import record_cache
 from traceprop_engine.attribution.score.record_cache import RecordCache
 from traceprop_engine.settings import IndexSettings
@@ -108,3 +109,8 @@ def test_a_short_query_takes_the_first_column_of_records_above_rank_1(stores):
     assert (
         IndexSettings(columns=2).name.endswith("-c2") and "columns" not in IndexSettings().to_dict()
     )
+    # columns no narrower than the records: every column, the one index (no "-c1" copy)
+    assert resolve_settings(first, IndexSettings(columns=1)).columns == 0
+    assert resolve_settings(whole, IndexSettings(columns=RANK)).columns == 0
+    assert resolve_settings(whole, IndexSettings(columns=1)).columns == 1
+    assert resolve_settings(whole, IndexSettings()).columns is None  # the query decides

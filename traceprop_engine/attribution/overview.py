@@ -70,7 +70,8 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
     §1q); identity uses none and is always ``inline``. ``class_prior=None`` becomes
     :func:`default_class_prior` for a classification run scored with cosine and 0 otherwise
-    (EVAL.md §1s, §1v)."""
+    (EVAL.md §1s, §1v). ``columns`` at or above every layer's rank becomes 0 (every column);
+    ``None`` is left for the query to decide (``AttributionRun.for_query``)."""
     s = s or IndexSettings()
     auto = s.preconditioner is PreconditionerKind.AUTO
     if auto:
@@ -97,7 +98,12 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     if prior is None:
         classifier = task == Task.CLASSIFICATION.value and s.cosine
         prior = default_class_prior(store) if classifier else 0.0
-    return dataclasses.replace(s, weighting=weighting, statistics=statistics, class_prior=prior)
+    columns = s.columns  # c columns of records no wider than c: every column, one index
+    if columns and not any(info.rank > columns for info in store.layers):
+        columns = 0
+    return dataclasses.replace(
+        s, weighting=weighting, statistics=statistics, class_prior=prior, columns=columns
+    )
 
 
 def default_class_prior(store) -> float:

@@ -49,7 +49,7 @@ def _parts(info) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
 def _raw_rows(store, li: int, start: int, stop: int, info=None) -> list[np.ndarray]:
     """The stored arrays of records ``start:stop`` of layer ``li`` (shards read in turn), as
     ``info`` (default: the store's layer) describes them: a column view's first factor columns
-    (``store.column_view``)."""
+    (:mod:`~traceprop_engine.store.column_view`)."""
     info = store.layers[li] if info is None else info
     shards = getattr(store, "shards", None)
     if shards is None:
