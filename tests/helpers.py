@@ -80,6 +80,37 @@ def facts_data(root: Path) -> Path:
     return root
 
 
+FREE_TEXT_WORDS = [
+    "the",
+    "model",
+    "reads",
+    "every",
+    "token",
+    "of",
+    "this",
+    "row",
+    "as",
+    "a",
+    "target",
+    "of",
+    "the",
+    "loss",
+]
+
+
+def free_text_data(root: Path) -> Path:
+    """``root/train`` (12 rows) and ``root/eval`` (2 rows) of ``{"text"}`` rows of 28 words:
+    every token a target, more than 16 an example (free text, ``TrackSettings.free_text_rank``)."""
+    import json
+
+    for part, n in (("train", 12), ("eval", 2)):
+        (root / part).mkdir(parents=True)
+        w = FREE_TEXT_WORDS
+        rows = [{"text": " ".join(w[i % 5 :] * 2 + w[: i % 5])} for i in range(n)]
+        (root / part / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
 def fast_settings(data: Path, out: Path, **kw) -> TrainSettings:
     track = kw.pop("track", TrackSettings(k_in=4, k_out=4))
     return TrainSettings(
@@ -377,6 +408,29 @@ def torchrun(world: int) -> list[str]:
         "--master_port",
         str(port),
     ]
+
+
+def run_quietly(argv: Sequence[str]) -> None:
+    """Run ``argv`` with one thread a process (outside any launcher: no ``WORLD_SIZE``) and
+    assert it succeeded; a torchrun job's failure says why (:func:`torchrun_failure`)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        list(argv),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert p.returncode == 0, torchrun_failure(p.stderr)
+
+
+def run_torchrun(world: int, args: Sequence[str]) -> None:
+    """Run ``args`` under :func:`torchrun` with ``world`` processes and assert it succeeded."""
+    run_quietly([*torchrun(world), *args])
 
 
 def torchrun_failure(stderr: str, lines_per_rank: int = 30) -> str:

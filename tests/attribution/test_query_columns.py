@@ -5,33 +5,15 @@ free-text rank turned off keeps, and a free-text query against every column
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from helpers import fast_settings
+from helpers import FREE_TEXT_WORDS, fast_settings, free_text_data
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import open_run
 from traceprop_engine.settings import IndexSettings, TrackSettings
 from traceprop_engine.training.loop import train
 
-WORDS = [
-    "the",
-    "model",
-    "reads",
-    "every",
-    "token",
-    "of",
-    "this",
-    "row",
-    "as",
-    "a",
-    "target",
-    "of",
-    "the",
-    "loss",
-]
 # the same float32 records through two paths (the rank-1 deferred projection, the rank-r QR and
 # per-layer projection), then the same scoring: products in another order
 F32_RTOL = 1e-4
@@ -40,10 +22,7 @@ F32_RTOL = 1e-4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("columns")
-    for part, n in (("train", 12), ("eval", 2)):
-        (root / "data" / part).mkdir(parents=True)
-        rows = [{"text": " ".join(WORDS[i % 5 :] * 2 + WORDS[: i % 5])} for i in range(n)]
-        (root / "data" / part / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    free_text_data(root / "data")
     out = {}
     for name, ftr in (("text", 16), ("rank1", 0)):
         track = TrackSettings(k_in=4, k_out=4, factor_dtype="float32", free_text_rank=ftr)
@@ -64,7 +43,7 @@ def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(run
     a, b = text.scores(**short), rank1.scores(**short)
     np.testing.assert_allclose(a, b, rtol=F32_RTOL, atol=F32_RTOL * np.abs(b).max())
     # a long query (every token of a row a target): every column, another score than rank 1's
-    long = " ".join(WORDS * 2)
+    long = " ".join(FREE_TEXT_WORDS * 2)
     assert text.query(long, top_k=3).query["columns"] == 0
     every = text.scores(long)
     np.testing.assert_allclose(

@@ -5,15 +5,13 @@ when it has not; either way the store holds the same records."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import helpers
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_neox, torchrun, torchrun_failure
+from helpers import run_torchrun, tiny_neox
 
 from traceprop_engine import Store, Tracker, TrackSettings
 from traceprop_engine import constants as C
@@ -167,15 +165,6 @@ def test_an_explicit_rank_or_free_text_rank_0_is_kept(tmp_path):
 def test_the_ranks_of_a_distributed_loop_agree_on_the_rank(tmp_path):
     """Rank 0's first batch is free text, rank 1's answers: both shards take rank 16."""
     script = Path(__file__).parents[1] / "training" / "first_step_rank_loop.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [*torchrun(2), str(script), str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert p.returncode == 0, torchrun_failure(p.stderr)
+    run_torchrun(2, [str(script), str(tmp_path)])
     for r in range(2):
         assert _ranks(rank_store_path(tmp_path / "store.h5", r, 2)) == {16}, r

@@ -5,8 +5,6 @@ per rank, ``finish_sharded``) makes a run that opens and answers a query."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,8 +16,8 @@ from helpers import (
     assert_same_answers,
     facts_data,
     fast_settings,
-    torchrun,
-    torchrun_failure,
+    run_quietly,
+    run_torchrun,
 )
 
 from traceprop_engine import Store
@@ -40,15 +38,6 @@ WORLD = 2
 TRACK = TrackSettings(k_in=4, k_out=4, rank=0, covariance_stride=1)
 
 
-def _torchrun(args: list[str]) -> None:
-    cmd = [*torchrun(WORLD), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=240, env=env
-    )
-    assert p.returncode == 0, torchrun_failure(p.stderr)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
@@ -56,7 +45,7 @@ def runs(tmp_path_factory):
     single = train(fast_settings(data, root / "single", batch_size=WORLD * 4, track=TRACK))
     out = root / "fsdp"
     # fmt: off
-    _torchrun([
+    run_torchrun(WORLD, [
         "-m", "traceprop_engine", "train", "--parallel", "fsdp",
         "--data", str(data / "train"), "--eval-data", str(data / "eval"), "--out", str(out),
         "--device", "cpu", "--batch-size", "4", "--epochs", str(FAST["epochs"]),
@@ -139,18 +128,8 @@ USER_LOOP = Path(__file__).with_name("fsdp_user_loop.py")
 def user_runs(tmp_path_factory):
     """docs/scaling.md's own loop: fully_shard, then a Tracker per rank, then finish_sharded."""
     root = tmp_path_factory.mktemp("fsdp_user")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    p = subprocess.run(
-        [sys.executable, str(USER_LOOP), str(root / "single")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert p.returncode == 0, torchrun_failure(p.stderr)
-    _torchrun([str(USER_LOOP), str(root / "fsdp")])
+    run_quietly([sys.executable, str(USER_LOOP), str(root / "single")])
+    run_torchrun(WORLD, [str(USER_LOOP), str(root / "fsdp")])
     return root / "single", root / "fsdp"
 
 

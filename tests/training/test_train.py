@@ -11,19 +11,15 @@ import time
 
 import numpy as np
 import pytest
-from helpers import facts_data, fast_settings
+from helpers import facts_data, fast_settings, free_text_data
 
 from traceprop_engine import ConfigError, DataError, RunError, Store
+from traceprop_engine.capture.free_text import FREE_TEXT_TARGETS, free_text_note
 from traceprop_engine.run import read_manifest, read_progress
 from traceprop_engine.settings import TrackSettings, TrainSettings
 from traceprop_engine.training.command import train_argv
 from traceprop_engine.training.loop import StopFlag, train
-from traceprop_engine.training.prepare import (
-    FREE_TEXT_TARGETS,
-    MIN_COVARIANCE_BATCHES,
-    free_text_note,
-    short_run_track,
-)
+from traceprop_engine.training.prepare import MIN_COVARIANCE_BATCHES, short_run_track
 
 
 @pytest.fixture(scope="module")
@@ -103,27 +99,7 @@ def test_a_free_text_run_takes_the_free_text_rank_and_a_facts_run_does_not(data,
     with caplog.at_level("INFO", logger="traceprop_engine"):
         train(fast_settings(data, tmp_path / "facts"))
     assert "free text" not in caplog.text
-    texts = tmp_path / "texts"
-    words = [
-        "the",
-        "model",
-        "reads",
-        "every",
-        "token",
-        "of",
-        "this",
-        "row",
-        "as",
-        "a",
-        "target",
-        "of",
-        "the",
-        "loss",
-    ]
-    for part, n in (("train", 12), ("eval", 2)):
-        (texts / part).mkdir(parents=True)
-        rows = [{"text": " ".join(words[i % 5 :] * 2 + words[: i % 5])} for i in range(n)]
-        (texts / part / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = free_text_data(tmp_path / "texts")
     caplog.clear()
     with caplog.at_level("INFO", logger="traceprop_engine"):
         run = train(fast_settings(texts, tmp_path / "text"))

@@ -67,6 +67,31 @@ def median_targets(targets: Sequence[np.ndarray]) -> float:
     return float(statistics.median(len(np.asarray(t).ravel()) for t in targets)) if targets else 0.0
 
 
+def free_text_note(track: TrackSettings, targets: Sequence[np.ndarray]) -> str | None:
+    """Log (and return) a note when rank-1 records are kept on free text, where they keep too
+    little: the other side of :func:`rank_for`, for a run with ``free_text_rank`` off.
+
+    Measured (benchmarks/EVAL.md §1x): on causal LMs whose loss covers every token of a
+    docstring, rank-1 records score 0.50 / 0.37 LDS (from scratch / LoRA on a pretrained base)
+    against 0.71 / 0.50 for full-gradient cosine; rank 16 scores 0.69 / 0.52, at 16 times the
+    bytes. On answer-only targets (a few tokens) rank 1 is as good as any rank. ``targets``: each
+    training example's target ids."""
+    if track.rank != 1 or adapts(track) or not targets:
+        return None
+    median = median_targets(targets)
+    if median <= FREE_TEXT_TARGETS:
+        return None
+    note = (
+        f"the training examples are free text (a median of {median:.0f} target tokens each) "
+        "and the records are kept at rank 1, which keeps one direction of each example's "
+        "gradient: on such runs benchmarks/EVAL.md §1x measured them 0.07-0.21 LDS below "
+        "full-gradient similarity; --free-text-rank 16 (the default) recovers that at 16 times "
+        "the bytes per record"
+    )
+    log.info(note)
+    return note
+
+
 class TargetProbe:
     """Counts, in one batch, each example's positions with a non-zero output gradient per layer.
 
@@ -89,7 +114,7 @@ class TargetProbe:
         live = [c for c in (c.cpu() for c in self._counts) if bool(c.any())]
         if not live:
             return None
-        per_example = torch.stack([c for c in live if c.shape == live[0].shape]).amin(0)
+        per_example = torch.stack(live).amin(0)  # every count is (B,): one per example
         return float(statistics.median(per_example.tolist()))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import constants as C
-from ..capture.free_text import FREE_TEXT_TARGETS, adapts, median_targets
+from ..capture.free_text import free_text_note
 from ..capture.step_checks import short_run_stride
 from ..capture.tracker import Tracker
 from ..errors import ConfigError, RunError
@@ -231,31 +231,6 @@ def short_run_track(track: TrackSettings, total_steps: int) -> TrackSettings:
         MIN_COVARIANCE_BATCHES,
     )
     return dataclasses.replace(track, covariance_stride=stride)
-
-
-def free_text_note(track: TrackSettings, targets: list) -> str | None:
-    """Log (and return) a note when rank-1 records are kept on free text, where they keep too
-    little: a run with ``free_text_rank`` off (the default takes rank 16 there, :mod:`~traceprop_engine.capture.free_text`).
-
-    Measured (benchmarks/EVAL.md §1x): on causal LMs whose loss covers every token of a
-    docstring, rank-1 records score 0.50 / 0.37 LDS (from scratch / LoRA on a pretrained base)
-    against 0.71 / 0.50 for full-gradient cosine; rank 16 scores 0.69 / 0.52, at 16 times the
-    bytes. On answer-only targets (a few tokens) rank 1 is as good as any rank. ``targets``: each
-    training example's target ids (:func:`training_targets`)."""
-    if track.rank != 1 or adapts(track) or not targets:
-        return None
-    median = median_targets(targets)
-    if median <= FREE_TEXT_TARGETS:
-        return None
-    note = (
-        f"the training examples are free text (a median of {median:.0f} target tokens each) "
-        "and the records are kept at rank 1, which keeps one direction of each example's "
-        "gradient: on such runs benchmarks/EVAL.md §1x measured them 0.07-0.21 LDS below "
-        "full-gradient similarity; --free-text-rank 16 (the default) recovers that at 16 times "
-        "the bytes per record"
-    )
-    log.info(note)
-    return note
 
 
 def training_targets(prep: Prepared) -> list:
