@@ -457,10 +457,12 @@ def write_factor_store(
     run_id: str,
     rank: int = 1,
     dtype: str = "int8",
+    no_statistics: Sequence[int] = (),
 ) -> Store:
     """A completed synthetic store of rank-``rank`` factor records: ``arrays`` per layer (n,
     k_out + k_in, rank) float32 (``U`` on ``V``), record ``i`` of example ``examples[i]`` (lr
-    falling from 1e-3 to 2e-4, 8 records a step), K-FAC statistics of random tokens."""
+    falling from 1e-3 to 2e-4, 8 records a step), K-FAC statistics of random tokens (none, zero
+    sums of zero tokens, for the layers ``no_statistics``)."""
     from types import SimpleNamespace
 
     from traceprop_engine import constants as C
@@ -496,9 +498,12 @@ def write_factor_store(
     for s0 in range(0, n, 64):
         w.append([a[s0 : s0 + 64] for a in arrays], {k: v[s0 : s0 + 64] for k, v in meta.items()})
     cov = []
-    for ko, ki in shapes:
+    for li, (ko, ki) in enumerate(shapes):
         a, g = rng.normal(size=(300, ki)), rng.normal(size=(300, ko))
-        cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
+        if li in no_statistics:
+            cov.append(Covariance(A=np.zeros((ki, ki)), S=np.zeros((ko, ko)), n_tokens=0))
+        else:
+            cov.append(Covariance(A=a.T @ a, S=g.T @ g, n_tokens=300))
     w.write_covariance(cov)
     w.close(C.STATUS_COMPLETED)
     return Store(path)

@@ -264,3 +264,42 @@ def test_ekfac_moments_from_factors_equal_those_of_the_sketches(rank):
     np.testing.assert_allclose(got.mean, want.mean, rtol=PRODUCT_RTOL)
     with pytest.raises(StoreError, match="per-record shape"):
         got.update_factors(v, u)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_a_layer_no_statistics_batch_reached_is_scored_unwhitened_in_a_store(
+    kind, tmp_path, caplog
+):
+    """A tracked layer that took no part in any statistics batch (``n_tokens = 0``, zero sums)
+    and never received a gradient (zero records) does not stop the run's K-FAC / EK-FAC index:
+    it is scored unwhitened with a warning, and every score equals that of the same store
+    without the layer. Statistics that are not zero under ``n_tokens = 0`` stay an error."""
+    from helpers import write_factor_store
+
+    from traceprop_engine.attribution.index.run_indexes import RunIndexes
+    from traceprop_engine.settings import IndexSettings
+
+    shapes = [(6, 4), (5, 5)]
+    rng = np.random.default_rng(5)
+    ex = np.arange(24)
+    arrays = [rng.normal(size=(24, ko + ki, 1)).astype(np.float32) for ko, ki in shapes]
+    dead = np.zeros((24, 3 + 7, 1), np.float32)
+    plain = write_factor_store(tmp_path / "p.h5", shapes, arrays, ex, np.random.default_rng(7), "a")
+    with_dead = write_factor_store(
+        tmp_path / "d.h5", [*shapes, (3, 7)], [*arrays, dead], ex, np.random.default_rng(7), "a",
+        no_statistics=[2],
+    )  # fmt: skip
+    assert with_dead.covariance(2).n_tokens == 0
+    queries = [rng.normal(size=(2, ko, ki)).astype(np.float32) for ko, ki in shapes]
+    for cosine in (True, False):
+        s = IndexSettings(preconditioner=kind, cosine=cosine)
+        with caplog.at_level("WARNING"):
+            got = RunIndexes(tmp_path / f"d{cosine}", with_dead).scorer(s)
+        assert "blk.2" in caplog.text and "never accumulated" in caplog.text
+        want = RunIndexes(tmp_path / f"p{cosine}", plain).scorer(s)
+        a = got.scores(got.pullbacks([*queries, rng.normal(size=(2, 3, 7)).astype(np.float32)]))
+        b = want.scores(want.pullbacks(queries))
+        np.testing.assert_allclose(a, b, rtol=RTOL_F32, atol=RTOL_F32 * abs(b).max())
+    A, S, _ = _layer(8)
+    with pytest.raises(StoreError, match="inconsistent"):
+        fit_layer(kind, A, S, 0, mean_sq_norm=1.0, name="x")

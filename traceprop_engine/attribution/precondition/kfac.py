@@ -102,8 +102,13 @@ def fit_layer(
         mean_sq_norm = sketch_moments.mean_sq_norm
     if dense:
         return _fit_dense(kind, shape, mean_sq_norm, sketch_moments, damping, name)
-    a_bar, s_bar = _factor_means(A, S, n_tokens, shape, name)
-    unfit = _without_statistics(kind, a_bar, s_bar, mean_sq_norm, sketch_moments)
+    if n_tokens <= 0 and not np.any(A) and not np.any(S):
+        # no statistics batch reached the layer (e.g. it took no part in the first backward):
+        # nothing to whiten it with, the other layers are fitted as usual
+        unfit = "its K-FAC statistics were never accumulated (no statistics batch reached it)"
+    else:
+        a_bar, s_bar = _factor_means(A, S, n_tokens, shape, name)
+        unfit = _without_statistics(kind, a_bar, s_bar, mean_sq_norm, sketch_moments)
     if unfit:
         # e.g. a LoRA A matrix: its output gradient is 0 while B is still 0, so statistics
         # batches taken then hold nothing to whiten it with; scored as recorded
@@ -196,8 +201,8 @@ def _factor_means(A, S, n_tokens: int, shape, name: str) -> tuple[np.ndarray, np
         )
     if n_tokens <= 0:
         raise StoreError(
-            f"layer {name!r}: n_tokens = {n_tokens}; the covariance was never accumulated — "
-            "check that the run tracked covariance, or use the identity preconditioner"
+            f"layer {name!r}: n_tokens = {n_tokens} but its K-FAC statistics are not zero; the "
+            "store is inconsistent — re-run the training, or use the identity preconditioner"
         )
     return symmetrize(a_mat) / n_tokens, symmetrize(s_mat) / n_tokens
 

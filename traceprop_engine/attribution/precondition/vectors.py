@@ -58,7 +58,11 @@ def fit_preconditioner(
         # fisher leaves factored K-FAC without the normalisation: no pass over the records
         if whitened and (kind is PreconditionerKind.EKFAC or dense or not fisher):
             moments = (
-                EkfacMoments.from_factors(cov.A / cov.n_tokens, cov.S / cov.n_tokens)
+                # max(·, 1): a layer no statistics batch reached has A = S = 0 (fit_layer
+                # scores it unwhitened)
+                EkfacMoments.from_factors(
+                    cov.A / max(cov.n_tokens, 1), cov.S / max(cov.n_tokens, 1)
+                )
                 if cov
                 else EkfacMoments.dense(layer.dim)
             )
