@@ -402,6 +402,13 @@ def test_exact_bm25_and_configs_in_results_and_added_on_resume(data, tmp_path):
         by_method = {row["method"]: row for row in csv.DictReader(f)}
     assert by_method["k2 kfac"]["config"] == "k2" and by_method["k2 kfac"]["family"] == "config"
     assert float(by_method["k2 kfac"]["lds"]) == pytest.approx(rows2["k2 kfac"]["lds"], abs=1e-9)
+    # a later call that does not name k2 keeps its run and its rows (nothing retrained)
+    k2_mtime = (out / "runs" / "k2" / "lds_track.json").stat().st_mtime_ns
+    r3 = run_lds(_settings(data, out, exact=True, bm25=True))
+    rows3 = {row["method"]: row for row in r3.rows}
+    assert r3.complete and r3.retrained == [] and rows3["k2 kfac"]["config"] == "k2"
+    assert rows3["k2 kfac"]["lds"] == pytest.approx(rows2["k2 kfac"]["lds"], abs=1e-9)
+    assert (out / "runs" / "k2" / "lds_track.json").stat().st_mtime_ns == k2_mtime
 
 
 @pytest.mark.slow

@@ -118,7 +118,8 @@ def register(sub) -> None:
         metavar="NAME:KEY=VALUE,...",
         help="an extra tracked configuration, e.g. 'k64:k_in=64,k_out=64' (keys: TrackSettings "
         "fields; repeatable). Trained as runs/NAME and scored with every preconditioner; adding "
-        "one to an existing --out reuses its subset losses",
+        "one to an existing --out reuses its subset losses, and a later call keeps the ones earlier "
+        "calls added",
     )
     p.add_argument(
         "--workers", type=int, default=1, choices=[1, 2], help="parallel retrain processes"

@@ -112,6 +112,25 @@ def _as_recorded(track: dict) -> dict:
     return json.loads(json.dumps(TrackSettings.from_dict(track).to_dict()))
 
 
+def _with_earlier_configs(eval_dir: Path, s: LdsSettings) -> LdsSettings:
+    """``s`` with the ``--config`` runs an earlier call on ``eval_dir`` added and this one does
+    not name (their runs are kept and stay in the table; a name given again takes the new
+    overrides). ``s`` itself for a new folder."""
+    cfg_path = eval_dir / EVAL_FILE
+    if not cfg_path.exists():
+        return s
+    try:
+        old = json.loads(cfg_path.read_text())["settings"].get("configs") or []
+    except (OSError, ValueError, KeyError, AttributeError):
+        return s  # an unreadable file: _check_or_write_config says so
+    names = {c["name"] for c in s.configs}
+    kept = [dict(c) for c in old if isinstance(c, dict) and c.get("name") not in names]
+    if not kept:
+        return s
+    log.info("keeping the config runs of earlier calls: %s", ", ".join(c["name"] for c in kept))
+    return dataclasses.replace(s, configs=(*s.configs, *kept))
+
+
 def _check_or_write_config(eval_dir: Path, s: LdsSettings, overwrite: bool) -> None:
     cfg_path = eval_dir / EVAL_FILE
     cfg = s.to_dict()
@@ -305,6 +324,8 @@ def run_lds(
     torch.set_num_threads(1)
     eval_dir = Path(s.out)
     check_out_dir(eval_dir)
+    if not overwrite:
+        s = _with_earlier_configs(eval_dir, s)
     _check_or_write_config(eval_dir, s, overwrite)
     base = _base_model(s, eval_dir)
     runs = _run_names(s)
