@@ -315,6 +315,10 @@ def test_the_cli_shows_each_settings_field_s_own_help():
         TrainSettings(data="d", out="o", track=None, model="minilm", task="classification"),
         # the two store_false switches (--no-share-k, --no-vocab-rows) are written when False
         TrainSettings(data="d", out="o", track=TrackSettings(share_k=False, vocab_rows=False)),
+        # the records' rank: another rank, or the free-text rank off or another
+        TrainSettings(data="d", out="o", track=TrackSettings(rank=4)),
+        TrainSettings(data="d", out="o", track=TrackSettings(free_text_rank=0)),
+        TrainSettings(data="d", out="o", track=TrackSettings(free_text_rank=8)),
     ],
 )
 def test_train_settings_survive_the_command_line(settings):
@@ -327,3 +331,26 @@ def test_train_settings_survive_the_command_line(settings):
     argv = train_argv(settings)
     args = build_parser().parse_args(argv[argv.index("train") :])
     assert train_settings(args) == settings
+
+
+@pytest.mark.parametrize(
+    "flags, rank, free_text_rank, on_free_text",
+    [
+        ([], 1, 16, 16),  # the default: the data decide
+        (["--rank", "1"], 1, 0, 1),  # asked for: rank 1 on free text too
+        (["--rank", "1", "--free-text-rank", "8"], 1, 8, 8),
+        (["--rank", "4"], 4, 16, 4),  # the free-text rank applies to rank 1 only
+        (["--free-text-rank", "0"], 1, 0, 1),
+    ],
+)
+def test_an_explicit_rank_1_is_kept_on_free_text(flags, rank, free_text_rank, on_free_text):
+    """``--rank 1`` given on the command line keeps rank-1 records where the examples are free
+    text (the default value of the field, so the settings alone cannot tell it apart)."""
+    from traceprop_engine.capture.free_text import rank_for
+    from traceprop_engine.cli.main import build_parser
+    from traceprop_engine.cli.train import train_settings
+
+    args = build_parser().parse_args(["train", "--data", "d", "--out", "o", *flags])
+    track = train_settings(args).track
+    assert (track.rank, track.free_text_rank) == (rank, free_text_rank)
+    assert rank_for(track, median_targets=40).rank == on_free_text

@@ -89,6 +89,20 @@ def add_field_flags(p, cls, *names: str) -> None:
         add_field_flag(p, cls, name)
 
 
+class GivenStore(argparse.Action):
+    """``store`` that also notes its ``dest`` in the namespace's ``given`` set: what a command
+    needs to tell a flag given at its default value from one left out (see :func:`given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+def given(a) -> set[str]:
+    """The ``dest`` of every :class:`GivenStore` flag given on the command line."""
+    return set(getattr(a, "given", ()))
+
+
 def add_track_flags(p, **free_text_rank) -> None:
     """--k-in, --k-out, --rank, --factor-dtype, ... with TrackSettings' defaults
     (``free_text_rank``: overrides of --free-text-rank's ``default`` and ``help``)."""
@@ -105,12 +119,16 @@ def add_track_flags(p, **free_text_rank) -> None:
             action="store_false",
             help=f"turn off {name}: " + help_of(T, name),
         )
-    add_field_flags(
+    # an explicit --rank (1 included) is the rank the records take: free text does not change it
+    add_field_flag(
         p,
         T,
         "rank",
+        action=GivenStore,
+        type=int,
+        help=help_of(T, "rank", "; given here, free text keeps it (as --free-text-rank 0 does)"),
     )
-    add_field_flag(p, T, "free_text_rank", **free_text_rank)
+    add_field_flag(p, T, "free_text_rank", action=GivenStore, type=int, **free_text_rank)
     add_field_flags(
         p,
         T,

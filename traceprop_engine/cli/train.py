@@ -32,9 +32,11 @@ def add_train(sub) -> None:
 def train_settings(a):
     """The :class:`TrainSettings` of parsed ``traceprop train`` flags (each flag's ``dest`` is
     its field's name; ``--no-track`` and ``--no-covariance`` are the two spelled otherwise)."""
-    from ..flags import from_namespace
+    from ..flags import from_namespace, given
     from ..settings import TrackSettings, TrainSettings
 
+    if a.rank == 1 and "rank" in given(a) and "free_text_rank" not in given(a):
+        a.free_text_rank = 0  # an explicit --rank 1 is kept on free text too (any other rank is)
     track = None if a.no_track else from_namespace(TrackSettings, a, covariance=not a.no_covariance)
     return from_namespace(TrainSettings, a, track=track)
 
