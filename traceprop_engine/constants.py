@@ -33,9 +33,11 @@ DEFAULT_PRECONDITIONER = "auto"
 # stride 3 raised K-FAC-cosine's LDS on it from 0.572 / 0.635 to 0.596 / 0.642 (EVAL.md §1h)
 MIN_COVARIANCE_BATCHES = 16
 
-# free text: examples (and queries) with more loss tokens than this; a free-text run's records
-# take TrackSettings.free_text_rank, and a query of at most this many scores against their first
-# column only (capture/free_text.py, store/column_view.py; benchmarks/EVAL.md §1x-§1y)
+# free text: training examples with more loss tokens than this (median); a free-text run's records
+# take TrackSettings.free_text_rank, and a query whose answer (loss tokens after a prompt) has at
+# most this many scores against their first column only; a free-text query (a loss on every
+# token) scores every column at any length (capture/free_text.py, store/column_view.py,
+# attribution/model_side/test_side.py query_targets; benchmarks/EVAL.md §1x-§1z)
 FREE_TEXT_TARGETS = 16
 
 # run status values (run.json "status" and the store's "status" attribute)

@@ -104,7 +104,7 @@ class TrackSettings:
     k = 126 per side and stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per
     layer and record. A run whose examples are free text (more than 16 loss tokens each) records
     rank-16 factors instead (``free_text_rank``), whose first column is that rank-1 record: a
-    query of a few loss tokens scores against it, a free-text query against all 16
+    query of a short answer scores against it, a free-text query (any length) against all 16
     (``IndexSettings.columns``). (How the defaults were chosen: benchmarks/EVAL.md.)
     """
 

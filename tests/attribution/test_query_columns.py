@@ -50,9 +50,40 @@ def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(run
         every, text.scores(long, settings=IndexSettings(columns=0)), rtol=1e-12
     )
     assert not np.allclose(every, rank1.scores(long), rtol=1e-2)
+    # free text scores every column at any length: a text of three tokens too (no prompt)
+    short_text = " ".join(FREE_TEXT_WORDS[:3])
+    assert text.query(short_text, top_k=3).query["columns"] == 0
+    np.testing.assert_allclose(
+        text.scores(short_text), text.scores(short_text, settings=IndexSettings(columns=0))
+    )
     # a result's by-example scores follow the columns it was ranked with
     table = text.example_scores(res)
     np.testing.assert_allclose(
         table.sort("example_id")["score"].to_numpy(), a[np.sort(table["example_id"].to_numpy())]
     )
     assert (text.dir / C.INDEX_DIR / f"{text.settings().name}-c1").is_dir()
+
+
+def test_the_answer_tokens_of_a_query_pick_its_columns():
+    """``query_targets``: a label counts 1, an answer its loss tokens after the prompt, free text
+    (a loss on every token after the first) None, which scores every column at any length."""
+    from traceprop_engine.attribution import query_targets
+    from traceprop_engine.store.column_view import query_columns
+    from traceprop_engine.training.models import Encoded
+
+    ids = np.arange(6, dtype=np.int32)
+    answer = Encoded(ids, np.array([0, 0, 0, 1, 1, 1], np.uint8))
+    text = Encoded(ids, np.array([0, 1, 1, 1, 1, 1], np.uint8))
+    label = Encoded(ids, np.ones(6, np.uint8), label=2)
+    assert (query_targets(answer), query_targets(text), query_targets(label)) == (3, None, 1)
+    long_answer = Encoded(np.arange(40, dtype=np.int32), np.r_[np.zeros(3), np.ones(37)])
+    assert query_targets(long_answer) == 37
+    layers = [type("L", (), {"rank": 16})()]
+    assert [
+        query_columns(layers, query_targets(e)) for e in (answer, text, label, long_answer)
+    ] == [
+        1,
+        0,
+        1,
+        0,
+    ]

@@ -228,9 +228,10 @@ class AttributionRun(TestSideMixin):
         )
 
     def for_query(self, s: IndexSettings | None, n_targets: int | None) -> IndexSettings:
-        """``s`` resolved for a query of ``n_targets`` loss tokens: its ``auto`` choices
+        """``s`` resolved for a query of ``n_targets`` answer tokens (None: free text, or not
+        known; :func:`~.model_side.test_side.query_targets`): its ``auto`` choices
         (:meth:`settings`) and the record columns it scores against (``columns=None``: the
-        first alone for a short query on records of rank above 1, :func:`query_columns`)."""
+        first alone for a short answer on records of rank above 1, :func:`query_columns`)."""
         s = self.settings(s)
         if s.columns is None:
             s = dataclasses.replace(s, columns=query_columns(self.store.layers, n_targets))

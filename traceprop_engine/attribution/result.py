@@ -27,8 +27,9 @@ class TestSide:
         elapsed_ms: the time the encoding and backward took.
         model_fingerprint: the fingerprint of the model the sketches were taken on (checked
             against the run's record when it was loaded).
-        n_targets: the query's loss tokens (1 for a classification label; None: not known),
-            which pick the record columns it scores against (``IndexSettings.columns``).
+        n_targets: the query's answer tokens (1 for a classification label; None: free text,
+            or not known), which pick the record columns it scores against
+            (``IndexSettings.columns``; :func:`~.model_side.test_side.query_targets`).
     """
 
     __test__ = False  # not a pytest test class

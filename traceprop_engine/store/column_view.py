@@ -4,8 +4,8 @@ A record stored at rank ``r > 1`` (a free-text run, ``TrackSettings.free_text_ra
 ``U Vᵀ = Σ_j u_j v_jᵀ``, and its first column ``u_0 v_0ᵀ`` is exactly the rank-1 record the
 default keeps (``û ûᵀ G``, ``û = Σ_t g_t / ‖·‖``: the half power step starts its first column
 there, :func:`~traceprop_engine.capture.sketch.full_factors`). A query whose loss is a short
-answer is scored best against that column alone, a free-text query against every column
-(benchmarks/EVAL.md §1y): :class:`ColumnView` is the store as rank-``c`` records, for the
+answer is scored best against that column alone, a free-text query (a loss on every token,
+short or long) against every column (benchmarks/EVAL.md §1y-§1z): :class:`ColumnView` is the store as rank-``c`` records, for the
 indexes and scorers of such queries (``IndexSettings.columns``).
 
 Everything but the factors (records table, examples, statistics, projections) is the store's.
@@ -86,9 +86,10 @@ def column_view(store, columns: int):
 
 
 def query_columns(layers, n_targets: int | None) -> int:
-    """The columns a query of ``n_targets`` loss tokens scores against (``IndexSettings.columns``
-    auto): the first alone for a short one (an answer, a label: at most
+    """The columns a query of ``n_targets`` answer tokens scores against (``IndexSettings.columns``
+    auto): the first alone for a short answer or a label (at most
     :data:`~traceprop_engine.constants.FREE_TEXT_TARGETS`) on records of rank above 1, every
-    column (0) otherwise."""
+    column (0) otherwise: a longer answer, and free text at any length (``n_targets`` None,
+    :func:`~traceprop_engine.attribution.model_side.test_side.query_targets`)."""
     short = n_targets is not None and n_targets <= C.FREE_TEXT_TARGETS
     return 1 if short and any(info.rank > 1 for info in layers) else 0

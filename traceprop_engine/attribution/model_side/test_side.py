@@ -89,7 +89,14 @@ class TestSideMixin:
         )
 
 
-def query_targets(enc) -> int:
-    """The loss tokens of an encoded query: 1 for a classification label (its mask marks every
-    token), else its loss mask's ones."""
-    return 1 if getattr(enc, "label", -1) >= 0 else int(enc.loss_mask.sum())
+def query_targets(enc) -> int | None:
+    """The answer tokens of an encoded query, which pick the record columns it scores against
+    (:func:`~traceprop_engine.store.column_view.query_columns`): 1 for a classification label
+    (its mask marks every token); a causal LM query's loss tokens where a prompt comes before
+    them (an answer, a completion); None for free text, a query whose loss covers every token
+    after the first: it scores against every column at any length (short free-text queries of
+    4-16 tokens lost 0.2 LDS against the first column alone, benchmarks/EVAL.md §1z)."""
+    if getattr(enc, "label", -1) >= 0:
+        return 1
+    mask = np.asarray(enc.loss_mask)
+    return None if mask[1:].all() else int(mask.sum())
