@@ -40,6 +40,7 @@ def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(run
     short = dict(prompt="the model reads every", completion=" token")
     res = text.query(**short, top_k=3)
     assert res.query["columns"] == 1
+    assert any("first of the records' 4 columns" in n and "answer of 2" in n for n in res.notes)
     a, b = text.scores(**short), rank1.scores(**short)
     np.testing.assert_allclose(a, b, rtol=F32_RTOL, atol=F32_RTOL * np.abs(b).max())
     # a long query (every token of a row a target): every column, another score than rank 1's
@@ -52,7 +53,13 @@ def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(run
     assert not np.allclose(every, rank1.scores(long), rtol=1e-2)
     # free text scores every column at any length: a text of three tokens too (no prompt)
     short_text = " ".join(FREE_TEXT_WORDS[:3])
-    assert text.query(short_text, top_k=3).query["columns"] == 0
+    res_text = text.query(short_text, top_k=3)
+    assert res_text.query["columns"] == 0
+    assert any("all 4 columns" in n and "free text" in n for n in res_text.notes)
+    # a choice the caller made, and a rank-1 run: no note on the columns
+    given = text.query(short_text, top_k=3, settings=IndexSettings(columns=0)).notes
+    assert not any("columns of the records" in n for n in given)
+    assert not any("columns" in n for n in rank1.query(short_text, top_k=3).notes)
     np.testing.assert_allclose(
         text.scores(short_text), text.scores(short_text, settings=IndexSettings(columns=0))
     )

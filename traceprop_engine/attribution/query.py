@@ -28,7 +28,7 @@ from .. import constants as C
 from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings, StatisticsSource
-from ..store.column_view import query_columns
+from ..store.column_view import columns_note, query_columns
 from ..store.sharded import open_run_store
 from .index.candidates import candidates
 from .index.run_indexes import Progress, RunIndexes
@@ -217,10 +217,12 @@ class AttributionRun(TestSideMixin):
             "n_vectors": int(index.n),
         }
         prior = self.class_prior_scores(ts.sketches, s, np.zeros(0, np.int64)) is not None
+        auto = self.settings(settings).columns is None  # the query chose its record columns
+        cols = columns_note(self.store.layers, s.columns, ts.n_targets) if auto else None
         return QueryResult(
             rows,
             q,
-            notes=self.notes + list(ts.notes) + sign_notes,
+            notes=self.notes + list(ts.notes) + sign_notes + ([cols] if cols else []),
             layer_names=pre.layer_names + ([CLASS_PRIOR_LAYER] if prior else []),
             elapsed_ms=encode_ms + (time.perf_counter() - t0) * 1e3,
             sketches=ts.sketches,

@@ -93,3 +93,23 @@ def query_columns(layers, n_targets: int | None) -> int:
     :func:`~traceprop_engine.attribution.model_side.test_side.query_targets`)."""
     short = n_targets is not None and n_targets <= C.FREE_TEXT_TARGETS
     return 1 if short and any(info.rank > 1 for info in layers) else 0
+
+
+def columns_note(layers, columns: int, n_targets: int | None) -> str | None:
+    """What a query's automatic choice of record columns was, and why (records of rank above 1
+    only; None otherwise): the query's note beside its result."""
+    rank = max((info.rank for info in layers), default=0)
+    if rank <= 1:
+        return None
+    if columns == 1:
+        what = "a label" if n_targets == 1 else f"an answer of {n_targets} loss tokens"
+        return (
+            f"scored against the first of the records' {rank} columns (the rank-1 record): the "
+            f"query is {what}; --columns 0 (IndexSettings(columns=0)) scores every column"
+        )
+    why = (
+        "free text (a loss on every token)"
+        if n_targets is None
+        else f"an answer of {n_targets} loss tokens, more than {C.FREE_TEXT_TARGETS}"
+    )
+    return f"scored against all {rank} columns of the records: the query is {why}"
