@@ -114,3 +114,25 @@ def test_a_short_query_takes_the_first_column_of_records_above_rank_1(stores):
     assert resolve_settings(whole, IndexSettings(columns=RANK)).columns == 0
     assert resolve_settings(whole, IndexSettings(columns=1)).columns == 1
     assert resolve_settings(whole, IndexSettings()).columns is None  # the query decides
+
+
+def test_a_column_view_of_a_sharded_store_reads_the_shards_first_columns(tmp_path):
+    """A DDP run's shards read as one store: the view's factors are the shards' first columns,
+    one shard after the other, also for a range that spans both or holds none."""
+    from traceprop_engine.store.sharded import ShardedStore
+
+    rng = np.random.default_rng(4)
+    shapes = [(32, 32)]  # k = d: no projection, which shards must share
+    paths = []
+    for r, n in enumerate((17, 11)):
+        arrays = [rng.normal(size=(n, 64, RANK)).astype(np.float32)]
+        write_factor_store(tmp_path / f"s{r}.h5", shapes, arrays, np.arange(n), rng, "sh", RANK)
+        paths.append(tmp_path / f"s{r}.h5")
+    sharded = ShardedStore(paths)
+    view = column_view(sharded, 1)
+    for li in range(len(shapes)):
+        u, v = sharded.factors(li)
+        for start, stop in ((0, None), (10, 20), (28, 28)):
+            vu, vv = view.factors(li, start, stop)
+            np.testing.assert_array_equal(vu, u[start:stop, :, :1])
+            np.testing.assert_array_equal(vv, v[start:stop, :, :1])

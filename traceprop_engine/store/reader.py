@@ -276,9 +276,11 @@ class Store(PartialStatus):
         return _damaged(self, info, lambda: self._f[f"{info.group}/{C.L_SKETCH}"][start:stop])
 
     def factors(
-        self, layer: int, start: int = 0, stop: int | None = None
+        self, layer: int, start: int = 0, stop: int | None = None, columns: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``U`` (n, k_out, r) and ``V`` (n, k_in, r) float32 of a factor-stored layer.
+        """``U`` (n, k_out, r) and ``V`` (n, k_in, r) float32 of a factor-stored layer; with
+        ``columns`` only the first that many columns are read (a column view's reads: HDF5
+        copies out only those, about half the time of a whole rank-16 record's).
 
         Raises:
             StoreError: the layer stores full sketches (``rank`` 0).
@@ -288,12 +290,13 @@ class Store(PartialStatus):
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         stop = self.n_records if stop is None else min(stop, self.n_records)
         g = self._f[info.group]
+        cols = np.s_[:] if columns is None else np.s_[: int(columns)]
         u, v, sc = _damaged(
             self,
             info,
             lambda: (
-                g[C.L_U][start:stop],
-                g[C.L_V][start:stop],
+                g[C.L_U][start:stop, :, cols],
+                g[C.L_V][start:stop, :, cols],
                 g[C.L_SCALE][start:stop] if C.L_SCALE in g else None,
             ),
         )

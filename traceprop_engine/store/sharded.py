@@ -117,21 +117,22 @@ class ShardedStore(PartialStatus):
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def factors(
-        self, layer: int, start: int = 0, stop: int | None = None
+        self, layer: int, start: int = 0, stop: int | None = None, columns: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         stop = self.n_records if stop is None else min(stop, self.n_records)
         us, vs = [], []
         for sh, lo, hi in zip(self.shards, self._offsets[:-1], self._offsets[1:], strict=True):
             a, b = max(start, lo), min(stop, hi)
             if a < b:
-                u, v = sh.factors(layer, int(a - lo), int(b - lo))
+                u, v = sh.factors(layer, int(a - lo), int(b - lo), columns)
                 us.append(u)
                 vs.append(v)
         if not us:
             info = self.layers[layer]
+            r = info.rank if columns is None else min(info.rank, int(columns))
             return (
-                np.zeros((0, info.k_out, info.rank), np.float32),
-                np.zeros((0, info.k_in, info.rank), np.float32),
+                np.zeros((0, info.k_out, r), np.float32),
+                np.zeros((0, info.k_in, r), np.float32),
             )
         return np.concatenate(us), np.concatenate(vs)
 
