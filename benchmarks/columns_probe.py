@@ -12,6 +12,9 @@ words (uniform, seeded), into ``DST/docs.jsonl``: free-text queries of about 3�
 ``traceprop eval lds --data SRC/train --eval-data DST --task causal-lm ...`` evaluates them
 (new retrains: the losses are on the new eval texts).
 
+``make-answers SRC DST SEED``: the same eval texts as a prompt (their first 3 words) and a
+completion (the next 1–14 words): answers of free text after a prompt, of about 2–40 loss tokens.
+
 ``score DIR ...``: for each finished evaluation, the LDS per eval example of the main run
 (``runs/k126``) scored against the first column and against every column, and the folder's
 default, full-gradient cosine and BM25 rows, in bins of the query's loss tokens; then pooled
@@ -55,6 +58,23 @@ def make(src: Path, dst: Path, seed: int) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in cut))
     print(f"{dst}: {len(cut)} texts, median {np.median([len(t.split()) for t in cut])} words")
+
+
+def make_answers(src: Path, dst: Path, seed: int) -> None:
+    """The eval texts as prompts of their first 3 words and completions of the next 1–14 (uniform,
+    seeded): answers of free text after a prompt, of about 2–40 loss tokens."""
+    rng = np.random.default_rng(200 + seed)
+    lines = (src / "eval" / "docs.jsonl").read_text().splitlines()
+    out = []
+    for line in lines:
+        if line.strip():
+            w = json.loads(line)["text"].split()
+            m = int(rng.integers(1, 15))
+            out.append({"prompt": " ".join(w[:3]), "completion": " " + " ".join(w[3 : 3 + m])})
+    out = [r for r in out if r["completion"].strip()]  # a text of three words has no answer
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+    print(f"{dst}: {len(out)} prompts with completions")
 
 
 def per_example(ev: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -137,8 +157,9 @@ def runs(dirs: list[Path]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) == 4 and argv[0] == "make":
-        make(Path(argv[1]), Path(argv[2]), int(argv[3]))
+    if len(argv) == 4 and argv[0] in ("make", "make-answers"):
+        maker = make if argv[0] == "make" else make_answers
+        maker(Path(argv[1]), Path(argv[2]), int(argv[3]))
     elif len(argv) >= 2 and argv[0] == "score":
         score([Path(d) for d in argv[1:]])
     elif len(argv) >= 2 and argv[0] == "runs":

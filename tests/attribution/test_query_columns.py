@@ -83,6 +83,8 @@ def test_the_answer_tokens_of_a_query_pick_its_columns():
     text = Encoded(ids, np.array([0, 1, 1, 1, 1, 1], np.uint8))
     label = Encoded(ids, np.ones(6, np.uint8), label=2)
     assert (query_targets(answer), query_targets(text), query_targets(label)) == (3, None, 1)
+    padded = Encoded(ids, np.array([0, 1, 1, 1, 0, 0], np.uint8))  # free text, then padding
+    assert query_targets(padded) is None
     long_answer = Encoded(np.arange(40, dtype=np.int32), np.r_[np.zeros(3), np.ones(37)])
     assert query_targets(long_answer) == 37
     layers = [type("L", (), {"rank": 16})()]

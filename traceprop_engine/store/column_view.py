@@ -5,8 +5,9 @@ A record stored at rank ``r > 1`` (a free-text run, ``TrackSettings.free_text_ra
 default keeps (``û ûᵀ G``, ``û = Σ_t g_t / ‖·‖``: the half power step starts its first column
 there, :func:`~traceprop_engine.capture.sketch.full_factors`). A query whose loss is a short
 answer is scored best against that column alone, a free-text query (a loss on every token,
-short or long) against every column (benchmarks/EVAL.md §1y-§1z): :class:`ColumnView` is the store as rank-``c`` records, for the
-indexes and scorers of such queries (``IndexSettings.columns``).
+short or long) against every column (benchmarks/EVAL.md §1y-§1z): :class:`ColumnView` is the
+store as rank-``c`` records, for the indexes and scorers of such queries
+(``IndexSettings.columns``).
 
 Everything but the factors (records table, examples, statistics, projections) is the store's.
 An int8 record keeps its one scale: the first columns decode to the same numbers as in the

@@ -93,10 +93,11 @@ def query_targets(enc) -> int | None:
     """The answer tokens of an encoded query, which pick the record columns it scores against
     (:func:`~traceprop_engine.store.column_view.query_columns`): 1 for a classification label
     (its mask marks every token); a causal LM query's loss tokens where a prompt comes before
-    them (an answer, a completion); None for free text, a query whose loss covers every token
-    after the first: it scores against every column at any length (short free-text queries of
-    4-16 tokens lost 0.2 LDS against the first column alone, benchmarks/EVAL.md §1z)."""
+    them (an answer, a completion); None for free text, a query whose loss starts at its second
+    token (the first has no prediction; padding after the last target does not count): it scores
+    against every column at any length (free-text queries of 2-16 tokens lost 0.13-0.16 LDS
+    against the first column alone, benchmarks/EVAL.md §1z)."""
     if getattr(enc, "label", -1) >= 0:
         return 1
-    mask = np.asarray(enc.loss_mask)
-    return None if mask[1:].all() else int(mask.sum())
+    targets = np.flatnonzero(np.asarray(enc.loss_mask))
+    return None if len(targets) and targets[0] <= 1 else int(len(targets))
