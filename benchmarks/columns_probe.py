@@ -24,11 +24,15 @@ over the folders, every column minus the first column per bin with a 95 % bootst
 ``--config`` runs, e.g. ``--config r8:rank=8``) scored by the default, K-FAC-cosine and
 cosine (no class prior for the last two), against the first column and against every column.
 
+``blend DIR ...``: the main run scored against the first column, every column, and blends of
+the two (each query's score rows standardised, then ``(1 − w)·first + w·every``).
+
 Usage::
 
     python benchmarks/columns_probe.py make /tmp/q/docslm8-s1-data /tmp/mid/s1-eval 1
     python benchmarks/columns_probe.py score /tmp/mid/docs-s0 /tmp/mid/docs-s1 ...
     python benchmarks/columns_probe.py runs /tmp/cls/lora-docs8-s0 ...
+    python benchmarks/columns_probe.py blend /tmp/ev/h60d-s0 /tmp/mid/ans-docs-s0 ...
 """
 
 from __future__ import annotations
@@ -156,6 +160,35 @@ def runs(dirs: list[Path]) -> None:
             print(f"{ev.name} {rd.name} (ranks {ranks}): " + ", ".join(got), flush=True)
 
 
+def blend(dirs: list[Path]) -> None:
+    """The main run's scores against the first column, every column, and blends of the two
+    (each query's two score rows standardised, weighted ``1 − w`` and ``w``)."""
+    for ev in dirs:
+        masks, losses, _ = subset_data(ev)
+        run = open_run(ev / "runs" / "k126")
+        try:
+            sketches = eval_sketches(run)
+            by_cols = {}
+            for cols in (1, 0):
+                ix = run.settings(IndexSettings(columns=cols))
+                _, ids, _ = run.index(ix)
+                m = np.zeros((len(sketches), masks.shape[1]))
+                for r, sk in enumerate(sketches):
+                    m[r, ids] = run.all_scores(sk, ix)
+                by_cols[cols] = m
+        finally:
+            run.close()
+
+        def z(m: np.ndarray) -> np.ndarray:
+            return (m - m.mean(1, keepdims=True)) / (m.std(1, keepdims=True) + 1e-30)
+
+        rows = {"first column": by_cols[1], "every column": by_cols[0]}
+        for w in (0.25, 0.5, 0.75):
+            rows[f"blend w={w}"] = (1 - w) * z(by_cols[1]) + w * z(by_cols[0])
+        lds = {k: float(np.nanmean(lds_scores(v, masks, losses))) for k, v in rows.items()}
+        print(ev.name, ", ".join(f"{k} {v:.3f}" for k, v in lds.items()), flush=True)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) == 4 and argv[0] in ("make", "make-answers"):
         maker = make if argv[0] == "make" else make_answers
@@ -164,6 +197,8 @@ def main(argv: list[str]) -> None:
         score([Path(d) for d in argv[1:]])
     elif len(argv) >= 2 and argv[0] == "runs":
         runs([Path(d) for d in argv[1:]])
+    elif len(argv) >= 2 and argv[0] == "blend":
+        blend([Path(d) for d in argv[1:]])
     else:
         raise SystemExit(__doc__)
 
