@@ -136,3 +136,20 @@ def test_a_column_view_of_a_sharded_store_reads_the_shards_first_columns(tmp_pat
             vu, vv = view.factors(li, start, stop)
             np.testing.assert_array_equal(vu, u[start:stop, :, :1])
             np.testing.assert_array_equal(vv, v[start:stop, :, :1])
+
+
+def test_a_column_view_reads_scattered_records_first_columns(tmp_path):
+    """The re-rank's gather of scattered records (a point selection, not one contiguous read)
+    reads the first columns too, and an empty gather has the view's shape."""
+    rng = np.random.default_rng(6)
+    store = write_factor_store(
+        tmp_path / "s.h5", SHAPES, _arrays(rng, 400), np.arange(400), rng, "g", RANK
+    )
+    view = column_view(store, 2)
+    for recs in (np.array([3, 250, 399]), np.zeros(0, np.int64)):
+        for li, (ko, ki) in enumerate(SHAPES):
+            u, v = store.factors_at(li, recs)
+            vu, vv = view.factors_at(li, recs)
+            assert vu.shape == (len(recs), ko, 2) and vv.shape == (len(recs), ki, 2)
+            np.testing.assert_array_equal(vu, u[..., :2])
+            np.testing.assert_array_equal(vv, v[..., :2])

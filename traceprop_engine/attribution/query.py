@@ -217,7 +217,7 @@ class AttributionRun(TestSideMixin):
             "n_vectors": int(index.n),
         }
         prior = self.class_prior_scores(ts.sketches, s, np.zeros(0, np.int64)) is not None
-        auto = self.settings(settings).columns is None  # the query chose its record columns
+        auto = settings is None or settings.columns is None  # the query chose its columns
         cols = columns_note(self.store.layers, s.columns, ts.n_targets) if auto else None
         return QueryResult(
             rows,
@@ -387,14 +387,18 @@ class AttributionRun(TestSideMixin):
         out = None
         for qi, one in enumerate(queries):
             enc, _, _ = self.encode(one)  # torch: the queries run through the model
-            sk, _ = self.query_sketches(enc)
-            sq = self.for_query(s, query_targets(enc))
-            _, ids, _ = self.index(sq)
+            ids, row = self.query_scores(self.query_sketches(enc)[0], query_targets(enc), s)
             if out is None:
                 n = max(self.examples().height, int(ids.max()) + 1 if len(ids) else 0)
                 out = np.zeros((len(queries), n), np.float64)
-            out[qi, ids] = self.all_scores(sk, sq)
+            out[qi, ids] = row
         return out if batched else out[0]
+
+    def query_scores(self, sketches, n_targets: int | None, s: IndexSettings | None = None):
+        """``(ids, scores)``: one query's exact scores of every index row, under ``s`` resolved
+        for its ``n_targets`` answer tokens (:meth:`for_query`: the record columns it scores)."""
+        sq = self.for_query(s, n_targets)
+        return self.index(sq)[1], self.all_scores(sketches, sq)
 
     def influence_by_source(
         self, result: QueryResult, settings: IndexSettings | None = None

@@ -173,9 +173,8 @@ def _query_influence(run, queries: list[tuple[str, str]], n_train: int) -> dict[
         ix = IndexSettings(preconditioner=p, cosine=False)  # summed raw influence
         total = np.zeros(n_train)
         for sk, enc in zip(sketches, encs, strict=True):
-            ixq = run.for_query(ix, query_targets(enc))  # the record columns this query scores
-            _, ids, _ = run.index(ixq)
-            total[ids] += run.all_scores(sk, ixq)
+            ids, scores = run.query_scores(sk, query_targets(enc), ix)  # its record columns
+            total[ids] += scores
         out[p] = total
     return out
 

@@ -203,9 +203,8 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
             continue
         scores = np.zeros((len(eval_ids), n_train), np.float64)
         for r, sk in enumerate(sketches):
-            ixq = run.for_query(ix, targets[r])
-            _, ids, _ = run.index(ixq)
-            scores[r, ids] = run.all_scores(sk, ixq)
+            ids, row = run.query_scores(sk, targets[r], ix)  # the record columns it scores
+            scores[r, ids] = row
         yield {
             "method": f"{family} {p}" if family != "factored" else p,
             "family": family,

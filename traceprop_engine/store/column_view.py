@@ -62,9 +62,10 @@ class ColumnView:
         return self.base.factors(layer, start, stop, columns=c)  # only those columns read
 
     def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        u, v = self.base.factors_at(layer, records)
         c = self.layers[layer].rank
-        return np.ascontiguousarray(u[..., :c]), np.ascontiguousarray(v[..., :c])
+        if not c:
+            return self.base.factors_at(layer, records)  # raises: full sketches
+        return self.base.factors_at(layer, records, columns=c)  # only those columns read
 
     def sketches(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         if not self.layers[layer].rank:

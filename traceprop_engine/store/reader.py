@@ -44,16 +44,21 @@ def _damaged(store, info, read):
         ) from e
 
 
-def _rows_at(ds: h5py.Dataset, records: np.ndarray) -> np.ndarray:
-    """Rows ``records`` (sorted, unique) of a dataset: one contiguous read when they are dense
-    enough (h5py's point selection is slow for many rows), else a point selection."""
+def _rows_at(ds: h5py.Dataset, records: np.ndarray, tail: tuple = ()) -> np.ndarray:
+    """Rows ``records`` (sorted, unique) of a dataset, cut by ``tail``: one contiguous read when
+    they are dense enough (h5py's point selection is slow for many rows), else a point selection."""
     records = np.asarray(records, dtype=np.int64)
     if len(records) == 0:
-        return np.zeros((0, *ds.shape[1:]), ds.dtype)
+        return np.zeros((0, *ds.shape[1:]), ds.dtype)[(slice(None), *tail)]
     lo, hi = int(records[0]), int(records[-1]) + 1
     if hi - lo <= 4 * len(records) + 64:
-        return ds[lo:hi][records - lo]
-    return ds[records]
+        return ds[(slice(lo, hi), *tail)][records - lo]
+    return ds[(records, *tail)]
+
+
+def _first_columns(columns: int | None) -> tuple:
+    """A factor dataset's ``(n, k, r)`` selection after the rows: every column, or the first."""
+    return () if columns is None else (slice(None), slice(0, int(columns)))
 
 
 class PartialStatus:
@@ -279,8 +284,8 @@ class Store(PartialStatus):
         self, layer: int, start: int = 0, stop: int | None = None, columns: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """``U`` (n, k_out, r) and ``V`` (n, k_in, r) float32 of a factor-stored layer; with
-        ``columns`` only the first that many columns are read (a column view's reads: HDF5
-        copies out only those, about half the time of a whole rank-16 record's).
+        ``columns`` only their first columns are read (a column view's: 0.4× the time of a
+        whole rank-16 record, benchmarks/column_read.py).
 
         Raises:
             StoreError: the layer stores full sketches (``rank`` 0).
@@ -290,13 +295,13 @@ class Store(PartialStatus):
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         stop = self.n_records if stop is None else min(stop, self.n_records)
         g = self._f[info.group]
-        cols = np.s_[:] if columns is None else np.s_[: int(columns)]
+        cols = _first_columns(columns)
         u, v, sc = _damaged(
             self,
             info,
             lambda: (
-                g[C.L_U][start:stop, :, cols],
-                g[C.L_V][start:stop, :, cols],
+                g[C.L_U][(slice(start, stop), *cols)],
+                g[C.L_V][(slice(start, stop), *cols)],
                 g[C.L_SCALE][start:stop] if C.L_SCALE in g else None,
             ),
         )
@@ -312,18 +317,21 @@ class Store(PartialStatus):
             self, info, lambda: _rows_at(self._f[f"{info.group}/{C.L_SKETCH}"], records)
         )
 
-    def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def factors_at(
+        self, layer: int, records: np.ndarray, columns: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`factors` for a sorted array of record numbers."""
         info = self.layers[layer]
         if not info.rank:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         g = self._f[info.group]
+        cols = _first_columns(columns)
         u, v, sc = _damaged(
             self,
             info,
             lambda: (
-                _rows_at(g[C.L_U], records),
-                _rows_at(g[C.L_V], records),
+                _rows_at(g[C.L_U], records, cols),
+                _rows_at(g[C.L_V], records, cols),
                 _rows_at(g[C.L_SCALE], records) if C.L_SCALE in g else None,
             ),
         )

@@ -149,10 +149,12 @@ class ShardedStore(PartialStatus):
             return np.zeros((0, *self.layers[layer].record_shape), np.float32)
         return np.concatenate(parts)
 
-    def factors_at(self, layer: int, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        parts = [sh.factors_at(layer, sel) for sh, sel in self._split(records)]
+    def factors_at(
+        self, layer: int, records: np.ndarray, columns: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        parts = [sh.factors_at(layer, sel, columns) for sh, sel in self._split(records)]
         if not parts:
-            return self.factors(layer, 0, 0)
+            return self.factors(layer, 0, 0, columns)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def records(self) -> dict[str, np.ndarray]:
