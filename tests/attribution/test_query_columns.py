@@ -1,7 +1,7 @@
-"""A free-text run records rank-r factors (``TrackSettings.free_text_rank``); a query of a few
-loss tokens scores against their first column, which is the rank-1 record a run with the
-free-text rank turned off keeps, and a free-text query against every column
-(``IndexSettings.columns`` auto, benchmarks/EVAL.md §1y)."""
+"""A free-text run records rank-r factors (``TrackSettings.free_text_rank``); their first column
+is the rank-1 record a run with the free-text rank turned off keeps. A free-text query and a long
+answer score against every column; a short answer against the view whose scores have the heavier
+tails (``IndexSettings.columns`` auto, attribution/column_choice.py, benchmarks/EVAL.md §1y-§2a)."""
 
 from __future__ import annotations
 
@@ -32,16 +32,20 @@ def runs(tmp_path_factory):
         run.close()
 
 
-def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(runs):
+def kurtosis(x: np.ndarray) -> float:
+    """Excess kurtosis, the reference for the engine's (scipy.stats.kurtosis's default)."""
+    d = x - x.mean()
+    return float((d**4).mean() / (d**2).mean() ** 2 - 3)
+
+
+def test_the_first_column_is_the_rank_1_record_and_a_long_query_scores_every_column(runs):
     text, rank1 = runs["text"], runs["rank1"]
     assert {i.rank for i in text.store.layers} == {4} and {i.rank for i in rank1.store.layers} == {
         1
     }
     short = dict(prompt="the model reads every", completion=" token")
-    res = text.query(**short, top_k=3)
-    assert res.query["columns"] == 1
-    assert any("first of the records' 4 columns" in n and "answer of 2" in n for n in res.notes)
-    a, b = text.scores(**short), rank1.scores(**short)
+    first = IndexSettings(columns=1)
+    a, b = text.scores(**short, settings=first), rank1.scores(**short)
     np.testing.assert_allclose(a, b, rtol=F32_RTOL, atol=F32_RTOL * np.abs(b).max())
     # a long query (every token of a row a target): every column, another score than rank 1's
     long = " ".join(FREE_TEXT_WORDS * 2)
@@ -64,11 +68,59 @@ def test_a_short_query_scores_the_rank_1_records_and_a_long_one_every_column(run
         text.scores(short_text), text.scores(short_text, settings=IndexSettings(columns=0))
     )
     # a result's by-example scores follow the columns it was ranked with
+    res = text.query(**short, top_k=3, settings=first)
     table = text.example_scores(res)
     np.testing.assert_allclose(
         table.sort("example_id")["score"].to_numpy(), a[np.sort(table["example_id"].to_numpy())]
     )
     assert (text.dir / C.INDEX_DIR / f"{text.settings().name}-c1").is_dir()
+
+
+# short answers after a prompt of two words or more (a prompt of one token is free text), whose
+# tails differ clearly between the two views on this run: both choices occur
+SHORT_ANSWERS = [(3, 2), (10, 3), (3, 1), (6, 3), (11, 3)]
+
+
+def test_a_short_answer_scores_the_view_whose_scores_have_the_heavier_tails(runs):
+    text = runs["text"]
+    w, picked = FREE_TEXT_WORDS, []
+    for n_prompt, n_words in SHORT_ANSWERS:
+        q = dict(prompt=" ".join(w[:n_prompt]), completion=" " + " ".join(w[n_prompt:][:n_words]))
+        tails = []
+        for cols in (1, 0):  # the reference: each view's scores of every training example
+            ix = IndexSettings(columns=cols)
+            tails.append(kurtosis(text.scores(**q, settings=ix)[text.index(ix)[1]]))
+        res = text.query(**q, top_k=3)
+        want = 0 if tails[1] > tails[0] else 1
+        assert res.query["columns"] == want, (q, tails)
+        np.testing.assert_allclose(
+            text.scores(**q), text.scores(**q, settings=IndexSettings(columns=want)), rtol=1e-12
+        )
+        note = next(n for n in res.notes if "heavier tails" in n)
+        assert f"kurtosis {tails[1 - want]:.1f} against {tails[want]:.1f}" in note
+        assert ("first of the records' 4 columns" in note) == (want == 1)
+        assert "the query is an answer of" in note
+        picked.append(want)
+    assert set(picked) == {0, 1}
+
+
+def test_the_tails_of_a_large_index_are_measured_on_a_seeded_sample(runs, monkeypatch):
+    """Above ``TAIL_SAMPLE`` index rows the kurtosis is measured on that many rows, drawn the
+    same for both views and every query (here 6 of the 12)."""
+    from traceprop_engine.attribution import column_choice
+
+    text = runs["text"]
+    q = dict(prompt="the model reads every", completion=" token of")
+    ts = text.test_side(**q)
+    s = text.settings()
+    monkeypatch.setattr(column_choice, "TAIL_SAMPLE", 6)
+    rows = np.sort(np.random.default_rng(0).choice(12, 6, replace=False))
+    for cols in (1, 0):
+        ix = IndexSettings(columns=cols)
+        want = kurtosis(text.scores(**q, settings=ix)[text.index(ix)[1]][rows])
+        got = column_choice.score_tails(text, s, ts.sketches, cols)
+        assert got == pytest.approx(want, rel=1e-9)
+    assert len(text.index(s)[1]) == 12
 
 
 def test_the_answer_tokens_of_a_query_pick_its_columns():

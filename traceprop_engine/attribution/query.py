@@ -28,8 +28,8 @@ from .. import constants as C
 from ..errors import QueryError, RunError
 from ..run import RunManifest
 from ..settings import IndexSettings, StatisticsSource
-from ..store.column_view import columns_note, query_columns
 from ..store.sharded import open_run_store
+from .column_choice import resolve_columns
 from .index.candidates import candidates
 from .index.run_indexes import Progress, RunIndexes
 from .index.vector_index import VectorIndex
@@ -200,7 +200,7 @@ class AttributionRun(TestSideMixin):
             raise QueryError(f"top_k must be at least 1, got {top_k}")
         t0 = time.perf_counter()
         ts = test_side or self.test_side(Query.of(prompt, completion, **query))
-        s = self.for_query(settings, ts.n_targets)
+        s, cols = resolve_columns(self, self.settings(settings), ts.n_targets, ts.sketches)
         encode_ms = ts.elapsed_ms if test_side is not None else 0.0
         rows, sign_notes = self.rank(ts.sketches, s, top_k, opponents)
         index, _, pre = self.index(s)
@@ -217,8 +217,6 @@ class AttributionRun(TestSideMixin):
             "n_vectors": int(index.n),
         }
         prior = self.class_prior_scores(ts.sketches, s, np.zeros(0, np.int64)) is not None
-        auto = settings is None or settings.columns is None  # the query chose its columns
-        cols = columns_note(self.store.layers, s.columns, ts.n_targets) if auto else None
         return QueryResult(
             rows,
             q,
@@ -229,15 +227,14 @@ class AttributionRun(TestSideMixin):
             model_fingerprint=ts.model_fingerprint,
         )
 
-    def for_query(self, s: IndexSettings | None, n_targets: int | None) -> IndexSettings:
+    def for_query(
+        self, s: IndexSettings | None, n_targets: int | None, sketches: list | None = None
+    ) -> IndexSettings:
         """``s`` resolved for a query of ``n_targets`` answer tokens (None: free text, or not
-        known; :func:`~.model_side.test_side.query_targets`): its ``auto`` choices
-        (:meth:`settings`) and the record columns it scores against (``columns=None``: the
-        first alone for a short answer on records of rank above 1, :func:`query_columns`)."""
-        s = self.settings(s)
-        if s.columns is None:
-            s = dataclasses.replace(s, columns=query_columns(self.store.layers, n_targets))
-        return s
+        known; :func:`~.model_side.test_side.query_targets`) and, where they decide, its
+        ``sketches``: its ``auto`` choices (:meth:`settings`) and the record columns it scores
+        against (``columns=None``: :func:`~.column_choice.resolve_columns`)."""
+        return resolve_columns(self, self.settings(s), n_targets, sketches)[0]
 
     def rank(
         self, sketches: list[np.ndarray], s: IndexSettings, top_k: int = 10, opponents: bool = True
@@ -396,8 +393,8 @@ class AttributionRun(TestSideMixin):
 
     def query_scores(self, sketches, n_targets: int | None, s: IndexSettings | None = None):
         """``(ids, scores)``: one query's exact scores of every index row, under ``s`` resolved
-        for its ``n_targets`` answer tokens (:meth:`for_query`: the record columns it scores)."""
-        sq = self.for_query(s, n_targets)
+        for its ``n_targets`` answer tokens and sketches (:meth:`for_query`: the record columns)."""
+        sq = self.for_query(s, n_targets, sketches)
         return self.index(sq)[1], self.all_scores(sketches, sq)
 
     def influence_by_source(

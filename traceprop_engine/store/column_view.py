@@ -89,30 +89,44 @@ def column_view(store, columns: int):
 
 
 def query_columns(layers, n_targets: int | None) -> int:
-    """The columns a query of ``n_targets`` answer tokens scores against (``IndexSettings.columns``
-    auto): the first alone for a short answer or a label (at most
-    :data:`~traceprop_engine.constants.FREE_TEXT_TARGETS`) on records of rank above 1, every
-    column (0) otherwise: a longer answer, and free text at any length (``n_targets`` None,
-    :func:`~traceprop_engine.attribution.model_side.test_side.query_targets`)."""
+    """The columns a query of ``n_targets`` answer tokens scores against by its length alone: 1
+    for a short answer or a label (at most :data:`~traceprop_engine.constants.FREE_TEXT_TARGETS`)
+    on records of rank above 1, which
+    :func:`~traceprop_engine.attribution.column_choice.resolve_columns` then settles by the
+    query's scores; every column (0) otherwise: a longer answer, and free text at any length
+    (``n_targets`` None, :func:`~traceprop_engine.attribution.model_side.test_side.query_targets`)."""
     short = n_targets is not None and n_targets <= C.FREE_TEXT_TARGETS
     return 1 if short and any(info.rank > 1 for info in layers) else 0
 
 
-def columns_note(layers, columns: int, n_targets: int | None) -> str | None:
+def columns_note(
+    layers, columns: int, n_targets: int | None, tails: tuple[float, float] | None = None
+) -> str | None:
     """What a query's automatic choice of record columns was, and why (records of rank above 1
-    only; None otherwise): the query's note beside its result."""
+    only; None otherwise): the query's note beside its result. ``tails``: the excess kurtosis of
+    its scores against the first column and against every column, when they chose."""
     rank = max((info.rank for info in layers), default=0)
     if rank <= 1:
         return None
-    if columns == 1:
-        what = "a label" if n_targets == 1 else f"an answer of {n_targets} loss tokens"
+    where = (
+        f"the first of the records' {rank} columns (the rank-1 record)"
+        if columns == 1
+        else f"all {rank} columns of the records"
+    )
+    if tails is not None:
+        what = "a label or a one-token answer" if n_targets == 1 else f"an answer of {n_targets}"
+        what += "" if n_targets == 1 else " loss tokens"
         return (
-            f"scored against the first of the records' {rank} columns (the rank-1 record): the "
-            f"query is {what}; --columns 0 (IndexSettings(columns=0)) scores every column"
+            f"scored against {where}: the query is {what}, and its scores there have the heavier "
+            f"tails (kurtosis {tails[1 - columns]:.1f} against {tails[columns]:.1f}); "
+            f"--columns {1 - columns} (IndexSettings(columns={1 - columns})) scores "
+            + ("every column" if columns == 1 else "the first column alone")
         )
+    if columns == 1:  # chosen without the query's scores
+        return f"scored against {where}: the query is a short answer"
     why = (
         "free text (a loss on every token)"
         if n_targets is None
         else f"an answer of {n_targets} loss tokens, more than {C.FREE_TEXT_TARGETS}"
     )
-    return f"scored against all {rank} columns of the records: the query is {why}"
+    return f"scored against {where}: the query is {why}"
