@@ -328,6 +328,76 @@ def test_lora_half_step_from_the_narrow_side_matches_autograd(tmp_path):
     _check_half_step_records(model, layers, store, ids, labels, lengths)
 
 
+def test_lora_records_above_the_adapter_rank_are_exact(tmp_path):
+    """peft LoRA (r = 4) with rank-8 records: every ``lora_B`` (input 4 wide) records
+    ``Σ_t g_t`` and ``G``'s columns, rank 5, so its record is the autograd sketch ``P_out G
+    P_inᵀ`` itself, with ``P_out û ûᵀ G P_inᵀ`` as its first column; every ``lora_A`` (output 4
+    wide) keeps rank 4, whose Gaussian token start spans its whole output: exact too."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["query_key_value", "dense"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(tiny_neox(), cfg)
+    settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", rank=8)
+    store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
+    layers = build_layers(model, settings)
+    exact = {x.name for x in layers if x.exact_input}
+    assert exact and exact == {x.name for x in layers if "lora_B" in x.name}
+    assert {store.layers[i].rank for i, x in enumerate(layers) if x.exact_input} == {5}
+    assert {store.layers[i].rank for i, x in enumerate(layers) if "lora_A" in x.name} == {4}
+    refs = reference_sketches(model, layers, single_causal_losses(model, ids, labels, lengths))
+    for li, layer in enumerate(layers):
+        got = store.sketches(li)
+        for b, ref in enumerate(refs):
+            assert_close_rel(got[b], ref[li], f"{layer.name} example {b}")
+    sigma: dict[str, np.ndarray] = {}  # the first column: the rank-1 record of each lora_B
+
+    def keep_sigma(name):
+        def fwd(module, inputs, output):
+            output.register_hook(lambda g: sigma.__setitem__(name, g[0].sum(0).double().numpy()))
+
+        return fwd
+
+    hooks = [x.module.register_forward_hook(keep_sigma(x.name)) for x in layers if x.exact_input]
+    try:
+        for b, loss_fn in enumerate(single_causal_losses(model, ids, labels, lengths)):
+            model.zero_grad()
+            loss_fn().backward()
+            for li, layer in enumerate(layers):
+                if layer.exact_input:
+                    G = layer.module.weight.grad.double().numpy()
+                    u, v = store.factors(li)
+                    first = u[b, :, :1].astype(np.float64) @ v[b, :, :1].T.astype(np.float64)
+                    want = _half_step_reference(G, sigma[layer.name], layer)
+                    assert_close_rel(first, want, f"{layer.name} first column, example {b}")
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad()
+
+
+def test_a_resumed_store_keeps_the_rank_its_narrow_input_records_were_written_at():
+    """A store written before exact narrow-input records holds a ``lora_B`` at the Gaussian
+    start's rank (4: its input width); resumed, the layer goes on at that rank and start."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value"])
+    model = get_peft_model(tiny_neox(), cfg)
+    settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", rank=8)
+    fresh = build_layers(model, settings)
+    assert [x.rank for x in fresh if x.exact_input] == [5, 5]
+    old = [4 if x.exact_input else x.rank for x in fresh]
+    resumed = build_layers(model, settings, stored_ranks=old)
+    assert [x.rank for x in resumed] == old and not any(x.exact_input for x in resumed)
+    same = build_layers(model, settings, stored_ranks=[x.rank for x in fresh])
+    assert [x.exact_input for x in same] == [x.exact_input for x in fresh]
+
+
 def _batched_equals_unbatched(monkeypatch, record) -> None:
     """``record()`` (the records of one batch, as ``U Vᵀ``) through the default batched
     projection equals the per-layer path's (projections inside the hook, ``full_factors``)."""

@@ -231,6 +231,24 @@ def test_full_factors_half_step_from_the_input_side():
         _close(v[..., 0].double().numpy(), vh, FP32_RTOL * 10, "v is the unit summed input")
 
 
+def test_full_factors_of_a_narrow_input_are_exact_with_the_rank_1_record_first():
+    """``exact_input`` (a raw input narrower than the rank, e.g. a LoRA B of width 3), r = d_in + 1
+    and more tokens than r: u vᵀ = G exactly (a hand computation), where the Gaussian token start
+    of the same rank is not; the first column is still û ûᵀ G."""
+    a, g = _tokens(t=9, d_in=3, d_out=10)
+    G = _g_of(a, g)
+    u, v = full_factors(a, g, rank=4, iters=0, exact_input=True)
+    assert u.shape == (4, 10, 4) and v.shape == (4, 3, 4)
+    _close(u @ v.transpose(1, 2), G, FP32_RTOL * 10)
+    s = g.double().sum(1).numpy()
+    uh = s / np.linalg.norm(s, axis=1, keepdims=True)
+    want = np.einsum("bo,bp,bpi->boi", uh, uh, G)
+    _close(u[..., :1] @ v[..., :1].transpose(1, 2), want, FP32_RTOL * 10, "the rank-1 record")
+    u, v = full_factors(a, g, rank=4, iters=0)  # the Gaussian token weights: another subspace
+    err = np.linalg.norm((u @ v.transpose(1, 2)).double().numpy() - G) / np.linalg.norm(G)
+    assert err > 0.05
+
+
 def test_full_factors_converge_to_the_top_singular_pair():
     """Many iterations, r = 1: u vᵀ is the best rank-1 approximation of G (clear σ₁ > σ₂)."""
     gen = torch.Generator().manual_seed(2)

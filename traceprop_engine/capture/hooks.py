@@ -322,15 +322,19 @@ class Capture(CaptureState):
             deferred.write((slots, scale, {i}))
         m = self._mask_row if layer.input_start else None
         m = m if m is not None and m.shape[2] == a.shape[1] else None
-        u, v = full_factors(a, g, layer.rank, layer.power_iters, layer.input_start, m)
+        u, v = full_factors(
+            a, g, layer.rank, layer.power_iters, layer.input_start, m, layer.exact_input
+        )
         u, v = project_factor(u, layer._P_out_T), project_factor(v, layer._P_in_T)
         slot = slots[i]  # (B, k_out + k_in, r)
         k_out = layer.k_out
         if layer._fired:  # a layer used twice in one batch: factor the sum of both records
             prev = torch.bmm(slot[:, :k_out], slot[:, k_out:].transpose(1, 2))
             u, v = top_factors(prev + scale * torch.bmm(u, v.transpose(1, 2)), layer.rank)
-            slot[:, :k_out].copy_(u)
-            slot[:, k_out:].copy_(v)
+            r = u.shape[2]  # clamped to min(k_out, k_in): below an exact-input layer's rank
+            slot[:, :k_out, :r].copy_(u)
+            slot[:, k_out:, :r].copy_(v)
+            slot[:, :, r:].zero_()
         else:
             slot[:, :k_out].copy_(u.mul_(scale))
             slot[:, k_out:].copy_(v)

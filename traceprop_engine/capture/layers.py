@@ -43,6 +43,7 @@ class TrackedLayer:
     full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
     power_iters: int = 0
     input_start: bool = False  # rank-1 half step from Σ_t a_t (TrackSettings.half_step_start)
+    exact_input: bool = False  # input narrower than the rank (a LoRA B): exact, rank d_in + 1
     cov_stride: int = 1  # K-FAC statistics over every cov_stride-th batch (full_factor layers)
     cov_tokens: int = 0  # at most ≈ this many token rows of such a batch; 0 = all
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
@@ -341,7 +342,10 @@ def target_counts(targets, vocab: int | None = None) -> np.ndarray:
 
 
 def build_layers(
-    model: nn.Module, settings: TrackSettings, targets: np.ndarray | None = None
+    model: nn.Module,
+    settings: TrackSettings,
+    targets: np.ndarray | None = None,
+    stored_ranks: list[int] | None = None,
 ) -> list[TrackedLayer]:
     """Tracked layers with their seeded projections (k per side: :meth:`TrackSettings.layer_k`).
 
@@ -351,6 +355,7 @@ def build_layers(
         targets: ``(V,)`` counts of each token id as a training target (:func:`target_counts`);
             with ``settings.vocab_rows`` the LM head's output projection keeps the most frequent
             ones exact (:func:`~.sketch.vocab_projection`). None: a plain projection.
+        stored_ranks: a resumed store's rank of each layer (:func:`keep_stored_ranks`).
     """
     found = find_layers(model, settings.scope)
     head = output_head(model, found)
@@ -396,7 +401,18 @@ def build_layers(
                 layer.P_out = random_projection(kind, layer.k_out, d_out, out_seed)
             set_rank(layer, settings)
         layers.append(layer)
+    if stored_ranks is not None:
+        keep_stored_ranks(layers, stored_ranks)
     return layers
+
+
+def keep_stored_ranks(layers: list[TrackedLayer], ranks: list[int]) -> None:
+    """A resumed store's records keep their form: a narrow-input layer whose store holds another
+    rank (written before exact narrow-input records existed) goes on with the Gaussian token
+    start at the stored rank."""
+    for layer, rank in zip(layers, ranks, strict=False):
+        if layer.exact_input and rank and rank != layer.rank:
+            layer.exact_input, layer.rank = False, rank
 
 
 def set_rank(layer: TrackedLayer, settings: TrackSettings) -> None:
@@ -409,6 +425,16 @@ def set_rank(layer: TrackedLayer, settings: TrackSettings) -> None:
     layer.factor_dtype = settings.factor_dtype.value
     layer.full_factor = settings.factor_space is FactorSpace.FULL
     layer.power_iters = settings.power_iters
+    # a narrow raw input (at most rank - 1 wide): Σ_t g_t and G's d_in columns span G's column
+    # space, so d_in + 1 columns record G exactly with the rank-1 record still the first
+    layer.exact_input = (
+        layer.full_factor
+        and layer.power_iters == 0
+        and layer.kind != "embedding"
+        and 1 < layer.d_in + 1 <= min(settings.rank, layer.k_out, layer.d_out)
+    )
+    if layer.exact_input:
+        layer.rank = layer.d_in + 1
     layer.input_start = (
         settings.half_step_start is HalfStepStart.NARROW
         and not settings.optimizer_aware

@@ -186,6 +186,7 @@ def full_factors(
     iters: int,
     input_start: bool = False,
     token_mask: torch.Tensor | None = None,
+    exact_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``r`` factors of every per-example ``G_b = Σ_t g_bt a_btᵀ`` without forming it.
 
@@ -205,6 +206,12 @@ def full_factors(
             ``v̂ = Σ_t a_t / ‖·‖``, ``u = G v̂`` (``u vᵀ = G v̂ v̂ᵀ``;
             ``TrackSettings.half_step_start``), the sum over the tokens ``token_mask``
             ``(B, 1, T)`` keeps (padding has activations but no gradient; None: every token).
+        exact_input: with ``iters = 0`` and ``rank = d_in + 1`` (a raw input narrower than the
+            rank, e.g. a LoRA B), the start is ``Σ_t g_t`` and the ``d_in`` columns of ``G``
+            (``Gᵀ = aᵀ g``, ``O(T d_in d_out)`` like the Gaussian start): ``u`` spans ``G``'s
+            column space, so ``u vᵀ = G`` exactly, and the first column is still the rank-1
+            record. The Gaussian token weights span another subspace, which lost 0.04–0.06 LDS
+            on LoRA prose against the full sketch (benchmarks/EVAL.md §1x, §2a).
 
     Returns:
         ``u`` (B, d_out, r) = ``G v`` (singular values folded in) and ``v`` (B, d_in, r) with
@@ -222,6 +229,9 @@ def full_factors(
         return ut.transpose(1, 2), vt.transpose(1, 2)
     if rank == 1:
         ut = g.sum(1).unsqueeze(1)  # (B, 1, d_out): the example's summed output gradient
+    elif exact_input and iters == 0 and rank == a.shape[2] + 1:
+        # (B, 1 + d_in, d_out): Σ_t g_t, then Gᵀ's rows (G's columns)
+        ut = torch.cat([g.sum(1, keepdim=True), torch.matmul(a.transpose(1, 2), g)], 1)
     else:
         gen = torch.Generator(device="cpu").manual_seed(0x5EED + t)
         w = torch.randn(t, rank, generator=gen)

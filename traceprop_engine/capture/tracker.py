@@ -136,7 +136,8 @@ class Tracker:
             settings = rank_for(settings, median_targets(targets))
         self.settings = settings
         counts = None if targets is None else target_counts(targets)
-        self.layers = build_layers(model, self.settings, counts)
+        stored = None if writer is None else writer.layer_ranks  # a resumed store's form
+        self.layers = build_layers(model, self.settings, counts, stored)
         self.capture = Capture(model, self.layers, covariance=self.settings.covariance)
         # ``writer``: an existing store reopened to append to (a resumed run)
         self.writer = writer or StoreWriter(

@@ -243,6 +243,12 @@ class StoreWriter:
             return [str(g.attrs.get("kind", "")) for g in self._f[C.G_LAYERS].values()]
 
     @property
+    def layer_ranks(self) -> list[int]:
+        """Each stored layer's record rank (0: full sketches), in layer order."""
+        with self._lock:
+            return [int(g.attrs.get(C.L_RANK, 0)) for g in self._f[C.G_LAYERS].values()]
+
+    @property
     def n_examples(self) -> int | None:
         """Rows of the example table written so far (None: none written)."""
         with self._lock:
