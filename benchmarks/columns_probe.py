@@ -27,12 +27,18 @@ cosine (no class prior for the last two), against the first column and against e
 ``blend DIR ...``: the main run scored against the first column, every column, and blends of
 the two (each query's score rows standardised, then ``(1 − w)·first + w·every``).
 
+``tails DIR ...``: the main run's answers (at most 16 loss tokens) scored against the first
+column, every column, and the view whose scores have the heavier tails (the default since
+EVAL.md §1aa, :mod:`traceprop_engine.attribution.column_choice`), with stop 54's rule (the first
+column) beside it and the median excess kurtosis of each view's score rows.
+
 Usage::
 
     python benchmarks/columns_probe.py make /tmp/q/docslm8-s1-data /tmp/mid/s1-eval 1
     python benchmarks/columns_probe.py score /tmp/mid/docs-s0 /tmp/mid/docs-s1 ...
     python benchmarks/columns_probe.py runs /tmp/cls/lora-docs8-s0 ...
     python benchmarks/columns_probe.py blend /tmp/ev/h60d-s0 /tmp/mid/ans-docs-s0 ...
+    python benchmarks/columns_probe.py tails /tmp/ev/h60d-s0 /tmp/mid/ans-docs-s0 ...
 """
 
 from __future__ import annotations
@@ -189,6 +195,48 @@ def blend(dirs: list[Path]) -> None:
         print(ev.name, ", ".join(f"{k} {v:.3f}" for k, v in lds.items()), flush=True)
 
 
+def tails(dirs: list[Path]) -> None:
+    """Per folder: the LDS of the first column, every column, stop 54's rule and the heavier
+    tails' choice (answers of at most 16 loss tokens by tails, longer ones every column)."""
+    from traceprop_engine.attribution.column_choice import excess_kurtosis
+
+    for ev in dirs:
+        masks, losses, _ = subset_data(ev)
+        run = open_run(ev / "runs" / "k126")
+        try:
+            ex = run.examples()
+            eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
+            encs = [run.encode(eval_example=e)[0] for e in eval_ids]
+            n = np.array([int(e.loss_mask.sum()) for e in encs])
+            sketches = [run.query_sketches(e)[0] for e in encs]
+            by_cols = {}
+            for cols in (1, 0):
+                ix = run.settings(IndexSettings(columns=cols))
+                _, ids, _ = run.index(ix)
+                m = np.zeros((len(sketches), masks.shape[1]))
+                for r, sk in enumerate(sketches):
+                    m[r, ids] = run.all_scores(sk, ix)
+                by_cols[cols] = (m, np.array([excess_kurtosis(row[ids]) for row in m]))
+        finally:
+            run.close()
+        (s1, k1), (s0, k0) = by_cols[1], by_cols[0]
+        short = (n <= C.FREE_TEXT_TARGETS)[:, None]
+        rows = {
+            "first column": s1,
+            "every column": s0,
+            "stop 54 (first up to 16)": np.where(short, s1, s0),
+            "heavier tails (default)": np.where(short & ~(k0 > k1)[:, None], s1, s0),
+        }
+        lds = {k: float(np.nanmean(lds_scores(v, masks, losses))) for k, v in rows.items()}
+        print(
+            f"{ev.name}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in lds.items())
+            + f"; median kurtosis first {np.median(k1):.1f}, every {np.median(k0):.1f}; "
+            f"every column chosen for {np.mean(~short[:, 0] | (k0 > k1)):.0%} of the queries",
+            flush=True,
+        )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) == 4 and argv[0] in ("make", "make-answers"):
         maker = make if argv[0] == "make" else make_answers
@@ -199,6 +247,8 @@ def main(argv: list[str]) -> None:
         runs([Path(d) for d in argv[1:]])
     elif len(argv) >= 2 and argv[0] == "blend":
         blend([Path(d) for d in argv[1:]])
+    elif len(argv) >= 2 and argv[0] == "tails":
+        tails([Path(d) for d in argv[1:]])
     else:
         raise SystemExit(__doc__)
 

@@ -35,9 +35,10 @@ MIN_COVARIANCE_BATCHES = 16
 
 # free text: training examples with more loss tokens than this (median); a free-text run's records
 # take TrackSettings.free_text_rank, and a query whose answer (loss tokens after a prompt) has at
-# most this many scores against their first column only; a free-text query (a loss on every
-# token) scores every column at any length (capture/free_text.py, store/column_view.py,
-# attribution/model_side/test_side.py query_targets; benchmarks/EVAL.md §1x-§1z)
+# most this many scores against the first column or every column, whichever gives its scores the
+# heavier tails; a free-text query (a loss on every token) scores every column at any length
+# (capture/free_text.py, attribution/column_choice.py, attribution/model_side/test_side.py
+# query_targets; benchmarks/EVAL.md §1x-§1aa)
 FREE_TEXT_TARGETS = 16
 
 # run status values (run.json "status" and the store's "status" attribute)

@@ -169,11 +169,13 @@ class IndexSettings:
         None,
         help="the columns of rank-r records that score (a free-text run records rank 16, "
         "TrackSettings.free_text_rank; the first column is the rank-1 record): None = auto, "
-        "per query: the first column for an answer of at most 16 loss tokens after a prompt, or "
-        "a label; every column for a longer answer and for free text (a loss on every token) of "
-        "any length; 0 = every column; c = the first c. Measured (benchmarks/EVAL.md sections "
-        "1y-1z): an answer scored against every column lost up to 0.37 LDS, a free-text query "
-        "against the first column alone 0.16-0.28 (short ones too). "
+        "per query: every column for free text (a loss on every token) of any length and for an "
+        "answer of more than 16 loss tokens; for a shorter answer after a prompt, or a label, "
+        "the first column or every column, whichever gives its scores the heavier tails (excess "
+        "kurtosis; attribution/column_choice.py); 0 = every column; c = the first c. Measured "
+        "(benchmarks/EVAL.md sections 1y-1aa): a fact's answer scored against every column lost "
+        "up to 0.37 LDS, a free-text query against the first column alone 0.16-0.28, a short "
+        "continuation of prose 0.09-0.23; the tails keep the facts' and take most of the prose's. "
         "No effect on runs recorded at rank 1",
     )
     class_prior: float | None = knob(

@@ -1,7 +1,7 @@
 """A free-text run records rank-r factors (``TrackSettings.free_text_rank``); their first column
 is the rank-1 record a run with the free-text rank turned off keeps. A free-text query and a long
 answer score against every column; a short answer against the view whose scores have the heavier
-tails (``IndexSettings.columns`` auto, attribution/column_choice.py, benchmarks/EVAL.md §1y-§2a)."""
+tails (``IndexSettings.columns`` auto, attribution/column_choice.py, benchmarks/EVAL.md §1y-§1aa)."""
 
 from __future__ import annotations
 

@@ -328,8 +328,9 @@ def test_lora_half_step_from_the_narrow_side_matches_autograd(tmp_path):
     _check_half_step_records(model, layers, store, ids, labels, lengths)
 
 
-def test_lora_records_above_the_adapter_rank_are_exact(tmp_path):
-    """peft LoRA (r = 4) with rank-8 records: every ``lora_B`` (input 4 wide) records
+@pytest.mark.parametrize("rank", [4, 8])
+def test_lora_records_at_the_adapter_rank_or_above_are_exact(tmp_path, rank):
+    """peft LoRA (r = 4) with rank-4 or rank-8 records: every ``lora_B`` (input 4 wide) records
     ``Σ_t g_t`` and ``G``'s columns, rank 5, so its record is the autograd sketch ``P_out G
     P_inᵀ`` itself, with ``P_out û ûᵀ G P_inᵀ`` as its first column; every ``lora_A`` (output 4
     wide) keeps rank 4, whose Gaussian token start spans its whole output: exact too."""
@@ -343,7 +344,7 @@ def test_lora_records_above_the_adapter_rank_are_exact(tmp_path):
         init_lora_weights=False,
     )
     model = get_peft_model(tiny_neox(), cfg)
-    settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", rank=8)
+    settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", rank=rank)
     store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
     exact = {x.name for x in layers if x.exact_input}

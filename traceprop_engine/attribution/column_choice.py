@@ -15,7 +15,7 @@ alone told them apart (benchmarks/EVAL.md §1z). The view that ranks a few train
 above the rest is the one that found the examples the answer came from: the first column's
 scores are heavy-tailed on the facts (median kurtosis 4.0–4.3 against 0.4–0.9) and every column's
 on the prose (1.6–6.5 against 0.9–1.7), and the choice per query keeps the facts' LDS while taking
-most of every column's on prose (benchmarks/EVAL.md §2a).
+most of every column's on prose (benchmarks/EVAL.md §1aa).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class TrackedLayer:
     full_factor: bool = False  # factors of the full G by power iteration (no per-token projection)
     power_iters: int = 0
     input_start: bool = False  # rank-1 half step from Σ_t a_t (TrackSettings.half_step_start)
-    exact_input: bool = False  # input narrower than the rank (a LoRA B): exact, rank d_in + 1
+    exact_input: bool = False  # input at most the rank wide (a LoRA B): exact, rank d_in + 1
     cov_stride: int = 1  # K-FAC statistics over every cov_stride-th batch (full_factor layers)
     cov_tokens: int = 0  # at most ≈ this many token rows of such a batch; 0 = all
     P_in: torch.Tensor | None = None  # (k_in, d_in) float32, CPU master copy
@@ -425,13 +425,14 @@ def set_rank(layer: TrackedLayer, settings: TrackSettings) -> None:
     layer.factor_dtype = settings.factor_dtype.value
     layer.full_factor = settings.factor_space is FactorSpace.FULL
     layer.power_iters = settings.power_iters
-    # a narrow raw input (at most rank - 1 wide): Σ_t g_t and G's d_in columns span G's column
-    # space, so d_in + 1 columns record G exactly with the rank-1 record still the first
+    # an input at most rank wide (a LoRA B): Σ_t g_t + G's columns record G exactly (full_factors)
     layer.exact_input = (
         layer.full_factor
         and layer.power_iters == 0
         and layer.kind != "embedding"
-        and 1 < layer.d_in + 1 <= min(settings.rank, layer.k_out, layer.d_out)
+        and settings.rank > 1
+        and layer.d_in <= settings.rank
+        and layer.d_in + 1 <= min(layer.k_out, layer.d_out)
     )
     if layer.exact_input:
         layer.rank = layer.d_in + 1

@@ -206,12 +206,12 @@ def full_factors(
             ``v̂ = Σ_t a_t / ‖·‖``, ``u = G v̂`` (``u vᵀ = G v̂ v̂ᵀ``;
             ``TrackSettings.half_step_start``), the sum over the tokens ``token_mask``
             ``(B, 1, T)`` keeps (padding has activations but no gradient; None: every token).
-        exact_input: with ``iters = 0`` and ``rank = d_in + 1`` (a raw input narrower than the
+        exact_input: with ``iters = 0`` and ``rank = d_in + 1`` (an input no wider than the records'
             rank, e.g. a LoRA B), the start is ``Σ_t g_t`` and the ``d_in`` columns of ``G``
             (``Gᵀ = aᵀ g``, ``O(T d_in d_out)`` like the Gaussian start): ``u`` spans ``G``'s
             column space, so ``u vᵀ = G`` exactly, and the first column is still the rank-1
             record. The Gaussian token weights span another subspace, which lost 0.04–0.06 LDS
-            on LoRA prose against the full sketch (benchmarks/EVAL.md §1x, §2a).
+            on LoRA prose against the full sketch (benchmarks/EVAL.md §1x, §1aa).
 
     Returns:
         ``u`` (B, d_out, r) = ``G v`` (singular values folded in) and ``v`` (B, d_in, r) with

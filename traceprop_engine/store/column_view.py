@@ -3,11 +3,12 @@
 A record stored at rank ``r > 1`` (a free-text run, ``TrackSettings.free_text_rank``) is
 ``U Vᵀ = Σ_j u_j v_jᵀ``, and its first column ``u_0 v_0ᵀ`` is exactly the rank-1 record the
 default keeps (``û ûᵀ G``, ``û = Σ_t g_t / ‖·‖``: the half power step starts its first column
-there, :func:`~traceprop_engine.capture.sketch.full_factors`). A query whose loss is a short
-answer is scored best against that column alone, a free-text query (a loss on every token,
-short or long) against every column (benchmarks/EVAL.md §1y-§1z): :class:`ColumnView` is the
-store as rank-``c`` records, for the indexes and scorers of such queries
-(``IndexSettings.columns``).
+there, :func:`~traceprop_engine.capture.sketch.full_factors`). A free-text query (a loss on
+every token, short or long) is scored best against every column, a short answer against that
+column alone or against every column, by the query
+(:mod:`~traceprop_engine.attribution.column_choice`, benchmarks/EVAL.md §1y-§1aa):
+:class:`ColumnView` is the store as rank-``c`` records, for the indexes and scorers of such
+queries (``IndexSettings.columns``).
 
 Everything but the factors (records table, examples, statistics, projections) is the store's.
 An int8 record keeps its one scale: the first columns decode to the same numbers as in the

@@ -91,7 +91,7 @@ class TestSideMixin:
 
 def query_targets(enc) -> int | None:
     """The answer tokens of an encoded query, which pick the record columns it scores against
-    (:func:`~traceprop_engine.store.column_view.query_columns`): 1 for a classification label
+    (:func:`~traceprop_engine.attribution.column_choice.resolve_columns`): 1 for a classification label
     (its mask marks every token); a causal LM query's loss tokens where a prompt comes before
     them (an answer, a completion); None for free text, a query whose loss starts at its second
     token (the first has no prediction; padding after the last target does not count): it scores
