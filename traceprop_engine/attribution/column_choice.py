@@ -34,7 +34,8 @@ TAIL_SAMPLE = 4096
 
 def excess_kurtosis(x: np.ndarray) -> float:
     """``E[(x − μ)⁴] / σ⁴ − 3`` of one score row (nan for a constant row)."""
-    d = np.asarray(x, np.float64) - np.mean(x)
+    x = np.asarray(x, np.float64)
+    d = x - x.mean()
     m2 = np.mean(d * d)
     return float(np.mean(d**4) / (m2 * m2) - 3.0) if m2 > 0 else float("nan")
 
