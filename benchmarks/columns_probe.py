@@ -198,7 +198,7 @@ def blend(dirs: list[Path]) -> None:
 def tails(dirs: list[Path]) -> None:
     """Per folder: the LDS of the first column, every column, stop 54's rule and the heavier
     tails' choice (answers of at most 16 loss tokens by tails, longer ones every column)."""
-    from traceprop_engine.attribution.column_choice import excess_kurtosis
+    from traceprop_engine.attribution import excess_kurtosis
 
     for ev in dirs:
         masks, losses, _ = subset_data(ev)

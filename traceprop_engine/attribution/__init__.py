@@ -42,6 +42,7 @@ _LAZY = {
     "model_answer": ".model_side.answer",
     "token_contributions": ".model_side.tokens",
     "query_targets": ".model_side.test_side",
+    "excess_kurtosis": ".column_choice",  # how peaked a query's scores are (its record columns)
     # the fitted preconditioner (H^-1/2 per layer) every index and score of a run goes through
     "Preconditioner": ".precondition.preconditioner",
     # scores beyond one query
@@ -80,6 +81,7 @@ __all__ = [
     "csv_bytes",
     "describe",
     "example_tokens",
+    "excess_kurtosis",
     "export_with_query",
     "factor_scores",
     "model_answer",
@@ -99,6 +101,7 @@ __all__ = [
 if TYPE_CHECKING:
     from traceprop_engine.settings import IndexSettings
 
+    from .column_choice import excess_kurtosis
     from .model_side.answer import model_answer
     from .model_side.test_side import query_targets
     from .model_side.tokens import token_contributions
