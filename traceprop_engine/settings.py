@@ -104,8 +104,9 @@ class TrackSettings:
     k = 126 per side and stored as int8 with one float32 scale: 126 + 126 + 4 = 256 bytes per
     layer and record. A run whose examples are free text (more than 16 loss tokens each) records
     rank-16 factors instead (``free_text_rank``), whose first column is that rank-1 record: a
-    query of a short answer scores against it, a free-text query (any length) against all 16
-    (``IndexSettings.columns``). (How the defaults were chosen: benchmarks/EVAL.md.)
+    query of a short answer scores against it or against all 16, whichever gives its scores the
+    heavier tails, a free-text query (any length) against all 16 (``IndexSettings.columns``).
+    (How the defaults were chosen: benchmarks/EVAL.md.)
     """
 
     scope: str = knob(
@@ -161,7 +162,9 @@ class TrackSettings:
         "(rank*(k_out + k_in) numbers instead of k_out*k_in); 0 stores the full sketch. Rank 1 "
         "suits targets of a few tokens (answers, labels); on free text, where every token is a "
         "target, a higher rank keeps much more (benchmarks/EVAL.md section 1x: rank 16 scored "
-        "0.69 LDS against 0.50 at rank 1, at 16 times the bytes); see free_text_rank",
+        "0.69 LDS against 0.50 at rank 1, at 16 times the bytes); a layer whose input is at most "
+        "r wide (a LoRA B) takes its input width + 1 columns and is recorded exactly (section "
+        "1aa); see free_text_rank",
     )
     free_text_rank: int = knob(
         16,
