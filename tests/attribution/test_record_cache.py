@@ -247,6 +247,26 @@ def test_small_stores_get_no_record_cache_and_the_same_scores(tmp_path, monkeypa
     np.testing.assert_allclose(small.scorer(s).scores(tests, rows=rows), want, rtol=1e-12)
 
 
+def test_a_store_of_few_but_large_records_gets_a_record_cache(tmp_path, monkeypatch):
+    """Below ``MIN_RECORDS`` a store still gets a cache once its records hold ``MIN_BYTES``
+    (rank-16 records of a free-text run), and a column view counts its base store's bytes: its
+    reads decompress the base's whole chunks."""
+    from traceprop_engine.store.column_view import ColumnView
+
+    store = _store(tmp_path / "store.h5", "int8", rank=4)
+    monkeypatch.setattr(record_cache, "MIN_RECORDS", store.n_records + 1)
+    row = sum(4 * (ko + ki) + 4 for ko, ki in SHAPES)  # int8 U, V at rank 4 and one scale
+    view = ColumnView(store, 1)
+    for limit, want in ((store.n_records * row, True), (store.n_records * row + 1, False)):
+        monkeypatch.setattr(record_cache, "MIN_BYTES", limit)
+        assert record_cache.wanted(store) is want and record_cache.wanted(view) is want
+    monkeypatch.setattr(record_cache, "MIN_BYTES", store.n_records * row)
+    s = IndexSettings()
+    ix = RunIndexes(tmp_path, store)
+    ix.build(s)
+    assert ix.scorer(s).cache is not None
+
+
 def test_split_sides_gives_the_flat_side_more_directions():
     flat = np.ones(64)  # energy spread evenly over 64 directions
     peaked = np.r_[np.full(4, 100.0), np.full(60, 0.01)]  # nearly all energy in 4 directions

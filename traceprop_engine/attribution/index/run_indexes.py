@@ -269,7 +269,7 @@ class RunIndexes:
             # the records again, memory-mapped: the re-rank reads scattered candidates from it
             cache_names: list[str] = []
             scorer = ExactScorer(store, pre, ids, s.per_record, s.records)
-            if store.n_records >= record_cache.MIN_RECORDS:
+            if record_cache.wanted(store):
                 cache_names = write_record_cache(
                     store, out, progress and (lambda d, n: progress("records", d, n))
                 )

@@ -29,6 +29,22 @@ MIN_RECORDS = 16_384
 """Stores with fewer records get no cache: a query's candidates are then a large share of the
 store and :meth:`Store.factors_at` reads them as one contiguous slice per layer (a few MB), so
 the copy would only double the run's size on disk (the bundled sample run's five indexes)."""
+MIN_BYTES = 64 << 20
+"""...unless their records hold this many bytes (what 16 384 of the rank-1 default's hold): a
+free-text run's rank-16 records (68 KB each on the tiny model) reach it at about 1000 records,
+where every query read and checked tens of MB of HDF5 chunks per layer (3888 such records:
+0.35 s a query against the first column, 1.4 s against every column, EVAL.md §1aa)."""
+
+
+def wanted(store) -> bool:
+    """Whether an index of ``store`` gets a record cache (:data:`MIN_RECORDS`, :data:`MIN_BYTES`)."""
+    if store.n_records >= MIN_RECORDS:
+        return True
+    whole = getattr(store, "base", store)  # a column view reads its base store's whole chunks
+    row = sum(
+        dt.itemsize * int(np.prod(shape)) for info in whole.layers for _, dt, shape in _parts(info)
+    )
+    return store.n_records * row >= MIN_BYTES
 
 
 def cache_files(n_layers: int) -> list[str]:
