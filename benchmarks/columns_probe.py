@@ -87,23 +87,36 @@ def make_answers(src: Path, dst: Path, seed: int) -> None:
     print(f"{dst}: {len(out)} prompts with completions")
 
 
+def eval_queries(run) -> tuple[np.ndarray, list]:
+    """The run's eval queries: their loss tokens and their sketches, in example order."""
+    ex = run.examples()
+    eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
+    encs = [run.encode(eval_example=e)[0] for e in eval_ids]
+    return np.array([int(e.loss_mask.sum()) for e in encs]), [
+        run.query_sketches(e)[0] for e in encs
+    ]
+
+
+def view_scores(run, sketches: list, n_train: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(scores (q, n_train), index rows' example ids)``: every query's exact scores against
+    the first ``cols`` record columns (0: every one)."""
+    ix = run.settings(IndexSettings(columns=cols))
+    _, ids, _ = run.index(ix)
+    m = np.zeros((len(sketches), n_train))
+    for r, sk in enumerate(sketches):
+        m[r, ids] = run.all_scores(sk, ix)
+    return m, ids
+
+
 def per_example(ev: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The eval queries' loss tokens, and each method's Spearman per eval example."""
     masks, losses, _ = subset_data(ev)
     run = open_run(ev / "runs" / "k126")
     try:
-        ex = run.examples()
-        eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-        encs = [run.encode(eval_example=e)[0] for e in eval_ids]
-        n_tokens = np.array([int(e.loss_mask.sum()) for e in encs])
-        sketches = [run.query_sketches(e)[0] for e in encs]
+        n_tokens, sketches = eval_queries(run)
         out = {}
         for cols, name in ((1, "first column"), (0, "every column")):
-            ix = run.settings(IndexSettings(columns=cols))
-            _, ids, _ = run.index(ix)
-            scores = np.zeros((len(sketches), masks.shape[1]))
-            for r, sk in enumerate(sketches):
-                scores[r, ids] = run.all_scores(sk, ix)
+            scores, _ = view_scores(run, sketches, masks.shape[1], cols)
             out[name] = lds_scores(scores, masks, losses)
     finally:
         run.close()
@@ -174,14 +187,7 @@ def blend(dirs: list[Path]) -> None:
         run = open_run(ev / "runs" / "k126")
         try:
             sketches = eval_sketches(run)
-            by_cols = {}
-            for cols in (1, 0):
-                ix = run.settings(IndexSettings(columns=cols))
-                _, ids, _ = run.index(ix)
-                m = np.zeros((len(sketches), masks.shape[1]))
-                for r, sk in enumerate(sketches):
-                    m[r, ids] = run.all_scores(sk, ix)
-                by_cols[cols] = m
+            by_cols = {c: view_scores(run, sketches, masks.shape[1], c)[0] for c in (1, 0)}
         finally:
             run.close()
 
@@ -204,18 +210,10 @@ def tails(dirs: list[Path]) -> None:
         masks, losses, _ = subset_data(ev)
         run = open_run(ev / "runs" / "k126")
         try:
-            ex = run.examples()
-            eval_ids = ex.filter(ex["split"] == C.SPLIT_EVAL)["example_id"].to_list()
-            encs = [run.encode(eval_example=e)[0] for e in eval_ids]
-            n = np.array([int(e.loss_mask.sum()) for e in encs])
-            sketches = [run.query_sketches(e)[0] for e in encs]
+            n, sketches = eval_queries(run)
             by_cols = {}
             for cols in (1, 0):
-                ix = run.settings(IndexSettings(columns=cols))
-                _, ids, _ = run.index(ix)
-                m = np.zeros((len(sketches), masks.shape[1]))
-                for r, sk in enumerate(sketches):
-                    m[r, ids] = run.all_scores(sk, ix)
+                m, ids = view_scores(run, sketches, masks.shape[1], cols)
                 by_cols[cols] = (m, np.array([excess_kurtosis(row[ids]) for row in m]))
         finally:
             run.close()
