@@ -25,19 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from traceprop_engine.evaluate.lds_sets import make_set
+from traceprop_engine.evaluate.lds_sets import facts_as_texts, make_set
 
 FACT_DOCS = [("lexical48", 3, 0), ("lexical48", 3, 1), ("hard160", 4, 3)]
 
 
 def fact_docs(root: Path, base: str, per: int, seed: int) -> None:
     train, _ = make_set(base, root / f"{base}x{per}-s{seed}", seed)
-    for path in sorted(Path(train).glob("*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        facts = [r["prompt"] + r["completion"] for r in rows]
-        texts = [". ".join(facts[i : i + per]) for i in range(0, len(facts), per)]
-        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        print(f"{path}: {len(texts)} texts of {per} facts")
+    print(f"{train}: {facts_as_texts(Path(train), per)} texts of {per} facts")
 
 
 def prose_answers(root: Path, name: str, seed: int = 2, words: int = 6) -> None:

@@ -70,17 +70,27 @@ def set_data_dir(out: str | Path) -> Path:
     return out.with_name(out.name + "-data")
 
 
+def facts_as_texts(train: Path, per_text: int) -> int:
+    """Rewrite the prompt/completion rows of every ``train/*.jsonl`` as ``{"text"}`` rows of
+    ``per_text`` facts each (prompt and completion joined, facts joined by ". "); returns the
+    number of texts written."""
+    n = 0
+    for path in sorted(Path(train).glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        facts = [r["prompt"] + r["completion"] for r in rows]
+        texts = [". ".join(facts[i : i + per_text]) for i in range(0, len(facts), per_text)]
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        n += len(texts)
+    return n
+
+
 def make_set(name: str, out: str | Path, seed: int) -> tuple[str, str]:
     """Write set ``name`` for evaluation directory ``out``; returns ``(train dir, eval dir)``."""
     d = set_data_dir(out)
     if name in _TEXT_SETS:  # the base set, its training rows as texts (every token a target)
         base, per_text = _TEXT_SETS[name]
         make_set(base, out, seed)
-        for path in sorted((d / "train").glob("*.jsonl")):
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            facts = [r["prompt"] + r["completion"] for r in rows]
-            texts = [". ".join(facts[i : i + per_text]) for i in range(0, len(facts), per_text)]
-            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        facts_as_texts(d / "train", per_text)
         return str(d / "train"), str(d / "eval")
     if name == "facts24":
         from ..samples.data import generate_sample_data
