@@ -144,6 +144,21 @@ def tiny_neox() -> torch.nn.Module:
     return GPTNeoXForCausalLM(cfg).eval()
 
 
+def tiny_neox_lora(targets: tuple[str, ...] = ("query_key_value", "dense")) -> torch.nn.Module:
+    """:func:`tiny_neox` with peft LoRA adapters (r = 4, alpha 8, no dropout) on ``targets``,
+    A and B both random (``init_lora_weights=False``): both sides carry a gradient."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=list(targets),
+        init_lora_weights=False,
+    )
+    return get_peft_model(tiny_neox(), cfg)
+
+
 def tiny_gpt2(
     vocab: int = VOCAB, *, layers: int = 2, heads: int = 4, pad_token_id: int | None = None
 ) -> torch.nn.Module:

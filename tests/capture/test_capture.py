@@ -18,6 +18,7 @@ from helpers import (
     tiny_bert_classifier,
     tiny_gpt2,
     tiny_neox,
+    tiny_neox_lora,
 )
 from peft import LoraConfig, get_peft_model
 
@@ -54,15 +55,7 @@ def test_exact_when_k_equals_width(tmp_path):
 
 
 def test_lora_layers_match_autograd(tmp_path):
-    base = tiny_neox()
-    cfg = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=["query_key_value", "dense"],
-        init_lora_weights=False,
-    )
-    model = get_peft_model(base, cfg)
+    model = tiny_neox_lora()
     _, layers = check_causal(tmp_path, model, TrackSettings(rank=0, k_in=3, k_out=3))
     names = [layer.name for layer in layers]
     assert names and all("lora_A" in n or "lora_B" in n for n in names)

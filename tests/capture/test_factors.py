@@ -16,6 +16,7 @@ from helpers import (
     reference_sketches,
     single_causal_losses,
     tiny_neox,
+    tiny_neox_lora,
 )
 
 from traceprop_engine import TrackSettings
@@ -309,16 +310,7 @@ def test_lora_half_step_from_the_narrow_side_matches_autograd(tmp_path):
     """peft LoRA under ``half_step_start='narrow'``: every ``lora_B`` (rank 4 → 96 or 32) starts
     from its summed input, every ``lora_A`` (32 → 4) from its summed output gradient, and both
     records equal the autograd reference."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=["query_key_value", "dense"],
-        init_lora_weights=False,
-    )
-    model = get_peft_model(tiny_neox(), cfg)
+    model = tiny_neox_lora()
     settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", half_step_start="narrow")
     store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
@@ -334,16 +326,7 @@ def test_lora_records_at_the_adapter_rank_or_above_are_exact(tmp_path, rank):
     ``Σ_t g_t`` and ``G``'s columns, rank 5, so its record is the autograd sketch ``P_out G
     P_inᵀ`` itself, with ``P_out û ûᵀ G P_inᵀ`` as its first column; every ``lora_A`` (output 4
     wide) keeps rank 4, whose Gaussian token start spans its whole output: exact too."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=["query_key_value", "dense"],
-        init_lora_weights=False,
-    )
-    model = get_peft_model(tiny_neox(), cfg)
+    model = tiny_neox_lora()
     settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", rank=rank)
     store, (ids, _, labels, lengths) = record_causal_step(tmp_path / "store.h5", model, settings)
     layers = build_layers(model, settings)
@@ -385,10 +368,7 @@ def test_lora_records_at_the_adapter_rank_or_above_are_exact(tmp_path, rank):
 def test_a_resumed_store_keeps_the_rank_its_narrow_input_records_were_written_at():
     """A store written before exact narrow-input records holds a ``lora_B`` at the Gaussian
     start's rank (4: its input width); resumed, the layer goes on at that rank and start."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value"])
-    model = get_peft_model(tiny_neox(), cfg)
+    model = tiny_neox_lora(("query_key_value",))
     settings = TrackSettings(k_in=6, k_out=6, factor_dtype="float32", rank=8)
     fresh = build_layers(model, settings)
     assert [x.rank for x in fresh if x.exact_input] == [5, 5]
