@@ -115,8 +115,8 @@ def columns_note(
         else f"all {rank} columns of the records"
     )
     if tails is not None:
-        what = "a label or a one-token answer" if n_targets == 1 else f"an answer of {n_targets}"
-        what += "" if n_targets == 1 else " loss tokens"
+        one = n_targets == 1
+        what = "a label or a one-token answer" if one else f"an answer of {n_targets} loss tokens"
         return (
             f"scored against {where}: the query is {what}, and its scores there have the heavier "
             f"tails (kurtosis {tails[1 - columns]:.1f} against {tails[columns]:.1f}); "
