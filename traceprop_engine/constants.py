@@ -96,6 +96,9 @@ L_SKETCH = "sketch"
 L_U = "U"  # (n, k_out, r) factor with the singular values folded in
 L_V = "V"  # (n, k_in, r) orthonormal columns; record = U @ V^T
 L_OUTPUT_HEAD = "output_head"  # layer attribute: 1 for the layer producing the logits
+# layer attribute: 1 where every record's first U column is the direction of P_out Σ_t g_t, sign
+# included (an output head's records since 2026-12-07: attribution/score/lm_bias.py)
+L_BIAS_COLUMN = "bias_column"
 L_VOCAB_IDS = "vocab_ids"  # layer dataset: token ids of P_out's exact first rows (vocab_rows)
 L_RANK = "rank"  # layer attribute: r (0 or absent: full sketches in L_SKETCH)
 L_SCALE = "scale"  # (n,) f4, int8 factors: record = scale · U Vᵀ

@@ -249,6 +249,29 @@ def test_full_factors_of_a_narrow_input_are_exact_with_the_rank_1_record_first()
     assert err > 0.05
 
 
+def test_a_higher_rank_half_step_keeps_the_summed_gradient_first_with_its_sign():
+    """r > 1, iters = 0 (a free-text record; Gaussian or exact-input start): the first column
+    of u is +Σ_t g_t / ‖·‖ for every example, as at rank 1 (the LM-bias term reads it,
+    attribution/score/lm_bias.py), the columns orthonormal, and the first column's record still
+    û ûᵀ G. LAPACK's QR alone flips the sign on some examples (checked here, so the test can
+    fail)."""
+    torch.manual_seed(3)
+    a, g = torch.randn(64, 7, 12), torch.randn(64, 7, 10)
+    G = _g_of(a, g)
+    s = g.double().sum(1).numpy()
+    uh = s / np.linalg.norm(s, axis=1, keepdims=True)
+    for kw in (dict(rank=4), dict(rank=13, exact_input=True)):
+        u, v = full_factors(a, g, iters=0, **kw)
+        _close(u[..., 0].double().numpy(), uh, FP32_RTOL * 10, f"signed first column {kw}")
+        utu = (u.transpose(1, 2) @ u).double().numpy()
+        _close(utu, np.broadcast_to(np.eye(u.shape[2]), utu.shape), FP32_RTOL * 10, "U orthonormal")
+        want = np.einsum("bo,bp,bpi->boi", uh, uh, G)
+        _close(u[..., :1] @ v[..., :1].transpose(1, 2), want, FP32_RTOL * 10, "the rank-1 record")
+    start = torch.cat([g.sum(1, keepdim=True), g[:, :3]], 1).transpose(1, 2)  # (B, d_out, 4)
+    plain = torch.linalg.qr(start).Q[..., 0].double().numpy()
+    assert ((plain * uh).sum(1) < 0).any()
+
+
 def test_full_factors_converge_to_the_top_singular_pair():
     """Many iterations, r = 1: u vᵀ is the best rank-1 approximation of G (clear σ₁ > σ₂)."""
     gen = torch.Generator().manual_seed(2)

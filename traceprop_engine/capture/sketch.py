@@ -132,10 +132,17 @@ uses) is still within that factor of the best rank-r approximation."""
 
 
 def _orthonormal(v: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns of every ``(n, k, r)`` block (r = 1: a normalisation, no QR)."""
+    """Orthonormal columns of every ``(n, k, r)`` block (r = 1: a normalisation, no QR), each
+    with a non-negative inner product with the column it came from (QR with ``R``'s diagonal
+    made non-negative): the first column is ``v``'s first column normalised, sign included, as
+    at rank 1. A free-text record's first column is then the direction of ``Σ_t g_t``, which the
+    LM-bias term reads (``attribution/score/lm_bias.py``); LAPACK's Householder QR flips it
+    at random per record."""
     if v.shape[-1] == 1:
         return v / v.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
-    return torch.linalg.qr(v).Q
+    q, r = torch.linalg.qr(v)
+    flip = torch.diagonal(r, dim1=-2, dim2=-1) < 0  # (n, r)
+    return torch.where(flip.unsqueeze(-2), -q, q)
 
 
 def top_factors(

@@ -37,6 +37,9 @@ class LayerInfo:
     rank: int = 0  # > 0: records stored as rank-r factors U (k_out, r), V (k_in, r)
     factor_dtype: str = ""
     output_head: bool = False  # the layer producing the logits (stores before it: False)
+    bias_column: bool = (
+        False  # first U column = P_out Σ_t g_t's direction, signed (C.L_BIAS_COLUMN)
+    )
 
     @property
     def record_shape(self) -> tuple[int, ...]:
@@ -77,6 +80,7 @@ class LayerInfo:
             rank=int(at.get(C.L_RANK, 0)),
             factor_dtype=str(at.get(C.L_FACTOR_DTYPE, "")),
             output_head=bool(at.get(C.L_OUTPUT_HEAD, 0)),
+            bias_column=bool(at.get(C.L_BIAS_COLUMN, 0)),
         )
 
 

@@ -46,6 +46,20 @@ def create_factors(g: h5py.Group, layer, compression: str | None):
     return pair, layer.k_out, fdt
 
 
+def bias_column(layer) -> bool:
+    """Whether ``layer``'s (a capture ``TrackedLayer``'s) records start from the summed output
+    gradient, so their first ``U`` column is the direction of ``P_out Σ_t g_t`` with its sign
+    (``capture/sketch.py full_factors``): factors of the full ``G`` by half a step (no power
+    iteration, no input-side start)."""
+    rank = int(getattr(layer, "rank", 0))
+    return (
+        rank > 0
+        and bool(getattr(layer, "full_factor", False))
+        and int(getattr(layer, "power_iters", 0)) == 0
+        and not (rank == 1 and getattr(layer, "input_start", False))
+    )
+
+
 def create_layer(g: h5py.Group, layer, sketch: str, compression: str | None):
     """One layer's attributes, its empty resizable record datasets and its projections.
 
@@ -64,6 +78,8 @@ def create_layer(g: h5py.Group, layer, sketch: str, compression: str | None):
     )
     if getattr(layer, "output_head", False):
         g.attrs[C.L_OUTPUT_HEAD] = 1
+        if bias_column(layer):
+            g.attrs[C.L_BIAS_COLUMN] = 1
     if int(getattr(layer, "rank", 0)):
         sketch_ds = create_factors(g, layer, compression)
     else:
