@@ -169,7 +169,7 @@ def add_preconditioner_flag(p, help: str | None = None) -> None:
 def add_index_flags(p, query: bool = False) -> None:
     """The flags of :class:`IndexSettings` (index, query), with its defaults; ``query``: also
     the query-time ones (``--class-prior``), which change no index."""
-    from .index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR
+    from .index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR, DEFAULT_LM_BIAS
     from .settings import DEFAULT_DAMPING
     from .settings import IndexSettings as S
 
@@ -199,6 +199,13 @@ def add_index_flags(p, query: bool = False) -> None:
             f"ADAPTER_CLASS_PRIOR = {ADAPTER_CLASS_PRIOR:g}",
         ),
     )
+    add_field_flag(
+        p,
+        S,
+        "lm_bias",
+        type=float,
+        help=help_of(S, "lm_bias", f"; DEFAULT_LM_BIAS = {DEFAULT_LM_BIAS:g}"),
+    )
 
 
 def index_settings(a):
@@ -217,4 +224,5 @@ def index_settings(a):
         lists=getattr(a, "lists", None),
         columns=getattr(a, "columns", None),
         class_prior=getattr(a, "class_prior", None),
+        lm_bias=getattr(a, "lm_bias", None),
     )

@@ -93,6 +93,10 @@ ADAPTER_CLASS_PRIOR = 0.2
 scored above 1 on 7 of 9 LoRA classifier pairs of two models, a mean +0.009 (+0.006 on the four
 held out when it was chosen; benchmarks/EVAL.md §1v)."""
 
+DEFAULT_LM_BIAS = 0.1
+"""The LM-bias term of a free-text causal-LM run (``IndexSettings.lm_bias`` left at auto), in
+cosine units: see :mod:`~traceprop_engine.attribution.score.lm_bias` (benchmarks/EVAL.md §1ab)."""
+
 
 @document_fields
 @dataclass(frozen=True)
@@ -187,24 +191,24 @@ class IndexSettings:
         "for a classification run scored with cosine, ADAPTER_CLASS_PRIOR for one that trained "
         "adapters, 0 otherwise; 0: the records alone)",
     )
+    lm_bias: float | None = knob(
+        None,
+        help="causal LM: add lm_bias x the cosine of the query's and the example's LM-head "
+        "output-bias gradients, sum over the loss tokens of (p_t - y_t), each divided by the "
+        "square root of the head's output-gradient second moment (the K-FAC factor's diagonal); "
+        "the tiny and most causal LMs have no such bias, and the weight records leave its "
+        "gradient out, the marginal of the next token that keyword search on the answer word "
+        "finds. Read from the records' first column (a store written since 2026-12-07); a "
+        "query-time term, the index is the same (None: auto, DEFAULT_LM_BIAS for a free-text run, "
+        "records of rank above 1, scored with cosine, 0 otherwise; 0: the records alone)",
+    )
 
     def __post_init__(self) -> None:
         if self.lists is not None and not isinstance(self.lists, bool):
             raise ConfigError(f"lists must be True, False or None (auto), got {self.lists!r}")
         check_damping(self.damping)  # here, before anything is locked or written under index/
-        prior = self.class_prior
-        if prior is not None and (
-            isinstance(prior, bool)
-            or not isinstance(prior, (int, float))
-            or not math.isfinite(prior)
-            or prior < 0
-        ):
-            raise ConfigError(
-                f"class_prior must be a finite number >= 0 (0: the records alone) or None "
-                f"(auto), got {prior!r}"
-            )
-        if prior is not None:
-            object.__setattr__(self, "class_prior", float(prior))
+        for name in ("class_prior", "lm_bias"):
+            _check_weight(self, name)
         c = self.columns
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
             raise ConfigError(
@@ -283,3 +287,16 @@ class IndexSettings:
             # columns: every index built before it scored every column (no key)
             **({"columns": self.columns} if self.columns else {}),
         }
+
+
+def _check_weight(s: IndexSettings, name: str) -> None:
+    """A query-time term's weight (``class_prior``, ``lm_bias``): a finite number >= 0, kept as
+    a float, or None (auto). Raises ConfigError otherwise."""
+    v = getattr(s, name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ConfigError(
+            f"{name} must be a finite number >= 0 (0: the records alone) or None (auto), got {v!r}"
+        )
+    object.__setattr__(s, name, float(v))

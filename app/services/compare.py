@@ -51,12 +51,13 @@ def query_side(run_dir, query: dict):
     return test_side(run_dir, **{k: query.get(k) for k in keys})
 
 
-def side_query(run_dir, preconditioner: str, top_k: int, ts, class_prior: float | None = None):
+def side_query(run_dir, preconditioner: str, top_k: int, ts, terms: dict | None = None):
     """One side's :class:`QueryResult` of the query whose model half is ``ts`` (from
-    :func:`query_side`), ranked under the run's lock (``class_prior``: None, the run's default)."""
+    :func:`query_side`), ranked under the run's lock (``terms``: the query-time terms' weights,
+    ``class_prior`` and ``lm_bias``; one not given is the run's default)."""
     from traceprop_engine.settings import IndexSettings
 
-    s = IndexSettings(preconditioner=preconditioner, class_prior=class_prior)
+    s = IndexSettings(preconditioner=preconditioner, **(terms or {}))
     run, lock = open_cached(run_dir)
     with lock:
         return run.query(top_k=top_k, settings=s, test_side=ts)
@@ -100,7 +101,8 @@ def second_choice(preconditioners, first: str) -> str | None:
 def second_opinion(run_dir, result, preconditioner: str, ts):
     """Triangulate an answer: rank the same query (its model half ``ts``, the one ``result``
     was ranked from) under ``preconditioner`` for as many examples per kind as ``result`` has,
-    with its class prior, and mark the examples both estimators rank high.
+    with its query-time terms (a class prior, an LM-bias term), and mark the examples both
+    estimators rank high.
 
     Returns:
         ``(marks, overlap)``: ``marks`` has ``kind, example_id, second_rank`` for each example
@@ -112,8 +114,10 @@ def second_opinion(run_dir, result, preconditioner: str, ts):
         TracepropError: the run cannot be queried with ``preconditioner``.
     """
     k = max(1, int(result.query.get("top_k") or result.rows.height))
-    # the same class prior as the first answer (a classification run's; 0 elsewhere)
-    other = side_query(run_dir, preconditioner, k, ts, result.query.get("class_prior"))
+    # the same query-time terms as the first answer (a classifier's class prior, a free-text
+    # run's LM bias; 0 elsewhere)
+    terms = {t: result.query.get(t) for t in ("class_prior", "lm_bias")}
+    other = side_query(run_dir, preconditioner, k, ts, terms)
     marks = other.rows.select(
         "kind", pl.col("example_id").cast(pl.Int64), pl.col("rank").alias("second_rank")
     )

@@ -25,6 +25,7 @@ from traceprop_engine import constants as C
 from traceprop_engine.index_settings import (  # noqa: F401 - the pages' copies
     ADAPTER_CLASS_PRIOR,
     DEFAULT_CLASS_PRIOR,
+    DEFAULT_LM_BIAS,
 )
 
 from . import model_worker
@@ -153,11 +154,13 @@ def run_query_and_scores(
     top_k: int = 10,
     preconditioner: str = C.DEFAULT_PRECONDITIONER,
     class_prior: float | None = None,
+    lm_bias: float | None = None,
 ):
     """``(QueryResult, influence by source, every example's score, TestSide)`` of one query: the
     by-source totals and the score histogram come from one pass over the store, made here once;
     the ``TestSide`` (the query's model half) ranks the same query under another estimator.
-    ``class_prior``: a classification run's class prior (None: the run's default; 0: off)."""
+    ``class_prior``: a classification run's class prior, ``lm_bias``: a free-text run's LM-bias
+    term (each None: the run's default; 0: off)."""
     from traceprop_engine.attribution import source_influence
     from traceprop_engine.settings import IndexSettings
 
@@ -165,7 +168,7 @@ def run_query_and_scores(
         run_dir, prompt=prompt, completion=completion, eval_example=eval_example, label=label
     )
     run, lock = open_cached(run_dir)
-    s = IndexSettings(preconditioner=preconditioner, class_prior=class_prior)
+    s = IndexSettings(preconditioner=preconditioner, class_prior=class_prior, lm_bias=lm_bias)
     with lock:
         res = run.query(top_k=top_k, settings=s, test_side=ts)
         table = run.example_scores(res, s)

@@ -105,6 +105,19 @@ if classification:
         "Off: the records' gradient similarity alone.",
     )
     prior = None if on else 0.0
+lm_bias = None  # the run's default: a free-text causal-LM run adds its LM-bias term
+if run.lm_bias:
+    on = st.toggle(
+        "LM-bias term",
+        value=True,
+        key="infl_lm_bias",
+        help=f"Add {run.lm_bias:g} x the cosine of the query's and each example's LM-head "
+        "output-bias gradient (what the example teaches the next token's marginal, which the "
+        "weight records leave out), from the records' first column; this run's default "
+        f"({queries.DEFAULT_LM_BIAS:g} on a free-text run; benchmarks/EVAL.md section 1ab). "
+        "Off: the records' gradient similarity alone.",
+    )
+    lm_bias = None if on else 0.0
 
 clicked = st.button("Find influencers", type="primary", key="infl_go")
 if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's sample question
@@ -120,6 +133,7 @@ if clicked or st.session_state.pop("infl_autorun", False):  # the landing page's
                 top_k=top_k,
                 preconditioner=pre,
                 class_prior=prior,
+                lm_bias=lm_bias,
             )
     except TracepropError as e:
         st.session_state.pop("infl_result", None)
@@ -152,6 +166,7 @@ for note in res.notes:  # the run's own notes are shown above, once
         st.warning(text.md_escape(note))
 q = res.query
 prior_shown = f" · class prior {q['class_prior']:g}" if q.get("class_prior") else ""
+prior_shown += f" · LM bias {q['lm_bias']:g}" if q.get("lm_bias") else ""
 st.caption(
     f"Query loss {q.get('query_loss', float('nan')):.4f} · preconditioner {q.get('preconditioner')}"
     f"{prior_shown} · {q.get('n_vectors')} examples searched · {res.elapsed_ms:.0f} ms"

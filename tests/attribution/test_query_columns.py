@@ -46,7 +46,7 @@ def test_the_first_column_is_the_rank_1_record_and_a_long_query_scores_every_col
         1
     }
     short = dict(prompt="the model reads every", completion=" token")
-    first = IndexSettings(columns=1)
+    first = IndexSettings(columns=1, lm_bias=0)  # the records alone (rank 1 adds no LM bias)
     a, b = text.scores(**short, settings=first), rank1.scores(**short)
     np.testing.assert_allclose(a, b, rtol=F32_RTOL, atol=F32_RTOL * np.abs(b).max())
     # a long query (every token of a row a target): every column, another score than rank 1's
@@ -89,8 +89,8 @@ def test_a_short_answer_scores_the_view_whose_scores_have_the_heavier_tails(runs
     for n_prompt, n_words in SHORT_ANSWERS:
         q = dict(prompt=" ".join(w[:n_prompt]), completion=" " + " ".join(w[n_prompt:][:n_words]))
         tails = []
-        for cols in (1, 0):  # the reference: each view's scores of every training example
-            ix = IndexSettings(columns=cols)
+        for cols in (1, 0):  # the reference: each view's records' scores of every example
+            ix = IndexSettings(columns=cols, lm_bias=0)
             tails.append(kurtosis(text.scores(**q, settings=ix)[text.index(ix)[1]]))
         res = text.query(**q, top_k=3)
         want = 0 if tails[1] > tails[0] else 1
@@ -121,7 +121,7 @@ def test_the_tails_of_a_large_index_are_measured_on_a_seeded_sample(runs, monkey
     monkeypatch.setattr(column_choice, "TAIL_SAMPLE", 6)
     rows = np.sort(np.random.default_rng(0).choice(12, 6, replace=False))
     for cols in (1, 0):
-        ix = IndexSettings(columns=cols)
+        ix = IndexSettings(columns=cols, lm_bias=0)  # the tails are the records' alone
         want = kurtosis(text.scores(**q, settings=ix)[text.index(ix)[1]][rows])
         got = column_choice.score_tails(text, s, ts.sketches, cols)
         assert got == pytest.approx(want, rel=1e-9)

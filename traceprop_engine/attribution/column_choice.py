@@ -45,8 +45,9 @@ def excess_kurtosis(x: np.ndarray) -> float:
 def score_tails(run, s: IndexSettings, sketches: list[np.ndarray], columns: int) -> float:
     """The excess kurtosis of a query's exact scores against the first ``columns`` record
     columns (0: every one) under ``s``, over :data:`TAIL_SAMPLE` index rows at most (the mean
-    over the query's rows when ``sketches`` hold several)."""
-    sc = dataclasses.replace(s, columns=columns)
+    over the query's rows when ``sketches`` hold several). On the records' scores alone: the
+    LM-bias term (``IndexSettings.lm_bias``) is the same under both views and only blurs them."""
+    sc = dataclasses.replace(s, columns=columns, lm_bias=0.0)
     n = len(run.index(sc)[1])
     rows = np.arange(n)  # given rows: read through the index's record cache where it has one
     if n > TAIL_SAMPLE:

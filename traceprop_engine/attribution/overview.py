@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import constants as C
-from ..index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR
+from ..index_settings import ADAPTER_CLASS_PRIOR, DEFAULT_CLASS_PRIOR, DEFAULT_LM_BIAS
 from ..settings import (
     IndexSettings,
     LayerWeighting,
@@ -23,6 +23,7 @@ from ..settings import (
     Task,
 )
 from .score.class_prior import labelled
+from .score.lm_bias import head_layer
 from .score.ranking import ZERO_LR_NOTE
 
 NO_STATISTICS_NOTE = (
@@ -44,6 +45,13 @@ CLASS_PRIOR_NOTE = (
     "bias gradients at the start of fine-tuning, which the weight records leave out "
     "(benchmarks/EVAL.md sections 1s-1t; 0.2 for a run that trained adapters, section 1v); "
     "--class-prior 0 scores the records alone"
+)
+
+LM_BIAS_NOTE = (
+    "a free-text causal-LM run's scores add the LM-bias term by default: lm_bias x the cosine of "
+    "the query's and the example's LM-head output-bias gradients (the next token's marginal, "
+    "which the weight records leave out; benchmarks/EVAL.md section 1ab); --lm-bias 0 scores "
+    "the records alone"
 )
 
 
@@ -70,7 +78,7 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
     §1q); identity uses none and is always ``inline``. ``class_prior=None`` becomes
     :func:`default_class_prior` for a classification run scored with cosine and 0 otherwise
-    (EVAL.md §1s, §1v). ``columns`` at or above every layer's rank becomes 0 (every column);
+    (EVAL.md §1s, §1v); ``lm_bias=None`` :func:`default_lm_bias` likewise. ``columns`` at or above every layer's rank becomes 0 (every column);
     ``None`` is left for the query to decide (``AttributionRun.for_query``)."""
     s = s or IndexSettings()
     auto = s.preconditioner is PreconditionerKind.AUTO
@@ -98,11 +106,19 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     if prior is None:
         classifier = task == Task.CLASSIFICATION.value and s.cosine
         prior = default_class_prior(store) if classifier else 0.0
+    lm_bias = s.lm_bias
+    if lm_bias is None:
+        lm_bias = default_lm_bias(store, task) if s.cosine else 0.0
     columns = s.columns  # c columns of records no wider than c: every column, one index
     if columns and not any(info.rank > columns for info in store.layers):
         columns = 0
     return dataclasses.replace(
-        s, weighting=weighting, statistics=statistics, class_prior=prior, columns=columns
+        s,
+        weighting=weighting,
+        statistics=statistics,
+        class_prior=prior,
+        lm_bias=lm_bias,
+        columns=columns,
     )
 
 
@@ -112,6 +128,16 @@ def default_class_prior(store) -> float:
     store's ``model_origin``), :data:`~traceprop_engine.index_settings.DEFAULT_CLASS_PRIOR`
     otherwise (a store written before ``model_origin`` included)."""
     return ADAPTER_CLASS_PRIOR if store.model_origin == C.ORIGIN_ADAPTER else DEFAULT_CLASS_PRIOR
+
+
+def default_lm_bias(store, task: str) -> float:
+    """The LM-bias weight ``auto`` gives a run scored with cosine:
+    :data:`~traceprop_engine.index_settings.DEFAULT_LM_BIAS` for a causal LM trained on free
+    text (its LM head recorded at rank above 1, ``capture/free_text.py``) whose head records
+    carry the signed bias column (:func:`~.score.lm_bias.head_layer`), 0 otherwise: on runs
+    trained on answers alone the term was mixed (benchmarks/EVAL.md section 1aa)."""
+    li = head_layer(store) if task == Task.CAUSAL_LM.value else None
+    return DEFAULT_LM_BIAS if li is not None and store.layers[li].rank > 1 else 0.0
 
 
 def ekfac_by_default(store, task: str) -> bool:
@@ -141,6 +167,7 @@ class RunOverview:
     notes: tuple[str, ...]  # e.g. a partial store (cancelled or failed run)
     preconditioners: tuple[str, ...]
     class_prior: float = 0.0  # the default's, resolved (0: none, e.g. a causal LM)
+    lm_bias: float = 0.0  # the default's, resolved (0: none, e.g. answers or a classifier)
 
 
 def describe(run) -> RunOverview:
@@ -157,6 +184,7 @@ def describe(run) -> RunOverview:
         notes=tuple(run.notes),
         preconditioners=tuple(k.value for k in [first, *(k for k in usable if k is not first)]),
         class_prior=float(default.class_prior),  # resolved: never None
+        lm_bias=float(default.lm_bias),
     )
 
 
@@ -182,6 +210,8 @@ def run_notes(run) -> list[str]:
         run._labelled = labelled(run.examples()["label"].unique().to_list())
     if run.task == "classification" and default.class_prior and run._labelled:
         out.append(CLASS_PRIOR_NOTE)
+    if default.lm_bias:
+        out.append(LM_BIAS_NOTE)
     if run._zero_lr is None:
         lr = run.store.records()[C.REC_LR]
         run._zero_lr = bool(len(lr)) and not np.any(lr)

@@ -38,17 +38,10 @@ from .overview import resolve_settings, run_notes
 from .precondition.preconditioner import Preconditioner
 from .precondition.vectors import fit_preconditioner, gradient_norms
 from .query_input import Query
-from .query_sketches import label_of
+from .query_terms import QueryTermsMixin
 from .result import QueryResult, TestSide
 from .score.blas_threads import one_blas_thread
-from .score.class_prior import RowClasses
-from .score.ranking import (
-    CLASS_PRIOR_LAYER,
-    example_table,
-    hit_rows,
-    signed_hits,
-    source_influence,
-)
+from .score.ranking import example_table, hit_rows, signed_hits, source_influence
 from .score.rerank import rerank_candidates
 
 if TYPE_CHECKING:
@@ -57,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["AttributionRun", "QueryResult", "TestSide", "open_run"]
 
 
-class AttributionRun(TestSideMixin):
+class AttributionRun(TestSideMixin, QueryTermsMixin):
     """One run opened for attribution: its store, manifest, saved model and indexes.
 
     The facade the CLI and the app share; the work is done by the run's
@@ -88,6 +81,7 @@ class AttributionRun(TestSideMixin):
         self._notes_extra: list[str] = []
         self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
         self._classes: tuple | None = None  # (index ids, their RowClasses)
+        self._head_bias: tuple | None = None  # (scorer, its HeadBias): query_terms.py
         self._labelled: bool | None = None  # the examples have two labels or more
 
     # -- description --------------------------------------------------------------------------
@@ -213,15 +207,16 @@ class AttributionRun(TestSideMixin):
             "weighting": s.weighting.value,  # resolved (recorded / fisher), also where omitted
             "statistics": s.statistics.value,  # resolved (inline / final / both)
             "class_prior": s.class_prior,  # resolved (0: the records alone)
+            "lm_bias": s.lm_bias,  # resolved (0: the records alone)
             "columns": s.columns,  # resolved for this query (0: every column)
             "n_vectors": int(index.n),
         }
-        prior = self.class_prior_scores(ts.sketches, s, np.zeros(0, np.int64)) is not None
+        term = self.term_layer(ts.sketches, s)  # a class prior or LM-bias term, or None
         return QueryResult(
             rows,
             q,
             notes=self.notes + list(ts.notes) + sign_notes + ([cols] if cols else []),
-            layer_names=pre.layer_names + ([CLASS_PRIOR_LAYER] if prior else []),
+            layer_names=pre.layer_names + ([term] if term else []),
             elapsed_ms=encode_ms + (time.perf_counter() - t0) * 1e3,
             sketches=ts.sketches,
             model_fingerprint=ts.model_fingerprint,
@@ -245,15 +240,16 @@ class AttributionRun(TestSideMixin):
         index, ids, pre = self.index(s)
         with one_blas_thread():  # small products: a second BLAS thread only waits (blas_threads)
             scorer = self.indexes.scorer(s)
-            # FAISS, the factor lists and (a class prior) the label's rows propose candidates
-            qv, sides = pre.apply(sketches), self.label_sides(sketches, s)
-            cand, prepared = candidates(index, scorer, qv, sketches, top_k, opponents, sides)
+            # FAISS, the factor lists and a query-time term (a class prior: the label's rows;
+            # the LM-bias term: its ends) propose candidates
+            qv, (sides, bias) = pre.apply(sketches), self.term_candidates(sketches, s, opponents)
+            cand, prepared = candidates(index, scorer, qv, sketches, top_k, opponents, sides, bias)
             # exact scores of the candidates (the re-rank), split by layer for the rows
             # layer by layer, dropping the rows that cannot place (rerank.py), or every layer;
-            # a classification query's class prior is one more row of the split
-            prior = self.class_prior_scores(sketches, s, cand)
+            # a query-time term (class prior, LM bias) is one more row of the split
+            term = self.term_scores(sketches, s, cand)
             hit = rerank_candidates(
-                self.indexes, s, sketches, cand, top_k, opponents, prepared, offset=prior
+                self.indexes, s, sketches, cand, top_k, opponents, prepared, offset=term
             )
             cand, per_layer = hit or (
                 cand,
@@ -261,7 +257,8 @@ class AttributionRun(TestSideMixin):
             )
         hits, notes = signed_hits(cand, per_layer, top_k, opponents)
         rec = self.store.records() if s.per_record else None
-        return hit_rows(hits, ids, pre, self.examples(), rec), notes + self.indexes.notes(s)
+        rows = hit_rows(hits, ids, pre, self.examples(), rec, self.term_layer(sketches, s))
+        return rows, notes + self.indexes.notes(s)
 
     def exact_scores(
         self,
@@ -280,8 +277,8 @@ class AttributionRun(TestSideMixin):
 
         Returns:
             (q, n) or (q, L, n) float64; cosine divides by both vectors' exact norms. A
-            classification query's class prior (:meth:`class_prior_scores`) is added after
-            that, and with ``per_layer`` it is one more "layer", the last: (q, L + 1, n).
+            query-time term (a class prior or the LM-bias term, :meth:`term_scores`) is added
+            after that, and with ``per_layer`` it is one more "layer", the last: (q, L + 1, n).
         """
         s = self.settings(s)
         scorer = self.indexes.scorer(s)
@@ -292,44 +289,12 @@ class AttributionRun(TestSideMixin):
                 qn = np.sqrt(np.maximum(scorer.query_sq_norm(sketches, pb), 1e-60))  # (q,)
                 xn = self.indexes.row_norms(s, rows)
                 out = out / (qn[:, None, None] if per_layer else qn[:, None]) / xn
-        prior = self.class_prior_scores(sketches, s, rows)
-        if prior is None:
+        term = self.term_scores(sketches, s, rows)
+        if term is None:
             return out
         if per_layer:
-            return np.concatenate([out, np.broadcast_to(prior, (len(out), 1, len(prior)))], 1)
-        return out + prior
-
-    def class_prior_scores(
-        self, sketches, s: IndexSettings, rows: np.ndarray | None = None
-    ) -> np.ndarray | None:
-        """The class prior of a classification query against index rows ``rows`` (default: all,
-        :mod:`~.score.class_prior`): ``class_prior`` for an example of the query's label,
-        ``-class_prior/(C-1)`` for another class's, 0 without a label.
-
-        Returns:
-            (n,) float64, or None where the prior adds nothing: ``class_prior`` 0 (resolved), a
-            query without a label (a causal LM, or sketches made without the encoder), fewer
-            than two classes, or a label no indexed example has.
-        """
-        classes, label, s = self._row_classes(sketches, s)
-        return None if classes is None else classes.prior(label, s.class_prior, rows)
-
-    def label_sides(self, sketches, s: IndexSettings):
-        """``(rows of the query's label, rows of other labels)`` (bool masks over the index
-        rows) where the query gets a class prior, else None (``index/candidates.py``)."""
-        classes, label, _ = self._row_classes(sketches, s)
-        return None if classes is None else classes.sides(label)
-
-    def _row_classes(self, sketches, s: IndexSettings):
-        """``(the index rows' RowClasses or None where no prior applies, label, settings)``."""
-        s = self.settings(s)
-        label = label_of(sketches)
-        if not s.class_prior or label is None:
-            return None, label, s
-        ids = self.indexes.scorer(s).ids
-        if self._classes is None or self._classes[0] is not ids:  # one per index build
-            self._classes = (ids, RowClasses(self.examples()["label"].to_numpy()[ids]))
-        return self._classes[1], label, s
+            return np.concatenate([out, np.broadcast_to(term, (len(out), 1, len(term)))], 1)
+        return out + term
 
     def all_scores(self, sketches, s: IndexSettings) -> np.ndarray:
         """Exact scores of one query against every index row (example-id order of ``ids``).
@@ -408,8 +373,13 @@ class AttributionRun(TestSideMixin):
         self, result: QueryResult, settings: IndexSettings | None = None
     ) -> pl.DataFrame:
         """``example_id, source, row, score``: the exact score of every indexed training example
-        for the query of ``result`` (what by-source totals and score histograms are made of)."""
-        s = self.settings(settings)
+        for the query of ``result`` (what by-source totals and score histograms are made of).
+        Where ``settings`` leaves them to auto, the query-time terms' weights are the result's."""
+        s = settings or IndexSettings()
+        for term in ("class_prior", "lm_bias"):  # as the result was ranked (none recorded: auto)
+            if getattr(s, term) is None and result.query.get(term) is not None:
+                s = dataclasses.replace(s, **{term: float(result.query[term])})
+        s = self.settings(s)
         if s.columns is None:  # the columns the result was ranked with (none recorded: every one)
             s = dataclasses.replace(s, columns=int(result.query.get("columns") or 0))
         sk = result.sketches

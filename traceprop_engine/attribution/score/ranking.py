@@ -22,6 +22,9 @@ SIGN_NOTE = (
 CLASS_PRIOR_LAYER = "class prior"
 """The name of a classification query's class prior among a hit's per-layer scores (the last
 entry of ``layer_scores``; ``AttributionRun.class_prior_scores``)."""
+LM_BIAS_LAYER = "LM bias"
+"""The name of a causal-LM query's LM-bias term among a hit's per-layer scores (the last entry
+of ``layer_scores``; ``AttributionRun.lm_bias_scores``)."""
 CANDIDATES = 4
 """FAISS returns at least ``CANDIDATES · top_k`` rows per side for the exact re-rank."""
 MIN_CANDIDATES = 1000
@@ -104,17 +107,19 @@ def hit_rows(
     pre: Preconditioner,
     examples: pl.DataFrame,
     records: dict | None = None,
+    term: str | None = CLASS_PRIOR_LAYER,
 ) -> pl.DataFrame:
     """The result table of :func:`signed_hits`: one row per hit with its example's lineage and
-    per-layer score shares (and a classification query's class prior, :data:`CLASS_PRIOR_LAYER`,
-    after them); with ``records`` (a per-record index) the record, step and epoch."""
+    per-layer score shares (and a query-time term's, named ``term``, after them: a class prior,
+    :data:`CLASS_PRIOR_LAYER`, or the LM-bias term, :data:`LM_BIAS_LAYER`); with ``records`` (a
+    per-record index) the record, step and epoch."""
     out = []
     for kind, rank, v, score, layer_scores in hits:
         e = int(ids[v])
         r = examples.row(e, named=True)
         names = pre.layer_names
-        if len(layer_scores) == len(names) + 1:  # the class prior, scored after the layers
-            names = [*names, CLASS_PRIOR_LAYER]
+        if len(layer_scores) == len(names) + 1:  # the query-time term, scored after the layers
+            names = [*names, term or CLASS_PRIOR_LAYER]
         shares = {name: float(x) for name, x in zip(names, layer_scores, strict=True)}
         row = {
             "rank": rank,
