@@ -15,7 +15,7 @@ import torch
 from helpers import FREE_TEXT_WORDS, fast_settings, free_text_data
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution import open_run
+from traceprop_engine.attribution import HeadBias, open_run
 from traceprop_engine.attribution.overview import LM_BIAS_NOTE
 from traceprop_engine.attribution.score import lm_bias
 from traceprop_engine.attribution.score.ranking import LM_BIAS_LAYER
@@ -28,6 +28,7 @@ from traceprop_engine.training.loop import train
 # the records are taken along the trajectory, the reference on the final model: at a learning
 # rate of 1e-7 over two steps the output gradients move by about that much; float32 records
 TRAJECTORY_ATOL = 1e-4
+F32_ATOL = 1e-5  # float32 records and projections, float64 whitening and cosine
 QUERIES = [
     " ".join(FREE_TEXT_WORDS[:9]),
     " ".join(FREE_TEXT_WORDS[4:14]),
@@ -42,7 +43,7 @@ def runs(tmp_path_factory):
     free_text_data(root / "data")
     out = {}
     for name, ftr, iters, lr in (
-        ("text", 4, 0, 3e-3),
+        ("text", 4, 0, 3e-2),  # four epochs: the final model is not the first steps
         ("still", 4, 0, 1e-7),  # the final model is the recorded one, to 1e-7
         ("rank1", 0, 0, 3e-3),
         ("power", 4, 1, 3e-3),  # a power-iterated record's first column is not Σ_t g_t
@@ -50,22 +51,25 @@ def runs(tmp_path_factory):
         track = TrackSettings(
             k_in=4, k_out=8, factor_dtype="float32", free_text_rank=ftr, power_iters=iters
         )
-        out[name] = train(fast_settings(root / "data", root / name, track=track, lr=lr))
+        epochs = 4 if name == "text" else 1
+        out[name] = train(
+            fast_settings(root / "data", root / name, track=track, lr=lr, epochs=epochs)
+        )
     return out
 
 
-def _reference(run, queries) -> tuple[np.ndarray, np.ndarray]:
+def _reference(run, queries, records: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, b)``: the term by hand on the final model: ``σ`` from its logits, projected by the
-    store's ``P_out``, whitened by the stored output factor's diagonal, cosine."""
+    store's ``P_out``, whitened by the diagonal of the final model's output factor over every
+    trained example (each token's ``(p_t − e_{y_t}) / n`` with ``n`` its example's loss tokens, as
+    a per-example mean loss gives it); cosine. With ``records`` the training side's ``P_out σ``
+    is read from each example's record's first column instead (one epoch: one record each)."""
     store = run.store
     head = next(i for i in store.layers if i.output_head)
     p = store.projection(head.index, "out").astype(np.float64)
-    cov = store.covariance(head.index)
-    s = np.diag(cov.S) / cov.n_tokens
-    s = s + lm_bias.DAMPING * s.mean()
     model = run.model().model.eval()
 
-    def unit(enc) -> np.ndarray:
+    def grads(enc) -> np.ndarray:  # (n, V): p_t − e_{y_t} at the example's loss tokens
         ids = np.asarray(enc.ids)
         t = np.flatnonzero(np.asarray(enc.loss_mask).astype(bool))
         t = t[t >= 1]
@@ -73,14 +77,25 @@ def _reference(run, queries) -> tuple[np.ndarray, np.ndarray]:
             logits = model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None]).logits[0]
         g = torch.softmax(logits.double(), -1).numpy()[t - 1]
         g[np.arange(len(t)), ids[t]] -= 1.0
-        x = (p @ g.sum(0)) / np.sqrt(s)
-        return x / np.linalg.norm(x)
+        return g
 
     ids = np.asarray(run.index(run.settings())[1])
-    train_x = np.stack([unit(run.encode(eval_example=int(e))[0]) for e in ids])
-    q = np.stack(
-        [unit(run.encode(q)[0] if isinstance(q, str) else run.encode(**q)[0]) for q in queries]
-    )
+    train_g = [grads(run.encode(eval_example=int(e))[0]) for e in ids]
+    s = sum((((g / len(g)) @ p.T) ** 2).sum(0) for g in train_g)
+    s = s + lm_bias.DAMPING * s.mean()
+
+    def unit(x) -> np.ndarray:
+        x = x / np.sqrt(s)
+        return x / np.linalg.norm(x)
+
+    if records:
+        rec = store.records()[C.REC_EXAMPLE]
+        u = store.factors(head.index, columns=1)[0][:, :, 0].astype(np.float64)
+        last = {int(e): r for r, e in enumerate(rec)}  # each example's last (epoch's) record
+        train_x = np.stack([unit(u[last[int(e)]]) for e in ids])
+    else:
+        train_x = np.stack([unit(p @ g.sum(0)) for g in train_g])
+    q = np.stack([unit(p @ grads(run.encode(**_query(q))[0]).sum(0)) for q in queries])
     return ids, q @ train_x.T
 
 
@@ -102,6 +117,24 @@ def test_the_term_is_the_cosine_of_the_whitened_output_bias_gradients(runs):
         diff = run.scores(**_query(q)) - run.scores(**_query(q), settings=IndexSettings(lm_bias=0))
         np.testing.assert_allclose(diff[ids], DEFAULT_LM_BIAS * got, rtol=1e-9, atol=1e-12)
     assert np.ptp(want) > 0.05  # the term tells the examples apart here
+    run.close()
+
+
+def test_a_trained_run_whitens_by_the_final_models_output_factor(runs):
+    """On a run that learned (the trajectory's records are not the final model's), the term is
+    the records' first columns whitened by the final model's output factor, which is not the
+    inline (trajectory) factor here."""
+    run = open_run(runs["text"])
+    ids, want = _reference(run, QUERIES, records=True)
+    one = IndexSettings(lm_bias=1.0)
+    got = [
+        run.lm_bias_scores(run.query_sketches(run.encode(**_query(q))[0])[0], one) for q in QUERIES
+    ]
+    np.testing.assert_allclose(np.stack(got), want, atol=F32_ATOL)
+    # whitened by the inline (trajectory) factor instead, another term
+    inline = HeadBias(run.store, run.indexes.scorer(run.settings()))
+    sk = run.query_sketches(run.encode(**_query(QUERIES[0]))[0])[0]
+    assert np.abs(inline.scores(inline.query(sk)) - got[0]).max() > 100 * F32_ATOL
     run.close()
 
 

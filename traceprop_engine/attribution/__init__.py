@@ -47,6 +47,7 @@ _LAZY = {
     "Preconditioner": ".precondition.preconditioner",
     # scores beyond one query
     "factor_scores": ".score.factor_scores",
+    "HeadBias": ".score.lm_bias",  # the index rows' LM-bias directions (IndexSettings.lm_bias)
     "source_influence": ".score.ranking",
     # reports on a run or a result
     "rows_for_export": ".reports.export",
@@ -65,6 +66,7 @@ _LAZY = {
 
 __all__ = [
     "AttributionRun",
+    "HeadBias",
     "IndexSettings",
     "ModelAnswer",
     "Preconditioner",
@@ -117,6 +119,7 @@ if TYPE_CHECKING:
     from .reports.outliers import RankBy, rank_examples
     from .result import ModelAnswer, QueryResult, TestSide, TokenContributions
     from .score.factor_scores import factor_scores
+    from .score.lm_bias import HeadBias
     from .score.ranking import source_influence
 
 

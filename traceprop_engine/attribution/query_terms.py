@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import constants as C
+from ..errors import StoreError
 from ..settings import IndexSettings
 from .query_sketches import label_of
 from .score.class_prior import RowClasses
@@ -111,7 +113,19 @@ class QueryTermsMixin:
             return None, None
         scorer = self.indexes.scorer(s)
         if self._head_bias is None or self._head_bias[0] is not scorer:  # one per index build
-            self._head_bias = (scorer, HeadBias(self.store, scorer))
+            self._head_bias = (scorer, HeadBias(self.store, scorer, self._head_statistics()))
         hb = self._head_bias[1]
         q = hb.query(sketches)
         return (hb, q) if q is not None else (None, None)
+
+    def _head_statistics(self):
+        """The LM head's K-FAC statistics the term whitens by: the final model's (fitted once
+        over up to 1024 stored examples and cached beside the indexes, shared with
+        ``statistics='final'``), or None (the inline ones) where the store keeps no example tokens
+        to fit on."""
+        from .model_side.statistics import final_statistics
+
+        try:
+            return final_statistics(self, self.dir / C.INDEX_DIR)[head_layer(self.store)]
+        except StoreError:
+            return None

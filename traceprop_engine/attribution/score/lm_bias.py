@@ -13,9 +13,13 @@ The records carry it already: a head's record starts from ``Σ_t g_t`` (``captur
 full_factors``), so its first ``U`` column is the direction ``û = P_out σ / ‖P_out σ‖``, sign
 included in a store written since 2026-12-07 (the layer attribute ``bias_column``). The query's
 ``P_out σ_q`` is the sum of its head factor's token columns (``query_sketches.py``). Both are
-divided by ``√s``, ``s`` the diagonal of the head's K-FAC output factor (the output gradients'
-second moment per projected coordinate, damped by :data:`DAMPING` of its mean), so a frequent
-token's share of every ``σ`` does not decide the similarity; the term is their cosine:
+divided by ``√s``, ``s`` the diagonal of the head's K-FAC output factor **of the final model**
+(the output gradients' second moment per projected coordinate, damped by :data:`DAMPING` of its
+mean; ``model_side/statistics.py`` fits it once and caches it beside the indexes), so a frequent
+token's share of every ``σ`` does not decide the similarity. The inline factor, summed over the
+whole trajectory, weighs the tokens as the first steps' near-uniform predictions did: whitened
+by it the term lost up to 0.05 LDS on prose where the final model's gained (benchmarks/EVAL.md
+§1ab). The term is the cosine:
 
     b(q, i) = ⟨s^{-1/2} P σ_q, s^{-1/2} û_i⟩ / (‖s^{-1/2} P σ_q‖ ‖s^{-1/2} û_i‖)   ∈ [−1, 1],
 
@@ -50,20 +54,22 @@ class HeadBias:
     """The whitened unit bias directions of every index row of one scorer, and a query's.
 
     Args:
-        store: the run's store (its head layer's records and K-FAC statistics).
+        store: the run's store (its head layer's records).
         scorer: the index's :class:`~.scoring.ExactScorer` (its rows, and each record's row and
             weight).
+        statistics: the head's K-FAC statistics whose output factor whitens (the final model's;
+            None: the store's inline ones; none there either: unwhitened).
 
     Raises:
         ValueError: the store has no head with a bias column (check :func:`head_layer` first).
     """
 
-    def __init__(self, store, scorer) -> None:
+    def __init__(self, store, scorer, statistics=None) -> None:
         li = head_layer(store)
         if li is None:
             raise ValueError("the store records no LM head with a signed bias column")
         self.layer = li
-        cov = store.covariance(li)
+        cov = statistics if statistics is not None else store.covariance(li)
         k_out = store.layers[li].k_out
         if cov is None or not cov.n_tokens:  # no statistics (a partial store): unwhitened
             s = np.ones(k_out)
