@@ -60,6 +60,7 @@ def test_a_run_without_statistics_falls_back_to_identity_and_says_so(runs, capsy
         weighting="recorded",  # auto resolved
         statistics="inline",
         class_prior=0.0,  # a causal LM: no class prior
+        lm_bias=0.0,  # answers (rank-1 records) and --no-cosine: no LM-bias term
     )
     assert NO_STATISTICS_NOTE in run.notes
     res = run.query(**QUERY, top_k=3)
