@@ -199,7 +199,7 @@ class IndexSettings:
         help="causal LM: add lm_bias x the cosine of the query's and the example's LM-head "
         "output-bias gradients, sum over the loss tokens of (p_t - y_t), each divided by the "
         "square root of the head's output-gradient second moment on the final model (its K-FAC "
-        "output factor's diagonal, fitted once and cached); "
+        "output factor's diagonal, one forward pass over 256 stored examples, cached); "
         "the tiny and most causal LMs have no such bias, and the weight records leave its "
         "gradient out, the marginal of the next token that keyword search on the answer word "
         "finds. Read from the records' first column (a store written since 2026-12-07); a "

@@ -113,19 +113,19 @@ class QueryTermsMixin:
             return None, None
         scorer = self.indexes.scorer(s)
         if self._head_bias is None or self._head_bias[0] is not scorer:  # one per index build
-            self._head_bias = (scorer, HeadBias(self.store, scorer, self._head_statistics()))
+            self._head_bias = (scorer, HeadBias(self.store, scorer, self._head_moment()))
         hb = self._head_bias[1]
         q = hb.query(sketches)
         return (hb, q) if q is not None else (None, None)
 
-    def _head_statistics(self):
-        """The LM head's K-FAC statistics the term whitens by: the final model's (fitted once
-        over up to 1024 stored examples and cached beside the indexes, shared with
-        ``statistics='final'``), or None (the inline ones) where the store keeps no example tokens
-        to fit on."""
-        from .model_side.statistics import final_statistics
+    def _head_moment(self) -> np.ndarray | None:
+        """The diagonal the term whitens by: the final model's LM-head output factor's (one
+        forward pass over up to 256 stored examples, cached beside the indexes,
+        ``model_side/statistics.py head_moment``), or None (the inline factor's) where the store
+        keeps no example tokens to fit on."""
+        from .model_side.statistics import head_moment
 
         try:
-            return final_statistics(self, self.dir / C.INDEX_DIR)[head_layer(self.store)]
+            return head_moment(self, head_layer(self.store), self.dir / C.INDEX_DIR)
         except StoreError:
             return None

@@ -176,3 +176,67 @@ def final_statistics(
     with contextlib.suppress(OSError):  # a read-only run: the next build fits them again
         save_cached(path, key, covs)
     return covs
+
+
+HEAD_EXAMPLES = 256
+"""Stored examples (evenly spaced) the LM-bias term's head moment is fitted on: a diagonal of
+``k_out`` numbers, which a few thousand tokens fix (all of them on the evaluation sets)."""
+HEAD_CACHE_FILE = "head-moment.npz"
+
+
+def fit_head_moment(run, li: int, limit: int = HEAD_EXAMPLES) -> np.ndarray:
+    """The diagonal of the final model's K-FAC output factor of the LM head ``li`` (store
+    layer): ``Σ_t (P_out g_t)²`` over the loss tokens of :func:`statistics_examples`, ``g_t =
+    (p_t − e_{y_t}) / n`` with ``n`` the example's loss tokens (a per-example mean loss, as the
+    inline and final statistics take it). One forward pass, no backward: the head's output
+    gradient is the softmax's, so the other layers are not needed (the LM-bias term,
+    ``score/lm_bias.py``).
+
+    Raises:
+        StoreError: the store keeps no example tokens to fit on.
+    """
+    import torch
+
+    from ...training.models import collate, model_inputs
+    from .encode import pad_id
+
+    if not run.store.n_examples:
+        raise StoreError(f"{run.store.path} keeps no example tokens to fit the LM head's moment on")
+    loaded = run.model()
+    device = run.encoder.device
+    p = torch.as_tensor(run.store.projection(li, "out"), device=device)  # (k_out, V)
+    out = torch.zeros(p.shape[0], dtype=torch.float64, device=device)
+    ids = statistics_examples(run.store, limit)
+    with torch.no_grad():
+        for lo in range(0, len(ids), BATCH):
+            encs = [run.encode(eval_example=int(i))[0] for i in ids[lo : lo + BATCH]]
+            batch = collate(encs, pad_id(loaded), run.task, device)
+            logits = loaded.model(**model_inputs(batch)).logits[:, :-1].float()
+            target = batch["labels"][:, 1:]
+            keep = target != -100
+            n = keep.sum(1, keepdim=True).clamp(min=1).expand_as(target)[keep]  # (N,)
+            g = torch.softmax(logits[keep], -1)  # (N, V)
+            g[torch.arange(len(g), device=device), target[keep]] -= 1.0
+            out += ((g / n[:, None].float()) @ p.T).double().pow(2).sum(0)
+    return out.cpu().numpy()
+
+
+def head_moment(run, li: int, root: Path) -> np.ndarray:
+    """:func:`fit_head_moment` from ``root/head-moment.npz`` when it holds it for this store,
+    model and layer, else fitted and cached there (a root that cannot be written only loses the
+    cache)."""
+    key = {**cache_key(run, HEAD_EXAMPLES), "layer": int(li)}
+    path = root / HEAD_CACHE_FILE
+    with contextlib.suppress(OSError, ValueError, KeyError), np.load(path, allow_pickle=False) as z:
+        if json.loads(str(z["key"])) == key:
+            return np.asarray(z["diag"], np.float64)
+    diag = fit_head_moment(run, li)
+    with contextlib.suppress(OSError):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npz")
+        try:
+            np.savez(tmp, key=np.array(json.dumps(key, sort_keys=True)), diag=diag)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return diag

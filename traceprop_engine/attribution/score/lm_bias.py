@@ -15,7 +15,8 @@ included in a store written since 2026-12-07 (the layer attribute ``bias_column`
 ``P_out σ_q`` is the sum of its head factor's token columns (``query_sketches.py``). Both are
 divided by ``√s``, ``s`` the diagonal of the head's K-FAC output factor **of the final model**
 (the output gradients' second moment per projected coordinate, damped by :data:`DAMPING` of its
-mean; ``model_side/statistics.py`` fits it once and caches it beside the indexes), so a frequent
+mean; ``model_side/statistics.py head_moment`` fits it once, a forward pass over 256 stored
+examples, and caches it beside the indexes), so a frequent
 token's share of every ``σ`` does not decide the similarity. The inline factor, summed over the
 whole trajectory, weighs the tokens as the first steps' near-uniform predictions did: whitened
 by it the term lost up to 0.05 LDS on prose where the final model's gained (benchmarks/EVAL.md
@@ -57,25 +58,28 @@ class HeadBias:
         store: the run's store (its head layer's records).
         scorer: the index's :class:`~.scoring.ExactScorer` (its rows, and each record's row and
             weight).
-        statistics: the head's K-FAC statistics whose output factor whitens (the final model's;
-            None: the store's inline ones; none there either: unwhitened).
+        moment: the diagonal of the head's K-FAC output factor that whitens (the final
+            model's, ``head_moment``; None: the store's inline factor's; none there either:
+            unwhitened).
 
     Raises:
         ValueError: the store has no head with a bias column (check :func:`head_layer` first).
     """
 
-    def __init__(self, store, scorer, statistics=None) -> None:
+    def __init__(self, store, scorer, moment: np.ndarray | None = None) -> None:
         li = head_layer(store)
         if li is None:
             raise ValueError("the store records no LM head with a signed bias column")
         self.layer = li
-        cov = statistics if statistics is not None else store.covariance(li)
         k_out = store.layers[li].k_out
-        if cov is None or not cov.n_tokens:  # no statistics (a partial store): unwhitened
-            s = np.ones(k_out)
-        else:
+        cov = store.covariance(li) if moment is None else None
+        if moment is not None:
+            s = np.maximum(np.asarray(moment, np.float64), 0.0)
+        elif cov is not None and cov.n_tokens:
             s = np.maximum(np.diag(cov.S) / cov.n_tokens, 0.0)
-            s = s + DAMPING * max(float(s.mean()), 1e-30)
+        else:  # no statistics (a partial store): unwhitened
+            s = np.ones(k_out)
+        s = s + DAMPING * max(float(s.mean()), 1e-30)
         self.inv_sqrt = 1.0 / np.sqrt(s)
         rows = np.zeros((scorer.n_rows, k_out))
         for start in range(0, store.n_records, _BLOCK):
