@@ -120,7 +120,7 @@ def test_the_term_is_the_cosine_of_the_whitened_output_bias_gradients(runs):
     run.close()
 
 
-def test_a_trained_run_whitens_by_the_final_models_output_factor(runs):
+def test_a_trained_run_whitens_by_the_final_models_output_factor(runs, monkeypatch):
     """On a run that learned (the trajectory's records are not the final model's), the term is
     the records' first columns whitened by the final model's output factor, which is not the
     inline (trajectory) factor here."""
@@ -136,6 +136,18 @@ def test_a_trained_run_whitens_by_the_final_models_output_factor(runs):
     sk = run.query_sketches(run.encode(**_query(QUERIES[0]))[0])[0]
     assert np.abs(inline.scores(inline.query(sk)) - got[0]).max() > 100 * F32_ATOL
     run.close()
+    # the final model's moment is fitted once per run and read back from beside the indexes
+    assert (runs["text"] / C.INDEX_DIR / "head-moment.npz").is_file()
+    from traceprop_engine.attribution.model_side import statistics
+
+    def no_fit(*a, **k):
+        raise AssertionError("fitted again")
+
+    monkeypatch.setattr(statistics, "fit_head_moment", no_fit)
+    again = open_run(runs["text"])
+    sk = again.query_sketches(again.encode(**_query(QUERIES[0]))[0])[0]
+    np.testing.assert_allclose(again.lm_bias_scores(sk, one), got[0], rtol=1e-12)
+    again.close()
 
 
 def test_the_default_adds_it_on_free_text_runs_scored_with_cosine(runs):
