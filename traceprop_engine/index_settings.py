@@ -203,8 +203,9 @@ class IndexSettings:
         "the tiny and most causal LMs have no such bias, and the weight records leave its "
         "gradient out, the marginal of the next token that keyword search on the answer word "
         "finds. Read from the records' first column (a store written since 2026-12-07); a "
-        "query-time term, the index is the same (None: auto, DEFAULT_LM_BIAS for a free-text run, "
-        "records of rank above 1, scored with cosine, 0 otherwise; 0: the records alone)",
+        "query-time term, the index is the same (None: auto, DEFAULT_LM_BIAS for a run trained on "
+        "text, a loss on every token of most examples, scored with cosine, 0 otherwise: answers, "
+        "labels, LoRA runs, which record no head; 0: the records alone)",
     )
 
     def __post_init__(self) -> None:

@@ -114,7 +114,7 @@ if run.lm_bias:
         help=f"Add {run.lm_bias:g} x the cosine of the query's and each example's LM-head "
         "output-bias gradient (what the example teaches the next token's marginal, which the "
         "weight records leave out), from the records' first column; this run's default "
-        f"({queries.DEFAULT_LM_BIAS:g} on a free-text run; benchmarks/EVAL.md section 1ab). "
+        f"({queries.DEFAULT_LM_BIAS:g} on a run trained on text; benchmarks/EVAL.md section 1ab). "
         "Off: the records' gradient similarity alone.",
     )
     lm_bias = None if on else 0.0

@@ -50,7 +50,7 @@ def test_the_lm_bias_term_shows_and_toggles_off(trained, app_env):
     assert any(f"LM bias {DEFAULT_LM_BIAS:g}" in c.value for c in at.caption)
     assert all(list(json.loads(x))[-1] == LM_BIAS_LAYER for x in res.rows["layer_scores"])
     notes = [w.value for w in at.warning]
-    assert sum("LM-bias term by default" in n for n in notes) == 1
+    assert sum("LM-bias term to its scores by default" in n for n in notes) == 1
     # the second opinion ranks with the same term
     at.selectbox(key="infl_second").set_value("identity").run()
     assert not at.exception and not at.error, [e.value for e in at.error]

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import FREE_TEXT_WORDS, fast_settings, free_text_data
+from helpers import FREE_TEXT_WORDS, facts_data, fast_settings, free_text_data
 
 from traceprop_engine import constants as C
 from traceprop_engine.attribution import HeadBias, open_run
@@ -55,6 +55,11 @@ def runs(tmp_path_factory):
         out[name] = train(
             fast_settings(root / "data", root / name, track=track, lr=lr, epochs=epochs)
         )
+    # answers after questions: a loss on a few tokens of each example
+    facts = facts_data(root / "facts")
+    out["answers"] = train(
+        fast_settings(facts, root / "answers", track=TrackSettings(k_in=4, k_out=8))
+    )
     return out
 
 
@@ -150,24 +155,25 @@ def test_a_trained_run_whitens_by_the_final_models_output_factor(runs, monkeypat
     again.close()
 
 
-def test_the_default_adds_it_on_free_text_runs_scored_with_cosine(runs):
-    text, rank1 = open_run(runs["text"]), open_run(runs["rank1"])
+def test_the_default_adds_it_on_runs_trained_on_text_scored_with_cosine(runs):
+    text, rank1, answers = (open_run(runs[k]) for k in ("text", "rank1", "answers"))
     assert text.settings().lm_bias == DEFAULT_LM_BIAS
     assert text.settings(IndexSettings(cosine=False)).lm_bias == 0.0
     assert text.settings(IndexSettings(lm_bias=0.3)).lm_bias == 0.3
-    assert LM_BIAS_NOTE in text.notes and LM_BIAS_NOTE not in rank1.notes
-    # answers and labels (rank-1 records): none by default (mixed there, EVAL.md §1aa) ...
+    # text recorded at rank 1 (free_text_rank 0, or texts of at most 16 tokens) takes it too
     assert {i.rank for i in rank1.store.layers} == {1}
-    assert rank1.settings().lm_bias == 0.0
-    q = _query(QUERIES[0])
+    assert rank1.settings().lm_bias == DEFAULT_LM_BIAS and LM_BIAS_NOTE in rank1.notes
+    # answers after a prompt: none by default (mixed there, EVAL.md §1aa) ...
+    assert answers.settings().lm_bias == 0.0 and LM_BIAS_NOTE not in answers.notes
+    q = dict(prompt=answers.eval_examples()["prompt"][0], completion=" x")
     np.testing.assert_array_equal(
-        rank1.scores(**q), rank1.scores(**q, settings=IndexSettings(lm_bias=0))
+        answers.scores(**q), answers.scores(**q, settings=IndexSettings(lm_bias=0))
     )
     # ... but asked for, it applies: a rank-1 record's column is Σ_t g_t's direction too
-    added = rank1.scores(**q, settings=IndexSettings(lm_bias=0.5)) - rank1.scores(**q)
+    added = answers.scores(**q, settings=IndexSettings(lm_bias=0.5)) - answers.scores(**q)
     assert np.abs(added).max() > 1e-3
-    text.close()
-    rank1.close()
+    for run in (text, rank1, answers):
+        run.close()
 
 
 def test_a_query_ranks_with_the_term_and_shows_it_as_a_layer(runs):

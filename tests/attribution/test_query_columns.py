@@ -46,8 +46,8 @@ def test_the_first_column_is_the_rank_1_record_and_a_long_query_scores_every_col
         1
     }
     short = dict(prompt="the model reads every", completion=" token")
-    first = IndexSettings(columns=1, lm_bias=0)  # the records alone (rank 1 adds no LM bias)
-    a, b = text.scores(**short, settings=first), rank1.scores(**short)
+    first = IndexSettings(columns=1, lm_bias=0)  # the records alone (no LM-bias term)
+    a, b = text.scores(**short, settings=first), rank1.scores(**short, settings=first)
     np.testing.assert_allclose(a, b, rtol=F32_RTOL, atol=F32_RTOL * np.abs(b).max())
     # a long query (every token of a row a target): every column, another score than rank 1's
     long = " ".join(FREE_TEXT_WORDS * 2)

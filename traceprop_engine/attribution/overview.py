@@ -23,7 +23,7 @@ from ..settings import (
     Task,
 )
 from .score.class_prior import labelled
-from .score.lm_bias import head_layer
+from .score.lm_bias import head_layer, trained_on_text
 from .score.ranking import ZERO_LR_NOTE
 
 NO_STATISTICS_NOTE = (
@@ -48,7 +48,7 @@ CLASS_PRIOR_NOTE = (
 )
 
 LM_BIAS_NOTE = (
-    "a free-text causal-LM run's scores add the LM-bias term by default: lm_bias x the cosine of "
+    "a causal-LM run trained on text adds the LM-bias term to its scores by default: lm_bias x the cosine of "
     "the query's and the example's LM-head output-bias gradients (the next token's marginal, "
     "which the weight records leave out; benchmarks/EVAL.md section 1ab); --lm-bias 0 scores "
     "the records alone"
@@ -132,12 +132,15 @@ def default_class_prior(store) -> float:
 
 def default_lm_bias(store, task: str) -> float:
     """The LM-bias weight ``auto`` gives a run scored with cosine:
-    :data:`~traceprop_engine.index_settings.DEFAULT_LM_BIAS` for a causal LM trained on free
-    text (its LM head recorded at rank above 1, ``capture/free_text.py``) whose head records
-    carry the signed bias column (:func:`~.score.lm_bias.head_layer`), 0 otherwise: on runs
-    trained on answers alone the term was mixed (benchmarks/EVAL.md section 1aa)."""
+    :data:`~traceprop_engine.index_settings.DEFAULT_LM_BIAS` for a causal LM trained on text (a
+    loss on every token, :func:`~.score.lm_bias.trained_on_text`, short texts too; or its LM
+    head recorded at rank above 1, ``capture/free_text.py``) whose head records carry the signed
+    bias column (:func:`~.score.lm_bias.head_layer`), 0 otherwise: on runs trained on answers
+    alone the term was mixed (benchmarks/EVAL.md sections 1aa, 1ab)."""
     li = head_layer(store) if task == Task.CAUSAL_LM.value else None
-    return DEFAULT_LM_BIAS if li is not None and store.layers[li].rank > 1 else 0.0
+    if li is None:
+        return 0.0
+    return DEFAULT_LM_BIAS if store.layers[li].rank > 1 or trained_on_text(store) else 0.0
 
 
 def ekfac_by_default(store, task: str) -> bool:

@@ -31,6 +31,8 @@ against the records'; :data:`~traceprop_engine.index_settings.DEFAULT_LM_BIAS` w
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..query_sketches import factors_of
@@ -40,6 +42,23 @@ DAMPING = 1e-3
 vocabulary row of unseen tokens) would otherwise divide by 0."""
 
 _BLOCK = 65_536  # records read at a time
+
+TEXT_SAMPLE = 256
+"""Stored examples (evenly spaced) :func:`trained_on_text` reads the loss masks of."""
+_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> trained_on_text
+
+
+def trained_on_text(store) -> bool:
+    """Whether the run was trained on text: most of its examples (of :data:`TEXT_SAMPLE`
+    stored ones) take a loss on every token after the first, at any length, where a run on
+    answers or labels takes it on a few (the term's default, ``overview.default_lm_bias``).
+    False for a store that keeps no example tokens."""
+    if store not in _TEXT:
+        n = int(store.n_examples)
+        ids = np.unique(np.linspace(0, n - 1, min(n, TEXT_SAMPLE)).round().astype(np.int64))
+        every = [bool(np.all(m[1:])) for m in (store.tokens(int(i))[1] for i in ids) if len(m) > 1]
+        _TEXT[store] = bool(every) and 2 * sum(every) > len(every)
+    return _TEXT[store]
 
 
 def head_layer(store) -> int | None:
