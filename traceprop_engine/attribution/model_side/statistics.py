@@ -204,8 +204,9 @@ def fit_head_moment(run, li: int, limit: int = HEAD_EXAMPLES) -> np.ndarray:
         raise StoreError(f"{run.store.path} keeps no example tokens to fit the LM head's moment on")
     loaded = run.model()
     device = run.encoder.device
-    p = torch.as_tensor(run.store.projection(li, "out"), device=device)  # (k_out, V)
-    out = torch.zeros(p.shape[0], dtype=torch.float64, device=device)
+    proj = run.store.projection(li, "out")  # (k_out, V), or None: k_out = V, not projected
+    p = None if proj is None else torch.as_tensor(proj, device=device)
+    out = torch.zeros(run.store.layers[li].k_out, dtype=torch.float64, device=device)
     ids = statistics_examples(run.store, limit)
     with torch.no_grad():
         for lo in range(0, len(ids), BATCH):
@@ -217,7 +218,8 @@ def fit_head_moment(run, li: int, limit: int = HEAD_EXAMPLES) -> np.ndarray:
             n = keep.sum(1, keepdim=True).clamp(min=1).expand_as(target)[keep]  # (N,)
             g = torch.softmax(logits[keep], -1)  # (N, V)
             g[torch.arange(len(g), device=device), target[keep]] -= 1.0
-            out += ((g / n[:, None].float()) @ p.T).double().pow(2).sum(0)
+            g = g / n[:, None].float()
+            out += (g if p is None else g @ p.T).double().pow(2).sum(0)
     return out.cpu().numpy()
 
 
