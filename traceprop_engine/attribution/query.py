@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,7 +82,9 @@ class AttributionRun(TestSideMixin, QueryTermsMixin):
         self._notes_extra: list[str] = []
         self._zero_lr: bool | None = None  # every record's learning rate is 0 (made on first use)
         self._classes: tuple | None = None  # (index ids, their RowClasses)
-        self._head_bias: tuple | None = None  # (scorer, its HeadBias): query_terms.py
+        # each index build's scorer -> its HeadBias (query_terms.py): a free-text run's two
+        # record views (first column, every column) each keep theirs
+        self._head_bias: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._labelled: bool | None = None  # the examples have two labels or more
 
     # -- description --------------------------------------------------------------------------

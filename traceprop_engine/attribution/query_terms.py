@@ -14,6 +14,8 @@ hit's per-layer scores, the last (:data:`~.score.ranking.CLASS_PRIOR_LAYER`,
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .. import constants as C
@@ -30,7 +32,7 @@ class QueryTermsMixin:
     ``settings`` and ``examples`` on the class it is mixed into)."""
 
     _classes: tuple | None = None  # (index ids, their RowClasses)
-    _head_bias: tuple | None = None  # (scorer, its HeadBias)
+    _head_bias: weakref.WeakKeyDictionary  # each index build's scorer -> its HeadBias
 
     def term_scores(self, sketches, s: IndexSettings, rows: np.ndarray | None = None):
         """The query-time term of one query against index ``rows`` (default: all): its class
@@ -112,9 +114,9 @@ class QueryTermsMixin:
         if not s.lm_bias or head_layer(self.store) is None:
             return None, None
         scorer = self.indexes.scorer(s)
-        if self._head_bias is None or self._head_bias[0] is not scorer:  # one per index build
-            self._head_bias = (scorer, HeadBias(self.store, scorer, self._head_moment()))
-        hb = self._head_bias[1]
+        hb = self._head_bias.get(scorer)
+        if hb is None:  # once per index build (a rebuilt index has a new scorer)
+            hb = self._head_bias[scorer] = HeadBias(self.store, scorer, self._head_moment())
         q = hb.query(sketches)
         return (hb, q) if q is not None else (None, None)
 
