@@ -45,11 +45,11 @@ class QueryTermsMixin:
         return prior if prior is not None else self.lm_bias_scores(sketches, s, rows)
 
     def term_layer(self, sketches, s: IndexSettings) -> str | None:
-        """The name of the query's term among a hit's per-layer scores, or None."""
-        none = np.zeros(0, np.int64)
-        if self.class_prior_scores(sketches, s, none) is not None:
+        """The name of the query's term among a hit's per-layer scores, or None: where
+        :meth:`term_scores` gives one, from what applies, without scoring any row."""
+        if self.label_sides(sketches, s) is not None:  # the prior's conditions (RowClasses)
             return CLASS_PRIOR_LAYER
-        return LM_BIAS_LAYER if self.lm_bias_scores(sketches, s, none) is not None else None
+        return LM_BIAS_LAYER if self._lm_bias(sketches, s)[1] is not None else None
 
     def term_candidates(self, sketches, s: IndexSettings, opponents: bool):
         """What proposes the rows a large term places (``index/candidates.py``): ``(the class
