@@ -57,8 +57,7 @@ def fit_final_statistics(
 
     from ...capture.hooks import Capture
     from ...training.losses import example_losses
-    from ...training.models import collate, model_inputs
-    from .encode import pad_id
+    from ...training.models import model_inputs
 
     if not run.store.n_examples:
         raise StoreError(
@@ -75,18 +74,28 @@ def fit_final_statistics(
     device = run.encoder.device
     shapes = [info.record_shape for info in run.store.layers]
     with torch.enable_grad(), Capture(loaded.model, layers, covariance=True) as cap:
-        for lo in range(0, len(ids), BATCH):
-            encs = [run.encode(eval_example=int(i))[0] for i in ids[lo : lo + BATCH]]
-            batch = collate(encs, pad_id(loaded), run.task, device)
-            slots = [torch.zeros(len(encs), *shape, device=device) for shape in shapes]
+        for done, batch in stored_batches(run, loaded, ids):
+            b = len(batch["input_ids"])
+            slots = [torch.zeros(b, *shape, device=device) for shape in shapes]
             # loss_scale = B with the mean loss: per-example gradients, as in training
-            with cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=len(encs)):
+            with cap.batch(slots, token_mask=batch["attention_mask"], loss_scale=b):
                 out = loaded.model(**model_inputs(batch))
                 example_losses(out, batch, run.task).mean().backward()
             loaded.model.zero_grad(set_to_none=True)
             if progress:
-                progress(min(lo + BATCH, len(ids)), len(ids))
+                progress(done, len(ids))
         return cap.covariance_arrays()
+
+
+def stored_batches(run, loaded, ids: np.ndarray):
+    """``(examples done, batch)`` over the stored examples ``ids``, :data:`BATCH` at a time,
+    collated on the query side's device (their tokens and loss masks as trained on)."""
+    from ...training.models import collate
+    from .encode import pad_id
+
+    for lo in range(0, len(ids), BATCH):
+        encs = [run.encode(eval_example=int(i))[0] for i in ids[lo : lo + BATCH]]
+        yield lo + len(encs), collate(encs, pad_id(loaded), run.task, run.encoder.device)
 
 
 def mean_statistics(
@@ -127,38 +136,53 @@ def cache_key(run, limit: int = FINAL_EXAMPLES) -> dict:
     }
 
 
-def load_cached(path: Path, key: dict, n_layers: int) -> list[Covariance | None] | None:
-    """The statistics cached at ``path`` for ``key``; None when absent, stale or unreadable."""
+def load_keyed(path: Path, key: dict) -> dict[str, np.ndarray] | None:
+    """The arrays of the ``.npz`` at ``path`` written under ``key`` (:func:`save_keyed`); None
+    when absent, stale or unreadable."""
     try:
         with np.load(path, allow_pickle=False) as z:
             if json.loads(str(z["key"])) != key:
                 return None
-            out: list[Covariance | None] = []
-            for li in range(n_layers):
-                if f"A{li}" not in z:
-                    out.append(None)
-                    continue
-                n = float(z[f"n{li}"])
-                out.append(Covariance(A=z[f"A{li}"], S=z[f"S{li}"], n_tokens=n))
-            return out
+            return {name: z[name] for name in z.files if name != "key"}
     except (OSError, ValueError, KeyError):
         return None
 
 
+def save_keyed(path: Path, key: dict, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` under ``key`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npz")
+    try:
+        np.savez(tmp, key=np.array(json.dumps(key, sort_keys=True)), **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_cached(path: Path, key: dict, n_layers: int) -> list[Covariance | None] | None:
+    """The statistics cached at ``path`` for ``key``; None when absent, stale or unreadable."""
+    z = load_keyed(path, key)
+    if z is None:
+        return None
+    try:
+        return [
+            Covariance(A=z[f"A{li}"], S=z[f"S{li}"], n_tokens=float(z[f"n{li}"]))
+            if f"A{li}" in z
+            else None
+            for li in range(n_layers)
+        ]
+    except KeyError:
+        return None
+
+
 def save_cached(path: Path, key: dict, covs: Sequence[Covariance | None]) -> None:
-    """Write ``covs`` under ``key`` atomically (a reader never sees half a file)."""
-    arrays: dict[str, np.ndarray] = {"key": np.array(json.dumps(key, sort_keys=True))}
+    """Write ``covs`` under ``key`` atomically (:func:`save_keyed`)."""
+    arrays: dict[str, np.ndarray] = {}
     for li, c in enumerate(covs):
         if c is not None:
             arrays[f"A{li}"], arrays[f"S{li}"] = c.A, c.S
             arrays[f"n{li}"] = np.array(c.n_tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npz")
-    try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_keyed(path, key, arrays)
 
 
 def final_statistics(
@@ -197,8 +221,7 @@ def fit_head_moment(run, li: int, limit: int = HEAD_EXAMPLES) -> np.ndarray:
     """
     import torch
 
-    from ...training.models import collate, model_inputs
-    from .encode import pad_id
+    from ...training.models import model_inputs
 
     if not run.store.n_examples:
         raise StoreError(f"{run.store.path} keeps no example tokens to fit the LM head's moment on")
@@ -207,11 +230,8 @@ def fit_head_moment(run, li: int, limit: int = HEAD_EXAMPLES) -> np.ndarray:
     proj = run.store.projection(li, "out")  # (k_out, V), or None: k_out = V, not projected
     p = None if proj is None else torch.as_tensor(proj, device=device)
     out = torch.zeros(run.store.layers[li].k_out, dtype=torch.float64, device=device)
-    ids = statistics_examples(run.store, limit)
     with torch.no_grad():
-        for lo in range(0, len(ids), BATCH):
-            encs = [run.encode(eval_example=int(i))[0] for i in ids[lo : lo + BATCH]]
-            batch = collate(encs, pad_id(loaded), run.task, device)
+        for _, batch in stored_batches(run, loaded, statistics_examples(run.store, limit)):
             logits = loaded.model(**model_inputs(batch)).logits[:, :-1].float()
             target = batch["labels"][:, 1:]
             keep = target != -100
@@ -229,16 +249,10 @@ def head_moment(run, li: int, root: Path) -> np.ndarray:
     cache)."""
     key = {**cache_key(run, HEAD_EXAMPLES), "layer": int(li)}
     path = root / HEAD_CACHE_FILE
-    with contextlib.suppress(OSError, ValueError, KeyError), np.load(path, allow_pickle=False) as z:
-        if json.loads(str(z["key"])) == key:
-            return np.asarray(z["diag"], np.float64)
+    got = load_keyed(path, key)
+    if got is not None and "diag" in got:
+        return np.asarray(got["diag"], np.float64)
     diag = fit_head_moment(run, li)
-    with contextlib.suppress(OSError):
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npz")
-        try:
-            np.savez(tmp, key=np.array(json.dumps(key, sort_keys=True)), diag=diag)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a read-only run: the next process fits it again
+        save_keyed(path, key, {"diag": diag})
     return diag
