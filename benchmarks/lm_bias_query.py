@@ -57,7 +57,8 @@ def main() -> None:
         HeadBias(run.store, scorer)
         build.append((time.perf_counter() - t0) * 1e3)
     print(
-        f"{scorer.n_rows} index rows; the rows' bias directions built in {np.median(build):.1f} ms (median of 3)"
+        f"{scorer.n_rows} index rows; the rows' bias directions built in "
+        f"{np.median(build):.1f} ms (median of 3)"
     )
     arms = {"default (lm_bias auto)": None, "lm_bias 0": IndexSettings(lm_bias=0)}
     ms: dict = {}

@@ -48,10 +48,10 @@ CLASS_PRIOR_NOTE = (
 )
 
 LM_BIAS_NOTE = (
-    "a causal-LM run trained on text adds the LM-bias term to its scores by default: lm_bias x the cosine of "
-    "the query's and the example's LM-head output-bias gradients (the next token's marginal, "
-    "which the weight records leave out; benchmarks/EVAL.md section 1ab); --lm-bias 0 scores "
-    "the records alone"
+    "a causal-LM run trained on text adds the LM-bias term to its scores by default: lm_bias "
+    "x the cosine of the query's and the example's LM-head output-bias gradients (the next "
+    "token's marginal, which the weight records leave out; benchmarks/EVAL.md section 1ab); "
+    "--lm-bias 0 scores the records alone"
 )
 
 
@@ -78,7 +78,8 @@ def resolve_settings(store, s: IndexSettings | None, task: str = "causal-lm") ->
     ``fisher`` and the store keeps the example tokens to fit on, ``inline`` otherwise (EVAL.md
     §1q); identity uses none and is always ``inline``. ``class_prior=None`` becomes
     :func:`default_class_prior` for a classification run scored with cosine and 0 otherwise
-    (EVAL.md §1s, §1v); ``lm_bias=None`` :func:`default_lm_bias` likewise. ``columns`` at or above every layer's rank becomes 0 (every column);
+    (EVAL.md §1s, §1v); ``lm_bias=None`` :func:`default_lm_bias` likewise. ``columns`` at or
+    above every layer's rank becomes 0 (every column);
     ``None`` is left for the query to decide (``AttributionRun.for_query``)."""
     s = s or IndexSettings()
     auto = s.preconditioner is PreconditionerKind.AUTO

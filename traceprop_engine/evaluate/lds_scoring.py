@@ -172,7 +172,8 @@ def _attribution(s: LdsSettings, run_dir: Path, family: str, k, eval_ids: list[i
     sketches = [run.query_sketches(enc)[0] for enc in encs]
     targets = [query_targets(enc) for enc in encs]  # which record columns each query scores
     # each preconditioner scores the records alone; the default row (family factored) is
-    # IndexSettings() as the run resolves it: its preconditioner, a classifier's class prior, a free-text LM's LM bias
+    # IndexSettings() as the run resolves it: its preconditioner, a classifier's class prior, a
+    # text-trained LM's LM bias
     rows = [
         (
             p,
