@@ -225,19 +225,33 @@ class LowRankTest:
     def inner_int8(self, uv: np.ndarray, scale: np.ndarray, k_out: int, q: int) -> np.ndarray:
         """:meth:`inner` of int8-stored records straight from their bytes: ``uv`` (m, (k_out +
         k_in)·c) int8, each record's ``U`` then ``V`` row-major ((k, c): entry (o, j) at
-        o·c + j), and its ``scale`` (m,). Both factors are converted in one pass and contracted
-        by one GEMM with a block-diagonal ``[A 0; 0 B]``, the scale applied to the products
-        instead of to ``U``: at 10⁶ examples a third of the re-rank, against decoding first."""
+        o·c + j), and its ``scale`` (m,), applied to the products instead of to ``U``.
+
+        Rank 1: both factors are converted in one pass and contracted by one GEMM with a
+        block-diagonal ``[A 0; 0 B]`` (at 10⁶ examples a third of the re-rank, against decoding
+        first). Rank ``c > 1`` (a free-text run's records): each side's columns are converted
+        column-major, ``(m·c, k)``, and contracted with ``A`` or ``B`` alone: the block-diagonal
+        form would multiply ``2c − 1`` zero blocks for each useful one (32× the work at rank 16,
+        most of a free-text query's time)."""
         cols = self.a.shape[1]
-        c = uv.shape[1] // (k_out + self.b.shape[0])  # the records' rank
+        k_in = self.b.shape[0]
+        c = uv.shape[1] // (k_out + k_in)  # the records' rank
         nu = k_out * c
-        w = np.zeros((uv.shape[1], 2 * c * cols), self.a.dtype)
-        for j in range(c):
-            w[j:nu:c, j * cols : (j + 1) * cols] = self.a
-            w[nu + j :: c, (c + j) * cols : (c + j + 1) * cols] = self.b
-        y = uv.astype(self.a.dtype) @ w  # (m, 2 c Σt): Aᵀu_c, then Bᵀv_c
-        per_col = (y[:, : c * cols] * y[:, c * cols :]).reshape(len(uv), c, cols).sum(1)
-        return self._by_query((per_col * scale[:, None].astype(self.a.dtype)).T, q)
+        m = len(uv)
+        dt = self.a.dtype
+        if c == 1:
+            w = np.zeros((uv.shape[1], 2 * cols), dt)
+            w[:k_out, :cols] = self.a
+            w[k_out:, cols:] = self.b
+            y = uv.astype(dt) @ w  # (m, 2 Σt): Aᵀu, then Bᵀv
+            per_col = y[:, :cols] * y[:, cols:]
+        else:
+            u = np.ascontiguousarray(uv[:, :nu].reshape(m, k_out, c).transpose(0, 2, 1), dtype=dt)
+            v = np.ascontiguousarray(uv[:, nu:].reshape(m, k_in, c).transpose(0, 2, 1), dtype=dt)
+            yu = u.reshape(m * c, k_out) @ self.a  # (m·c, Σt): Aᵀu_j
+            yv = v.reshape(m * c, k_in) @ self.b  # (m·c, Σt): Bᵀv_j
+            per_col = (yu * yv).reshape(m, c, cols).sum(1)
+        return self._by_query((per_col * scale[:, None].astype(dt)).T, q)
 
     def _by_query(self, per_col: np.ndarray, q: int) -> np.ndarray:
         """(Σt, m) per-column products summed into each column's query: (q, m)."""
