@@ -305,14 +305,17 @@ def test_unequal_index_sides_agree_between_records_and_queries(tmp_path):
 @pytest.mark.parametrize(
     ("dtype", "rank"), [(np.float64, 2), (np.float32, 2), (np.float32, 1), (np.float32, 7)]
 )
-def test_inner_int8_from_bytes_equals_decoding_first(tmp_path, dtype, rank):
+def test_inner_int8_from_bytes_equals_decoding_first(tmp_path, monkeypatch, dtype, rank):
     """The re-rank's int8 route (the factors converted from their bytes, scale on the products;
-    rank 1 by one block-diagonal GEMM, higher ranks column by column) gives
+    rank 1 by one block-diagonal GEMM, higher ranks side by side, a few records at a time) gives
     :meth:`LowRankTest.inner` of the decoded factors: rank-1, 2 and 7 records, a rank-3 and a
-    rank-1 query, scattered unsorted records. (Against ``factors_at``, which folds the scale in in
-    float32, a float64 query differs at 2e-8 of the largest score: its rounding, not ours.)"""
+    rank-1 query, scattered unsorted records. (Against ``factors_at``, which folds the scale in
+    in float32, a float64 query differs at 2e-8 of the largest score: its rounding, not ours.)"""
+    from traceprop_engine.attribution.score import factor_scores
     from traceprop_engine.attribution.score.factor_scores import LowRankTest
 
+    # rank > 1 converts blocks of records: a few a block here, the last one ragged
+    monkeypatch.setattr(factor_scores, "_INT8_BLOCK", 1000)
     store = _store(tmp_path / "store.h5", "int8", rank=rank)
     ix = RunIndexes(tmp_path, store)
     s = IndexSettings()

@@ -181,6 +181,11 @@ def _spectral_factors(t: np.ndarray, rtol: float) -> list[tuple[np.ndarray, np.n
     return [(u[i][:, keep[i]] * s[i][keep[i]], vt[i][keep[i]].T) for i in range(q)]
 
 
+_INT8_BLOCK = 1 << 19
+"""Numbers of int8 records :meth:`LowRankTest.inner_int8` converts at a time at rank > 1 (2 MB
+of float32)."""
+
+
 @dataclass(frozen=True)
 class LowRankTest:
     """``T'_q = A_q B_qᵀ`` for all queries of one layer, stacked: A (k_out, Σt), B (k_in, Σt)."""
@@ -229,10 +234,10 @@ class LowRankTest:
 
         Rank 1: both factors are converted in one pass and contracted by one GEMM with a
         block-diagonal ``[A 0; 0 B]`` (at 10⁶ examples a third of the re-rank, against decoding
-        first). Rank ``c > 1`` (a free-text run's records): each side's columns are converted
-        column-major, ``(m·c, k)``, and contracted with ``A`` or ``B`` alone: the block-diagonal
-        form would multiply ``2c − 1`` zero blocks for each useful one (32× the work at rank 16,
-        most of a free-text query's time)."""
+        first). Rank ``c > 1`` (a free-text run's records): each side is converted as stored
+        and contracted with ``A`` or ``B`` alone, a ``(Σt, k) × (k, c)`` product a record; the
+        block-diagonal form would multiply ``2c − 1`` zero blocks for each useful one (32× the
+        work at rank 16, most of a free-text query's time)."""
         cols = self.a.shape[1]
         k_in = self.b.shape[0]
         c = uv.shape[1] // (k_out + k_in)  # the records' rank
@@ -246,11 +251,17 @@ class LowRankTest:
             y = uv.astype(dt) @ w  # (m, 2 Σt): Aᵀu, then Bᵀv
             per_col = y[:, :cols] * y[:, cols:]
         else:
-            u = np.ascontiguousarray(uv[:, :nu].reshape(m, k_out, c).transpose(0, 2, 1), dtype=dt)
-            v = np.ascontiguousarray(uv[:, nu:].reshape(m, k_in, c).transpose(0, 2, 1), dtype=dt)
-            yu = u.reshape(m * c, k_out) @ self.a  # (m·c, Σt): Aᵀu_j
-            yv = v.reshape(m * c, k_in) @ self.b  # (m·c, Σt): Bᵀv_j
-            per_col = (yu * yv).reshape(m, c, cols).sum(1)
+            # converted as stored (a transposing conversion took twice as long), then one small
+            # GEMM a record, Aᵀ U_i (Σt, c); in blocks of records whose floats stay in the cache
+            # (one conversion of 4096 rank-16 records is 33 MB, allocated and faulted in anew)
+            at, bt = np.ascontiguousarray(self.a.T), np.ascontiguousarray(self.b.T)
+            per_col = np.empty((m, cols), dt)
+            step = max(1, _INT8_BLOCK // (nu + k_in * c))
+            for i in range(0, m, step):
+                block = uv[i : i + step]
+                u = block[:, :nu].astype(dt).reshape(-1, k_out, c)
+                v = block[:, nu:].astype(dt).reshape(-1, k_in, c)
+                per_col[i : i + step] = (np.matmul(at, u) * np.matmul(bt, v)).sum(2)
         return self._by_query((per_col * scale[:, None].astype(dt)).T, q)
 
     def _by_query(self, per_col: np.ndarray, q: int) -> np.ndarray:
