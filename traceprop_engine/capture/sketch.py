@@ -136,9 +136,10 @@ def _orthonormal(v: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns of every ``(n, k, r)`` block (r = 1: a normalisation, no QR), each
     with a non-negative inner product with the column it came from (QR with ``R``'s diagonal
     made non-negative): the first column is ``v``'s first column normalised, sign included, as
-    at rank 1. A free-text record's first column is then the direction of ``Σ_t g_t``, which the
-    LM-bias term reads (``attribution/score/lm_bias.py``); LAPACK's Householder QR flips it
-    at random per record."""
+    at rank 1 (LAPACK's Householder QR flips it at random). :func:`full_factors`' half step
+    fixes the first column's sign itself, after its products: a free-text record's first column
+    is the direction of ``Σ_t g_t``, which the LM-bias term reads
+    (``attribution/score/lm_bias.py``)."""
     if v.shape[-1] == 1:
         return v / v.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
     q, r = torch.linalg.qr(v)
@@ -258,14 +259,14 @@ def full_factors(
             ut = _orthonormal(ut.transpose(1, 2)).transpose(1, 2)  # (B, 1, d_out)
             vt = torch.matmul(torch.matmul(ut, gt), a)  # (B, 1, d_in) = (Gᵀ û)ᵀ, the σ's
             return ut.transpose(1, 2), vt.transpose(1, 2)
-        u, r_diag = torch.linalg.qr(ut.transpose(1, 2))  # (B, d_out, r), column-major blocks
+        u, r = torch.linalg.qr(ut.transpose(1, 2))  # (B, d_out, r), column-major blocks
         # the token weights as (B, T, r): g read along its rows, 2-3.5x the rate of ûᵀ gᵀ at r 16
         v = torch.matmul(torch.matmul(g, u).transpose(1, 2), a).transpose(1, 2)  # (B, d_in, r)
         # R's first diagonal entry non-negative, as _orthonormal: the first column is +Σ_t g_t's
         # direction (the LM-bias term reads it). Flipped on both factors' first columns after
         # the products, U Vᵀ is the same; the other columns' signs cancel in U Vᵀ (a flip of all of
         # Q's columns, as _orthonormal does, cost more than the QR at d_out 1024)
-        sign = torch.where(r_diag[:, :1, :1] < 0, -1.0, 1.0).to(u.dtype)  # (B, 1, 1)
+        sign = torch.where(r[:, :1, :1] < 0, -1.0, 1.0).to(u.dtype)  # (B, 1, 1): R₀₀'s sign
         u[..., :1].mul_(sign)
         v[..., :1].mul_(sign)
         return u, v
