@@ -33,6 +33,7 @@ OUTSIDE = sorted(
 PROBES = {
     "benchmarks/bench_compact.py": "the Woodbury preconditioner and scores from stored factors",
     "benchmarks/candidates.py": "patches the ranking's candidate counts and the lists' scan",
+    "benchmarks/int8_rerank.py": "times the low-rank test's int8 route against the former one",
     "benchmarks/nprobe_calibration.py": "recall at each nprobe of the index build's query kinds",
     "benchmarks/query_real_run.py": "patches the factor lists' and the ranking's candidate counts",
     "benchmarks/query_rerank.py": "times the exact scorer's and the low-rank test's routes",
