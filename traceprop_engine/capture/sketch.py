@@ -133,18 +133,18 @@ uses) is still within that factor of the best rank-r approximation."""
 
 
 def _orthonormal(v: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns of every ``(n, k, r)`` block (r = 1: a normalisation, no QR), each
-    with a non-negative inner product with the column it came from (QR with ``R``'s diagonal
-    made non-negative): the first column is ``v``'s first column normalised, sign included, as
-    at rank 1 (LAPACK's Householder QR flips it at random). :func:`full_factors`' half step
-    fixes the first column's sign itself, after its products: a free-text record's first column
-    is the direction of ``Σ_t g_t``, which the LM-bias term reads
-    (``attribution/score/lm_bias.py``)."""
+    """Orthonormal columns of every ``(n, k, r)`` block (r = 1: a normalisation, no QR) whose
+    first column is ``v``'s first column normalised, sign included, as at rank 1 (QR with
+    ``R₀₀`` made non-negative; LAPACK's Householder QR flips it at random). A free-text record's
+    first column is then the direction of ``Σ_t g_t``, which the LM-bias term reads
+    (``attribution/score/lm_bias.py``). The other columns keep LAPACK's signs: every caller
+    computes the other factor from these columns, so ``U Vᵀ`` does not depend on them (flipping
+    every column by ``R``'s diagonal cost more than the QR itself at k 1024)."""
     if v.shape[-1] == 1:
         return v / v.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
     q, r = torch.linalg.qr(v)
-    flip = torch.diagonal(r, dim1=-2, dim2=-1) < 0  # (n, r)
-    return torch.where(flip.unsqueeze(-2), -q, q)
+    q[..., :1].mul_(torch.where(r[..., :1, :1] < 0, -1.0, 1.0).to(q.dtype))
+    return q
 
 
 def top_factors(
@@ -255,21 +255,12 @@ def full_factors(
         ut = torch.matmul(_token_weights(t, rank, g.device, g.dtype), g)  # (B, r, d_out)
     gt, at = g.transpose(1, 2), a.transpose(1, 2)
     if iters == 0:  # half a step: project G on the start from the left, U Vᵀ = û ûᵀ G
-        if ut.shape[1] == 1:
-            ut = _orthonormal(ut.transpose(1, 2)).transpose(1, 2)  # (B, 1, d_out)
-            vt = torch.matmul(torch.matmul(ut, gt), a)  # (B, 1, d_in) = (Gᵀ û)ᵀ, the σ's
-            return ut.transpose(1, 2), vt.transpose(1, 2)
-        u, r = torch.linalg.qr(ut.transpose(1, 2))  # (B, d_out, r), column-major blocks
-        # the token weights as (B, T, r): g read along its rows, 2-3.5x the rate of ûᵀ gᵀ at r 16
-        v = torch.matmul(torch.matmul(g, u).transpose(1, 2), a).transpose(1, 2)  # (B, d_in, r)
-        # R's first diagonal entry non-negative, as _orthonormal: the first column is +Σ_t g_t's
-        # direction (the LM-bias term reads it). Flipped on both factors' first columns after
-        # the products, U Vᵀ is the same; the other columns' signs cancel in U Vᵀ (a flip of all of
-        # Q's columns, as _orthonormal does, cost more than the QR at d_out 1024)
-        sign = torch.where(r[:, :1, :1] < 0, -1.0, 1.0).to(u.dtype)  # (B, 1, 1): R₀₀'s sign
-        u[..., :1].mul_(sign)
-        v[..., :1].mul_(sign)
-        return u, v
+        u = _orthonormal(ut.transpose(1, 2))  # (B, d_out, r): the first column +Σ_t g_t's
+        if u.shape[2] == 1:
+            vt = torch.matmul(torch.matmul(u.transpose(1, 2), gt), a)  # (B, 1, d_in) = (Gᵀ û)ᵀ
+        else:  # the token weights as (B, T, r): g read along its rows, 2-3.5x ûᵀ gᵀ's rate at r 16
+            vt = torch.matmul(torch.matmul(g, u).transpose(1, 2), a)  # (B, r, d_in)
+        return u, vt.transpose(1, 2)
     for _ in range(iters):
         vt = torch.matmul(torch.matmul(ut, gt), a)  # (B, r, d_in): (Gᵀ u)ᵀ
         vt = _orthonormal(vt.transpose(1, 2)).transpose(1, 2)
