@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from traceprop_engine.attribution import open_run
 from traceprop_engine.attribution.score.factor_scores import LowRankTest
 
-QUERIES = [
-    dict(prompt="Return the number of", completion=" elements in"),
-    dict(prompt="Compute the mean of", completion=" the array"),
-    dict(prompt="Create a new", completion=" tensor"),
-    dict(prompt="Write the data to", completion=" the file"),
-    dict(prompt="Return a copy of the array with the given shape."),
-    dict(prompt="Read the configuration file and return its values as a dictionary."),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lm_bias_query import QUERIES  # noqa: E402  (four short answers, two free-text prompts)
 
 
 def block_diagonal(self, uv: np.ndarray, scale: np.ndarray, k_out: int, q: int) -> np.ndarray:
