@@ -31,17 +31,12 @@ from .format import (
     records_full_digest,
     strings_digest,
 )
+from .partial import PartialStatus
+from .torn_tail import flushed_records, recover_store
 
 
-def _damaged(store, info, read):
-    """``read()``, with a Fletcher-32 mismatch (bytes changed on disk) as a clear StoreError."""
-    try:
-        return read()
-    except OSError as e:
-        raise StoreError(
-            f"{store.path}: the records of layer {info.name} are damaged ({e}); "
-            "the store cannot be trusted: re-run the training"
-        ) from e
+def _layer_what(info) -> str:
+    return f"the records of layer {info.name} are"
 
 
 def _rows_at(ds: h5py.Dataset, records: np.ndarray, tail: tuple = ()) -> np.ndarray:
@@ -61,44 +56,6 @@ def _first_columns(columns: int | None) -> tuple:
     return () if columns is None else (slice(None), slice(0, int(columns)))
 
 
-class PartialStatus:
-    """What a store view (:class:`Store`, or the shards of a DDP run) says about a run that did
-    not complete: one wording for both. Needs ``status``, ``n_records`` and ``has_covariance``."""
-
-    status: str
-    n_records: int
-
-    def _partial_where(self) -> str:
-        """Which files are partial, as a clause after the status (none for a single file)."""
-        return ""
-
-    @property
-    def is_partial(self) -> bool:
-        """True unless the run that wrote the store completed."""
-        return self.status != C.STATUS_COMPLETED
-
-    def describe_partial(self) -> str:
-        """A sentence for users about a partial store (empty string when complete)."""
-        if not self.is_partial:
-            return ""
-        if self.status == C.STATUS_RUNNING:  # a train still writing it, or one killed outright
-            return (
-                f"this store is still being written (status 'running'{self._partial_where()}: "
-                f"its train is running, or was killed before it could close it): it holds the "
-                f"{self.n_records} records flushed so far; scores cover only those examples"
-            )
-        return (
-            f"this store is partial (status '{self.status}'{self._partial_where()}): it holds the "
-            f"{self.n_records} records written before the run stopped; scores cover only the "
-            "examples seen so far"
-            + (
-                ""
-                if self.has_covariance
-                else ", and it has no covariance (identity preconditioning only)"
-            )
-        )
-
-
 class Store(PartialStatus):
     """Read-only view of a store, validated on open.
 
@@ -108,6 +65,7 @@ class Store(PartialStatus):
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
+        self._tails, self._probed = {}, False  # recovered torn last chunks (.torn_tail)
         self.path = Path(path)
         if self.path.is_dir():
             self.path = self.path / C.STORE_FILE
@@ -154,14 +112,13 @@ class Store(PartialStatus):
                 LayerInfo.read(i, self._f[f"{C.G_LAYERS}/{k}"])
                 for i, k in enumerate(sorted(self._f[C.G_LAYERS]))
             ]
-            for layer in self.layers:
-                data = C.L_U if layer.rank else C.L_SKETCH
-                have = self._f[f"{layer.group}/{data}"].shape[0]
-                if have < self.n_records:
-                    raise StoreError(
-                        f"layer {layer.name} holds {have} records, the store says {self.n_records}"
-                    )
             self._check_complete_layout()
+            have, why = flushed_records(self._f, [i.group for i in self.layers], self.n_records)
+            if have < self.n_records and (have < 0 or self.status != C.STATUS_RUNNING):
+                raise StoreError(
+                    f"{self.path} is damaged or incomplete ({why}); re-run the training"
+                )
+            self.n_records = have  # a running store killed mid-flush: the records all hold
         except (KeyError, ValueError, OSError) as e:
             self._f.close()
             raise StoreError(
@@ -172,6 +129,8 @@ class Store(PartialStatus):
         """Every dataset the readers use is there (raises KeyError naming the first missing one)."""
         f = self._f
         need = [f"{C.G_RECORDS}/{name}" for name in C.RECORD_FIELDS]
+        for info in self.layers:
+            need += [f"{info.group}/{n}" for n in ((C.L_U, C.L_V) if info.rank else (C.L_SKETCH,))]
         if C.G_EXAMPLES in f:
             need += [
                 f"{C.G_EXAMPLES}/{col}"
@@ -194,10 +153,11 @@ class Store(PartialStatus):
         """Recompute the content digests and compare them with those written at completion.
 
         Returns:
-            ``{"status": ok|changed|unreadable|absent|unchecked, "expected", "actual", "detail",
-            "digest_version", "covers"}``: ``absent`` when a store written with a digest has lost
-            it, ``unchecked`` for a store written before digests were recorded (nothing to
-            compare). ``digest_version`` says what the compared digest covers (``covers``, in
+            ``{"status": ok|changed|unreadable|absent|unchecked|unrecorded, "expected", "actual",
+            "detail", "digest_version", "covers"}``: ``absent`` when a store written with a
+            digest has lost it, ``unchecked`` for a store written before digests were recorded
+            (nothing to compare), ``unrecorded`` for one whose writer never closed it (killed:
+            it never had one). ``digest_version`` says what the compared digest covers (``covers``, in
             words, from :data:`~.format.DIGEST_COVERAGE`): 2 for ``content_sha256_v2``, 1 for a
             store written before it (its projections and example table are not covered, and
             ``detail`` says so).
@@ -207,6 +167,10 @@ class Store(PartialStatus):
         full = want2 is not None or records_full_digest(self._f)
         version = 2 if full else 1
         out = {"digest_version": version, "covers": DIGEST_COVERAGE[version]}
+        if self.status == C.STATUS_RUNNING and want1 is None and want2 is None:
+            return {**out, "status": "unrecorded", "expected": None, "actual": None,
+                    "detail": "its writer never closed it (a train still running, or killed "
+                    "outright); a store records its content digest when it closes"}  # fmt: skip
         try:
             got1 = content_digest(self._f)
             got2 = full_content_digest(self._f, got1) if full else None
@@ -278,7 +242,9 @@ class Store(PartialStatus):
             u, v = self.factors(layer, start, stop)
             return np.matmul(u, v.transpose(0, 2, 1))
         stop = self.n_records if stop is None else min(stop, self.n_records)
-        return _damaged(self, info, lambda: self._f[f"{info.group}/{C.L_SKETCH}"][start:stop])
+        return self._checked(
+            lambda: self._ds(f"{info.group}/{C.L_SKETCH}")[start:stop], _layer_what(info)
+        )
 
     def factors(
         self, layer: int, start: int = 0, stop: int | None = None, columns: int | None = None
@@ -294,16 +260,15 @@ class Store(PartialStatus):
         if not info.rank:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
         stop = self.n_records if stop is None else min(stop, self.n_records)
-        g = self._f[info.group]
-        cols = _first_columns(columns)
-        u, v, sc = _damaged(
-            self,
-            info,
+        g, cols = info.group, _first_columns(columns)
+        scale = C.L_SCALE in self._f[g]
+        u, v, sc = self._checked(
             lambda: (
-                g[C.L_U][(slice(start, stop), *cols)],
-                g[C.L_V][(slice(start, stop), *cols)],
-                g[C.L_SCALE][start:stop] if C.L_SCALE in g else None,
+                self._ds(f"{g}/{C.L_U}")[(slice(start, stop), *cols)],
+                self._ds(f"{g}/{C.L_V}")[(slice(start, stop), *cols)],
+                self._ds(f"{g}/{C.L_SCALE}")[start:stop] if scale else None,
             ),
+            _layer_what(info),
         )
         return decode_factors(u, v, info.factor_dtype, sc)
 
@@ -313,8 +278,8 @@ class Store(PartialStatus):
         if info.rank:
             u, v = self.factors_at(layer, records)
             return np.matmul(u, v.transpose(0, 2, 1))
-        return _damaged(
-            self, info, lambda: _rows_at(self._f[f"{info.group}/{C.L_SKETCH}"], records)
+        return self._checked(
+            lambda: _rows_at(self._ds(f"{info.group}/{C.L_SKETCH}"), records), _layer_what(info)
         )
 
     def factors_at(
@@ -324,27 +289,62 @@ class Store(PartialStatus):
         info = self.layers[layer]
         if not info.rank:
             raise StoreError(f"layer {info.name} stores full sketches, not factors")
-        g = self._f[info.group]
-        cols = _first_columns(columns)
-        u, v, sc = _damaged(
-            self,
-            info,
+        g, cols = info.group, _first_columns(columns)
+        scale = C.L_SCALE in self._f[g]
+        u, v, sc = self._checked(
             lambda: (
-                _rows_at(g[C.L_U], records, cols),
-                _rows_at(g[C.L_V], records, cols),
-                _rows_at(g[C.L_SCALE], records) if C.L_SCALE in g else None,
+                _rows_at(self._ds(f"{g}/{C.L_U}"), records, cols),
+                _rows_at(self._ds(f"{g}/{C.L_V}"), records, cols),
+                _rows_at(self._ds(f"{g}/{C.L_SCALE}"), records) if scale else None,
             ),
+            _layer_what(info),
         )
         return decode_factors(u, v, info.factor_dtype, sc)
 
     def records(self) -> dict[str, np.ndarray]:
-        g = self._f[C.G_RECORDS]
+        return self._checked(
+            lambda: {
+                name: self._ds(f"{C.G_RECORDS}/{name}")[: self.n_records]
+                for name in C.RECORD_FIELDS
+            },
+            "the records table is",
+        )
+
+    def stored_rows(self, layer: int, name: str, sel) -> np.ndarray:
+        """``sel`` of the stored dataset ``name`` (``U``, ``V``, ``scale``, ``sketch``) of one
+        layer, as stored (int8 factors undecoded: the record cache copies them)."""
+        info = self.layers[layer]
+        return self._checked(lambda: self._ds(f"{info.group}/{name}")[sel], _layer_what(info))
+
+    # -- a partial store's torn last chunk (.torn_tail) -----------------------------------
+    def _ds(self, path: str):
+        """The record dataset at ``path``, or its recovered :class:`.torn_tail.TornTail`."""
+        return self._tails.get(path) or self._f[path]
+
+    def _recover_tails(self) -> bool:
+        """After a checksum failure in a partial store, once: recover every record dataset whose
+        last chunk a kill tore; whether any was."""
+        if self._probed or not self.is_partial:
+            return False
+        self._probed = True
+        self._tails = recover_store(self._f, [i.group for i in self.layers], self.n_records)
+        return bool(self._tails)
+
+    def _checked(self, read, what: str):
+        """``read()``; a Fletcher-32 mismatch (bytes changed on disk) is a StoreError saying
+        ``what`` is damaged, unless it is a partial store's torn last chunk (then read again)."""
         try:
-            return {name: g[name][: self.n_records] for name in C.RECORD_FIELDS}
+            return read()
         except OSError as e:
-            raise StoreError(
-                f"{self.path}: the records table is damaged ({e}); re-run the training"
-            ) from e
+            err = e
+        if self._recover_tails():
+            try:
+                return read()
+            except OSError as e:
+                err = e
+        raise StoreError(
+            f"{self.path}: {what} damaged ({err}); the store cannot be trusted: re-run the training"
+        ) from err
 
     def projection(self, layer: int, side: str) -> np.ndarray | None:
         name = C.L_P_IN if side == "in" else C.L_P_OUT

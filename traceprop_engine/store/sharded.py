@@ -16,7 +16,8 @@ import numpy as np
 from .. import constants as C
 from ..errors import StoreError
 from .format import Covariance
-from .reader import PartialStatus, Store
+from .partial import PartialStatus
+from .reader import Store
 
 _STATUS_RANK = {
     C.STATUS_COMPLETED: 0,

@@ -36,6 +36,7 @@ from .format import (
 )
 from .layer_datasets import create_factors, create_layer
 from .space import METADATA_BYTES, array_bytes, ensure_room, growth_bytes
+from .torn_tail import TailSums, flushed_records, repair
 
 log = logging.getLogger(__name__)
 _STR = h5py.string_dtype("utf-8")
@@ -99,6 +100,7 @@ class StoreWriter:
         f.create_group(C.G_TIMINGS)
         f.flush()
         self._lock = threading.Lock()
+        self._tail_sums = TailSums(f)
         self.n_records = 0
 
     @classmethod
@@ -124,14 +126,21 @@ class StoreWriter:
         except OSError as e:
             raise StoreError(f"cannot reopen the store {self.path} to append ({e})") from None
         f = self._f
-        have = int(f.attrs.get("n_records", 0))
+        # a kill in the middle of the last flush may have left some datasets shorter than
+        # n_records says (.torn_tail.flushed_records)
+        groups = [f"{C.G_LAYERS}/{k}" for k in sorted(f[C.G_LAYERS])]
+        have, why = flushed_records(f, groups, int(f.attrs.get("n_records", 0)))
         if have < n_records:
             f.close()
+            held = f"{max(have, 0)} complete records" + (f" ({why})" if why else "")
             raise StoreError(
-                f"{self.path} holds {have} complete records, the checkpoint counts {n_records}: "
+                f"{self.path} holds {held}, the checkpoint counts {n_records}: "
                 "the store lost records the checkpoint relies on; the run cannot be resumed"
             )
+        # a kill during the last flush may have torn a last chunk (.torn_tail): rewrite it from
+        # its checked rows first, or HDF5 cannot read it to cut it
         for name in f[C.G_RECORDS]:
+            repair(f[C.G_RECORDS][name], have)
             f[C.G_RECORDS][name].resize(n_records, axis=0)
         self._sketch_ds = []
         for i, key in enumerate(sorted(f[C.G_LAYERS])):
@@ -142,6 +151,7 @@ class StoreWriter:
             else:
                 pair, ds = [g[C.L_SKETCH]], g[C.L_SKETCH]
             for d in pair:
+                repair(d, have)
                 d.resize(n_records, axis=0)
             g.attrs[C.L_SQNORM] = float(sq_norm[i])
             self._sketch_ds.append(ds)
@@ -153,6 +163,7 @@ class StoreWriter:
         f.attrs["status"] = C.STATUS_RUNNING
         f.flush()
         self._lock = threading.Lock()
+        self._tail_sums = TailSums(f)
         self.n_records = n_records
         return self
 
@@ -275,6 +286,7 @@ class StoreWriter:
                     for d, val in zip(pair, vals, strict=True):
                         d.resize(n0 + n, axis=0)
                         d[n0 : n0 + n] = val
+                        self._tail_sums.wrote(d, n0, val)
                     # ||U V^T||_F^2 = sum((U^T U) * (V^T V)) of what is stored
                     gu = np.matmul(ru.transpose(0, 2, 1).astype(np.float64), ru)
                     gv = np.matmul(rv.transpose(0, 2, 1).astype(np.float64), rv)
@@ -282,10 +294,14 @@ class StoreWriter:
                     continue
                 ds.resize(n0 + n, axis=0)
                 ds[n0 : n0 + n] = arr
+                self._tail_sums.wrote(ds, n0, arr)
                 self._sq_norm[i] += float(
                     np.einsum("i,i->", arr.ravel(), arr.ravel(), dtype=np.float64)
                 )
             append_records(self._f[C.G_RECORDS], n0, meta)
+            for name in C.RECORD_FIELDS:
+                self._tail_sums.wrote(self._f[C.G_RECORDS][name], n0, meta[name])
+            self._tail_sums.write()
             self.n_records = n0 + n
             self._f.attrs["n_records"] = self.n_records
             for i, ds in enumerate(self._sketch_ds):

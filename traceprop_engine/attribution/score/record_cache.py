@@ -69,11 +69,14 @@ def _raw_rows(store, li: int, start: int, stop: int, info=None) -> list[np.ndarr
     info = store.layers[li] if info is None else info
     shards = getattr(store, "shards", None)
     if shards is None:
-        g = store._f[info.group]
         return [
-            g[name][start:stop, :, : shape[1]]
-            if len(shape) == 2 and info.rank
-            else g[name][start:stop]
+            store.stored_rows(
+                li,
+                name,
+                np.s_[start:stop, :, : shape[1]]
+                if len(shape) == 2 and info.rank
+                else np.s_[start:stop],
+            )
             for name, _, shape in _parts(info)
         ]
     out = []
