@@ -351,3 +351,18 @@ def test_an_index_built_before_lists_says_so_only_where_it_would_have_them(tmp_p
     ix.build(IndexSettings(lists=True))  # a rebuild adds them and the note goes
     assert ix.scorer(IndexSettings(lists=True)).lists
     assert index_store.OLD_BUILD_NOTE not in ix.notes(IndexSettings(lists=True))
+
+
+def test_sorted_unique_equals_numpys_unique():
+    from traceprop_engine.attribution.index.lists import sorted_unique
+
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 500, n).astype(dt) for n, dt in ((300, np.int64), (0, np.int64),
+                                                            (41, np.int32), (1, np.int64))]  # fmt: skip
+    got = sorted_unique(*parts)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.unique(np.concatenate(parts).astype(np.int64)))
+    for few in ([], [np.array([7])], [np.array([3, 3, 3])], [np.zeros(0, np.int32)]):
+        want = np.unique(np.concatenate([np.zeros(0, np.int64), *few]))
+        np.testing.assert_array_equal(sorted_unique(*few), want)
+        assert sorted_unique(*few).dtype == np.int64

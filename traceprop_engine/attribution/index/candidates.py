@@ -18,7 +18,7 @@ import numpy as np
 
 from ..score.ranking import n_candidates
 from ..score.two_hands import both
-from .lists import joined, list_jobs
+from .lists import list_jobs, sorted_unique
 
 
 def candidates(
@@ -48,4 +48,4 @@ def candidates(
     found = got[len(ends) :]
     cand = [res.proponent_ids[0], res.opponent_ids[0] if opponents else [], *found[: len(labelled)]]
     cand = np.concatenate(cand)
-    return np.union1d(cand[cand >= 0].astype(np.int64), joined(found[len(labelled) :])), prepared
+    return sorted_unique(cand[cand >= 0], *found[len(labelled) :]), prepared

@@ -291,9 +291,18 @@ def list_jobs(scorer, sketches, opponents: bool = True, prepared=None) -> list:
     return jobs
 
 
+def sorted_unique(*parts: np.ndarray) -> np.ndarray:
+    """The integers of ``parts``, sorted, once each (int64). numpy ≥ 2.3's ``np.unique`` hashes
+    integer arrays: 0.7–0.9 ms for a query's 6000 candidate rows, against 0.04–0.06 ms for this
+    sort (numpy 2.4, stop 58)."""
+    a = np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64, copy=False)
+    a.sort()
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
+
+
 def joined(found: list[np.ndarray]) -> np.ndarray:
     """The rows any of :func:`list_jobs`' results propose, sorted, once each."""
-    return np.unique(np.concatenate([np.zeros(0, np.int64), *found]))
+    return sorted_unique(*found)
 
 
 def _mapped(path: Path) -> np.ndarray:
@@ -362,7 +371,7 @@ class FactorLists:
             lists = np.argsort(-est, kind="stable")
             taken = np.cumsum(sizes[lists])
             chosen.append(lists[: int(np.searchsorted(taken, share * self.n_entries)) + 1])
-        return np.unique(np.concatenate(chosen))
+        return sorted_unique(*chosen)
 
     def _scan(self, lists: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Scores of every entry of ``lists`` (ascending) at this layer, in list order:
@@ -421,4 +430,4 @@ class FactorLists:
         if opponents:
             low = part[:kk]
             out.append(row[low[score[low] < 0]])
-        return np.unique(np.concatenate(out)).astype(np.int64)
+        return sorted_unique(*out)
