@@ -89,7 +89,7 @@ def bounded_rerank(
         one[li] = prepared.for_rows(li, len(alive))
         # a layer with many rows left (the first scores every candidate) in parts, side by side
         per[li, alive] = split_rows(
-            lambda r, one=one, li=li: scorer.row_scores(one, r, [li], 1)[0, li], rows[alive]
+            lambda r, one=one, li=li: scorer.row_scores(one, r, [li], 1)[0, 0], rows[alive]
         )
         rest = order[step + 1 :]
         if not rest:
