@@ -15,7 +15,7 @@ import pytest
 
 from traceprop_engine import Store, StoreError
 from traceprop_engine import constants as C
-from traceprop_engine.store.torn_tail import TAIL_ATTR
+from traceprop_engine.store.torn_tail import TAIL_NAMES, TAIL_TABLE
 from traceprop_engine.store.writer import StoreWriter
 
 N1, N2 = 37, 53  # records at the flush before the kill, and those the torn write held
@@ -118,10 +118,9 @@ def test_a_torn_chunk_whose_flushed_rows_changed_stays_damaged(torn):
 
 def test_a_store_without_the_crc_stays_damaged(torn):
     path, _ = torn
-    with h5py.File(path, "r+") as f:
-        entries = json.loads(f.attrs[TAIL_ATTR])
-        del entries[f"/{C.G_RECORDS}/{C.REC_STEP}"]
-        f.attrs[TAIL_ATTR] = json.dumps(entries)
+    with h5py.File(path, "r+") as f:  # the step column's CRCs lost
+        names = json.loads(f[TAIL_TABLE].attrs[TAIL_NAMES])
+        f[TAIL_TABLE][names.index(f"/{C.G_RECORDS}/{C.REC_STEP}")] = 0
     with Store(path) as s, pytest.raises(StoreError, match="records table is damaged"):
         s.records()
     with Store(path) as s:  # the other datasets' tails still read
@@ -200,3 +199,18 @@ def test_a_shorter_dataset_whose_rows_fail_their_crc_is_refused(lagging):
         f["layers/001/U"][3, 0, 0] += 1
     with pytest.raises(StoreError, match="do not match the CRC"):
         Store(path)
+
+
+def test_the_crcs_take_no_new_file_space_at_each_flush(tmp_path):
+    """The CRC table is rewritten in place: an attribute rewritten at each flush took new file
+    space each time (213 KB over these 400 flushes; a 40 KB one, 80 MB over 2000)."""
+    path = tmp_path / "store.h5"
+    rng = np.random.default_rng(0)
+    w = StoreWriter(path, _layers(), {"run_id": "grow"}, "factored")
+    for n0 in range(3):  # every chunk allocated
+        w.append(*_batch(rng, n0, 1))
+    size = path.stat().st_size
+    for n0 in range(3, 403):
+        w.append(*_batch(rng, n0, 1))
+    assert path.stat().st_size - size < 4096
+    w.close(C.STATUS_COMPLETED)
