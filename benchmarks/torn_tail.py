@@ -119,6 +119,7 @@ def kills(a) -> None:
             counts["short"] += short
             try:
                 with Store(path) as s:
+                    n = s.n_records  # fewer than the attribute says when a dataset is short
                     s.records()
                     sq = []
                     for li in range(len(s.layers)):

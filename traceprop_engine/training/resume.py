@@ -29,6 +29,7 @@ from ..errors import ConfigError, RunError
 from ..run import RunManifest
 from ..run_record import RunRecord
 from ..settings import TrackSettings, TrainSettings
+from ..store.torn_tail import flushed_records
 from . import checkpoint, distributed
 from .prepare import Job
 from .run_dir import lock_run_dir
@@ -198,14 +199,18 @@ def check_shards(run_dir: Path, manifest: RunManifest, ckpt: checkpoint.Checkpoi
             )
         try:
             with h5py.File(path, "r", locking=False) as f:
-                have = int(f.attrs.get("n_records", 0))
-        except (OSError, ValueError) as e:
+                # what every record dataset holds (a kill mid-flush: store/torn_tail.py)
+                groups = [f"{C.G_LAYERS}/{k}" for k in sorted(f[C.G_LAYERS])]
+                have, why = flushed_records(f, groups, int(f.attrs.get("n_records", 0)))
+        except (OSError, ValueError, KeyError) as e:
             raise RunError(f"cannot read the store shard {path} ({e})") from None
         need = mine.get("n_records")
         if need is None or have < int(need):
             raise RunError(
-                f"{path} holds {have} complete records, the checkpoint counts {need} for rank "
-                f"{r}: the shard lost records the checkpoint relies on; the run cannot be resumed"
+                f"{path} holds {max(have, 0)} complete records"
+                + (f" ({why})" if why else "")
+                + f", the checkpoint counts {need} for rank {r}: the shard lost records the "
+                "checkpoint relies on; the run cannot be resumed"
             )
 
 
