@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from .partial import PartialStatus
 from .torn_tail import flushed_records, recover_store
 
 
-def _layer_what(info) -> str:
+def _layer_what(info) -> str:  # what _checked says is damaged
     return f"the records of layer {info.name} are"
 
 
@@ -65,7 +66,7 @@ class Store(PartialStatus):
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self._tails, self._probed = {}, False  # recovered torn last chunks (.torn_tail)
+        self._tails, self._probed, self._tail_lock = {}, False, threading.Lock()  # .torn_tail
         self.path = Path(path)
         if self.path.is_dir():
             self.path = self.path / C.STORE_FILE
@@ -311,8 +312,7 @@ class Store(PartialStatus):
         )
 
     def stored_rows(self, layer: int, name: str, sel) -> np.ndarray:
-        """``sel`` of the stored dataset ``name`` (``U``, ``V``, ``scale``, ``sketch``) of one
-        layer, as stored (int8 factors undecoded: the record cache copies them)."""
+        """``sel`` of one layer's dataset ``name`` (``U``, ``V``, ``scale``, ``sketch``) as stored."""
         info = self.layers[layer]
         return self._checked(lambda: self._ds(f"{info.group}/{name}")[sel], _layer_what(info))
 
@@ -322,13 +322,13 @@ class Store(PartialStatus):
         return self._tails.get(path) or self._f[path]
 
     def _recover_tails(self) -> bool:
-        """After a checksum failure in a partial store, once: recover every record dataset whose
-        last chunk a kill tore; whether any was."""
-        if self._probed or not self.is_partial:
-            return False
-        self._probed = True
-        self._tails = recover_store(self._f, [i.group for i in self.layers], self.n_records)
-        return bool(self._tails)
+        """Once a partial store failed a checksum: recover each record dataset whose last chunk
+        a kill tore (once, locked: queries read on two threads); whether any is."""
+        with self._tail_lock:
+            if not self._probed and self.is_partial:
+                self._probed = True
+                self._tails = recover_store(self._f, [i.group for i in self.layers], self.n_records)
+            return bool(self._tails)
 
     def _checked(self, read, what: str):
         """``read()``; a Fletcher-32 mismatch (bytes changed on disk) is a StoreError saying
