@@ -6,7 +6,8 @@ Fletcher-32 alone its size does not change). A SIGKILL that lands during that wr
 stops a write between pages) leaves the chunk half new and half old: its checksum fails, so
 every read of the chunk fails, though its rows below ``n_records`` (flushed before) are the same
 in both halves. Without this, one unlucky kill made a partial store's flushed records unreadable
-and the run impossible to resume (stop 58: 3 % of kills in ``benchmarks/torn_tail.py``).
+and the run impossible to resume (stop 57's CI; before this module, 12 of 1500 kills in
+``benchmarks/torn_tail.py`` left a store the reader refused).
 
 - The writer (:class:`TailSums`) keeps per record dataset a CRC-32 of the rows of its last
   chunk, for the last two flushes, in the root dataset ``tail_crc32`` (its attribute
@@ -202,8 +203,8 @@ def recover_store(f: h5py.File, groups: list[str], n_records: int) -> dict[str, 
 def flushed_records(f: h5py.File, groups: list[str], n_records: int) -> tuple[int, str]:
     """``(n, why)``: the records every record dataset holds, ``n_records`` unless a kill in the
     middle of a flush wrote the root's ``n_records`` but not every dataset's new length (HDF5
-    writes a flush's metadata in no set order; ``benchmarks/torn_tail.py`` met it in 2 of 300
-    kills). Then ``n`` is the shortest length, ``why`` names that dataset, and the rows below
+    writes a flush's metadata in no set order; ``benchmarks/torn_tail.py`` met it in 3 of 1500
+    kills before this module, 3 of 600 after). Then ``n`` is the shortest length, ``why`` names that dataset, and the rows below
     ``n`` in every dataset's last chunk must pass the CRC written with ``n`` (else ``n`` is -1:
     they cannot be trusted)."""
     lengths = {p: f[p].shape[0] for p in record_paths(f, groups)}
