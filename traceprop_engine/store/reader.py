@@ -114,7 +114,7 @@ class Store(PartialStatus):
                 for i, k in enumerate(sorted(self._f[C.G_LAYERS]))
             ]
             self._check_complete_layout()
-            have, why = flushed_records(self._f, [i.group for i in self.layers], self.n_records)
+            have, why = flushed_records(self._f, self.n_records)
             if have < self.n_records and (have < 0 or self.status != C.STATUS_RUNNING):
                 raise StoreError(
                     f"{self.path} is damaged or incomplete ({why}); re-run the training"
@@ -327,7 +327,7 @@ class Store(PartialStatus):
         with self._tail_lock:
             if not self._probed and self.is_partial:
                 self._probed = True
-                self._tails = recover_store(self._f, [i.group for i in self.layers], self.n_records)
+                self._tails = recover_store(self._f, self.n_records)
             return bool(self._tails)
 
     def _checked(self, read, what: str):

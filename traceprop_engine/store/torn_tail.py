@@ -185,29 +185,30 @@ def recover(ds: h5py.Dataset, n_records: int) -> TornTail | None:
     return None if got is None else TornTail(ds, *got)
 
 
-def record_paths(f: h5py.File, groups: list[str]) -> list[str]:
+def record_paths(f: h5py.File) -> list[str]:
     """The record datasets of a store: the records table's fields, then the sketch or factors
-    of each layer group in ``groups``."""
+    of each layer group, in layer order."""
+    groups = [f"{C.G_LAYERS}/{k}" for k in sorted(f[C.G_LAYERS])]
     paths = [f"{C.G_RECORDS}/{n}" for n in C.RECORD_FIELDS]
     return paths + [
         f"{g}/{n}" for g in groups for n in (C.L_SKETCH, C.L_U, C.L_V, C.L_SCALE) if n in f[g]
     ]
 
 
-def recover_store(f: h5py.File, groups: list[str], n_records: int) -> dict[str, TornTail]:
+def recover_store(f: h5py.File, n_records: int) -> dict[str, TornTail]:
     """Every record dataset of a store whose last chunk a kill tore, recovered, by path."""
-    torn = {p: recover(f[p], n_records) for p in record_paths(f, groups)}
+    torn = {p: recover(f[p], n_records) for p in record_paths(f)}
     return {p: t for p, t in torn.items() if t is not None}
 
 
-def flushed_records(f: h5py.File, groups: list[str], n_records: int) -> tuple[int, str]:
+def flushed_records(f: h5py.File, n_records: int) -> tuple[int, str]:
     """``(n, why)``: the records every record dataset holds, ``n_records`` unless a kill in the
     middle of a flush wrote the root's ``n_records`` but not every dataset's new length (HDF5
     writes a flush's metadata in no set order; ``benchmarks/torn_tail.py`` met it in 3 of 1500
     kills before this module, 3 of 600 after). Then ``n`` is the shortest length, ``why`` names that dataset, and the rows below
     ``n`` in every dataset's last chunk must pass the CRC written with ``n`` (else ``n`` is -1:
     they cannot be trusted)."""
-    lengths = {p: f[p].shape[0] for p in record_paths(f, groups)}
+    lengths = {p: f[p].shape[0] for p in record_paths(f)}
     short = min(lengths, key=lengths.get, default=None)
     if short is None or lengths[short] >= n_records:
         return n_records, ""

@@ -128,8 +128,7 @@ class StoreWriter:
         f = self._f
         # a kill in the middle of the last flush may have left some datasets shorter than
         # n_records says (.torn_tail.flushed_records)
-        groups = [f"{C.G_LAYERS}/{k}" for k in sorted(f[C.G_LAYERS])]
-        have, why = flushed_records(f, groups, int(f.attrs.get("n_records", 0)))
+        have, why = flushed_records(f, int(f.attrs.get("n_records", 0)))
         if have < n_records:
             f.close()
             held = f"{max(have, 0)} complete records" + (f" ({why})" if why else "")

@@ -200,8 +200,7 @@ def check_shards(run_dir: Path, manifest: RunManifest, ckpt: checkpoint.Checkpoi
         try:
             with h5py.File(path, "r", locking=False) as f:
                 # what every record dataset holds (a kill mid-flush: store/torn_tail.py)
-                groups = [f"{C.G_LAYERS}/{k}" for k in sorted(f[C.G_LAYERS])]
-                have, why = flushed_records(f, groups, int(f.attrs.get("n_records", 0)))
+                have, why = flushed_records(f, int(f.attrs.get("n_records", 0)))
         except (OSError, ValueError, KeyError) as e:
             raise RunError(f"cannot read the store shard {path} ({e})") from None
         need = mine.get("n_records")
