@@ -260,13 +260,13 @@ def list_candidates(scorer, sketches, opponents: bool = True, prepared=None) -> 
 
     ``prepared``: the query's ``scorer.prepared_lazily(...)`` when the caller has it (the
     re-rank then reuses the pullbacks and the factored ``T'`` of the lists' layers)."""
-    return joined([job() for job in list_jobs(scorer, sketches, opponents, prepared)])
+    return sorted_unique(*[job() for job in list_jobs(scorer, sketches, opponents, prepared)])
 
 
 def list_jobs(scorer, sketches, opponents: bool = True, prepared=None) -> list:
     """:func:`list_candidates` as one job (no arguments) per scanned layer, to run side by side
-    (:func:`~traceprop_engine.attribution.score.two_hands.both`); :func:`joined` merges their
-    results."""
+    (:func:`~traceprop_engine.attribution.score.two_hands.both`); :func:`sorted_unique` merges
+    their results."""
     from ..score.factor_scores import LowRankTest
 
     if not scorer.lists or len(sketches[0]) != 1:
@@ -298,11 +298,6 @@ def sorted_unique(*parts: np.ndarray) -> np.ndarray:
     a = np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64, copy=False)
     a.sort()
     return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
-
-
-def joined(found: list[np.ndarray]) -> np.ndarray:
-    """The rows any of :func:`list_jobs`' results propose, sorted, once each."""
-    return sorted_unique(*found)
 
 
 def _mapped(path: Path) -> np.ndarray:
