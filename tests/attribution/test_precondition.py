@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from traceprop_engine.attribution.precondition import layer as layer_module
 from traceprop_engine.attribution.precondition.kfac import fit_layer
 from traceprop_engine.attribution.precondition.layer import (
     DEFAULT_DAMPING,
@@ -249,9 +250,11 @@ def test_stack_matmul_is_the_stacked_product():
 
 
 @pytest.mark.parametrize("rank", [1, 2])
-def test_ekfac_moments_from_factors_equal_those_of_the_sketches(rank):
-    """Rank 1 takes the factored route ((Q_Sᵀu)² (Q_Aᵀv)²ᵀ), rank 2 rebuilds the sketch; both
-    must give the moments of the sketches ``U Vᵀ`` themselves."""
+def test_ekfac_moments_from_factors_equal_those_of_the_sketches(rank, monkeypatch):
+    """Rank 1 takes the factored route ((Q_Sᵀu)² (Q_Aᵀv)²ᵀ), rank 2 rebuilds the sketch in the
+    eigenbasis, ``(Q_Sᵀ U)(Q_Aᵀ V)ᵀ``, a block of records at a time (2 here, the last ragged);
+    both must give the moments of the sketches ``U Vᵀ`` themselves."""
+    monkeypatch.setattr(layer_module, "_SQ_BLOCK", 2)
     rng = np.random.default_rng(1)
     a, s = rng.standard_normal((7, 7)), rng.standard_normal((5, 5))
     u, v = rng.standard_normal((9, 5, rank)), rng.standard_normal((9, 7, rank))

@@ -12,7 +12,11 @@ import pytest
 from helpers import reference_record_weights, store_only_run, write_factor_store
 
 from traceprop_engine import constants as C
-from traceprop_engine.attribution.index.projection import principal_basis, split_sides
+from traceprop_engine.attribution.index.projection import (
+    principal_basis,
+    side_moments,
+    split_sides,
+)
 from traceprop_engine.attribution.index.run_indexes import PRECOND_FILE, RunIndexes
 from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
 from traceprop_engine.attribution.precondition.vectors import _vectors
@@ -33,9 +37,9 @@ def _cache_small_stores(monkeypatch):
     monkeypatch.setattr(record_cache, "MIN_RECORDS", 0)
 
 
-def _store(path: Path, dtype: str = "int8", rank: int = 1) -> Store:
+def _store(path: Path, dtype: str = "int8", rank: int = 1, epochs: int = EPOCHS) -> Store:
     rng = np.random.default_rng(1)
-    ex = np.concatenate([rng.permutation(N_EX) for _ in range(EPOCHS)])
+    ex = np.concatenate([rng.permutation(N_EX) for _ in range(epochs)])
     n = len(ex)
     base = [(rng.normal(size=(5, ko, rank)), rng.normal(size=(5, ki, rank))) for ko, ki in SHAPES]
     arrays = []
@@ -81,10 +85,13 @@ def _brute(store, pre, ids, tests):
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype", "rank"), [("identity", "int8", 1), ("kfac", "float32", 2)]
+    ("kind", "dtype", "rank", "epochs"),
+    [("identity", "int8", 1, EPOCHS), ("kfac", "float32", 2, EPOCHS), ("kfac", "int8", 5, 1)],
 )
-def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, rank):
-    store = _store(tmp_path / "store.h5", dtype, rank)
+def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, rank, epochs):
+    """Three records a row (pairs of records), and one a row at rank 5 (each record's Gram with
+    itself: the free-text runs' case)."""
+    store = _store(tmp_path / "store.h5", dtype, rank, epochs)
     ix = RunIndexes(tmp_path, store)
     s = IndexSettings(preconditioner=kind)
     ix.build(s)
@@ -92,7 +99,7 @@ def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, r
     scorer = ix.scorer(s)
     assert isinstance(scorer.cache, RecordCache)
     # the cache holds exactly what the store holds
-    recs = np.array([3, 40, 41, 200, len(ids) * EPOCHS - 1])
+    recs = np.array([3, 40, 41, 100, len(ids) * epochs - 1])
     for li in range(len(SHAPES)):
         for got, want in zip(
             scorer.cache.factors_at(li, recs), store.factors_at(li, recs), strict=True
@@ -108,6 +115,19 @@ def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, r
     got = run.exact_scores(tests, s, rows=rows)
     np.testing.assert_allclose(got, cos[:, rows], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(run.exact_scores(tests, s), cos, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_side_moments_are_those_of_the_rebuilt_unit_records(rank):
+    """The index projection's ``Σ X̂ X̂ᵀ`` and ``Σ X̂ᵀ X̂`` from the factors (Grams, one GEMM
+    over the stack) equal those of the records ``X = U Vᵀ`` rebuilt and normalised."""
+    rng = np.random.default_rng(2)
+    u, v = rng.normal(size=(40, 9, rank)), rng.normal(size=(40, 6, rank))
+    x = u @ v.transpose(0, 2, 1)
+    x /= np.linalg.norm(x, axis=(1, 2), keepdims=True)
+    ml, mr = side_moments(u, v)
+    np.testing.assert_allclose(ml, np.einsum("nab,ncb->ac", x, x), rtol=1e-10)
+    np.testing.assert_allclose(mr, np.einsum("nba,nbc->ac", x, x), rtol=1e-10)
 
 
 def test_factor_path_vectors_and_fitted_projection(tmp_path):

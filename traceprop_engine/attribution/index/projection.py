@@ -24,6 +24,7 @@ import dataclasses
 
 import numpy as np
 
+from ..precondition.layer import factor_grams
 from ..precondition.preconditioner import Preconditioner
 
 SAMPLE_RECORDS = 131_072  # records the moments are estimated from (evenly spaced chunks)
@@ -48,13 +49,18 @@ def transformed_factors(lp, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
 def side_moments(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(Σ X̂ X̂ᵀ, Σ X̂ᵀ X̂)`` of records ``X = U Vᵀ`` (u (n, k_out, r), v (n, k_in, r), float64),
     each normalised to unit norm ``X̂`` as cosine scoring weighs them."""
-    gu = np.einsum("nkr,nks->nrs", u, u)
-    gv = np.einsum("nkr,nks->nrs", v, v)
+    gu, gv = factor_grams(u), factor_grams(v)
     w = 1.0 / np.maximum((gu * gv).sum(axis=(1, 2)), 1e-300)  # 1 / ‖X‖²
-    # Σ X X^T = Σ U (VᵀV) Uᵀ and Σ XᵀX = Σ V (UᵀU) Vᵀ
-    ml = np.einsum("nar,nrs,nbs->ab", u * w[:, None, None], gv, u, optimize=True)
-    mr = np.einsum("nar,nrs,nbs->ab", v * w[:, None, None], gu, v, optimize=True)
-    return ml, mr
+    # Σ X X^T = Σ U (VᵀV) Uᵀ and Σ XᵀX = Σ V (UᵀU) Vᵀ: one GEMM over the stack each
+    return _weighted_outer(u, gv, w), _weighted_outer(v, gu, w)
+
+
+def _weighted_outer(x: np.ndarray, g: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``Σ_n w_n X_n G_n X_nᵀ`` of a stack (x (n, k, r), g (n, r, r)), as one (k, n·r) ·
+    (n·r, k) GEMM (``np.einsum`` with ``optimize`` took several times longer at r 16)."""
+    n, k, r = x.shape
+    y = np.matmul(x * w[:, None, None], g)  # (n, k, r)
+    return y.transpose(1, 0, 2).reshape(k, n * r) @ x.transpose(1, 0, 2).reshape(k, n * r).T
 
 
 def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:

@@ -92,8 +92,16 @@ class EkfacMoments:
                 f"factor chunk has per-record shape {(u.shape[1], v.shape[1])}, expected "
                 f"{self.shape}; the chunk comes from another layer or the store is inconsistent"
             )
-        if u.shape[2] != 1 or self.q_s is None:
+        if self.q_s is None:
             self.update(record_product(u, v))
+            return
+        if u.shape[2] != 1:  # rank r: rotate the factors, then (Q_Sᵀ U)(Q_Aᵀ V)ᵀ a block at a time
+            qu = stack_matmul(self.q_s.T, np.asarray(u, np.float64))
+            qv = stack_matmul(self.q_a.T, np.asarray(v, np.float64))
+            for a in range(0, len(qu), _SQ_BLOCK):
+                x = np.matmul(qu[a : a + _SQ_BLOCK], qv[a : a + _SQ_BLOCK].transpose(0, 2, 1))
+                self.sum_sq += np.einsum("nij,nij->ij", x, x)
+            self.count += qu.shape[0]
             return
         qu = np.asarray(u[:, :, 0], np.float64) @ self.q_s  # rows: (Q_Sᵀ u)ᵀ
         qv = np.asarray(v[:, :, 0], np.float64) @ self.q_a
@@ -112,6 +120,17 @@ class EkfacMoments:
     @property
     def mean_sq_norm(self) -> float:
         return float(self.mean.sum())
+
+
+_SQ_BLOCK = 128
+"""Records rebuilt at a time by :meth:`EkfacMoments.update_factors` at rank > 1 (16 MB of
+float64 at k 126: the block stays in the cache while it is squared)."""
+
+
+def factor_grams(x: np.ndarray) -> np.ndarray:
+    """``XᵀX`` of every factor of a stack (n, k, r) -> (n, r, r). ``np.matmul`` on the stack:
+    ``np.einsum("nkr,nks->nrs")`` took 10× longer at r 16 (benchmarks/README.md §2c)."""
+    return np.matmul(x.transpose(0, 2, 1), x)
 
 
 def stack_matmul(

@@ -23,7 +23,7 @@ from ...store.format import Covariance
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
 from ..score.record_weights import record_weights
-from .layer import EkfacMoments, LayerStats, record_product, stack_matmul
+from .layer import EkfacMoments, LayerStats, factor_grams, record_product, stack_matmul
 from .preconditioner import Preconditioner
 
 CHUNK = 4096
@@ -177,7 +177,7 @@ def gradient_norms(store) -> pl.DataFrame:
         for start in range(0, store.n_records, CHUNK):
             if info.rank:  # ‖U Vᵀ‖² = Σ (UᵀU ⊙ VᵀV): no k_out × k_in rebuild
                 u, v = store.factors(li, start, start + CHUNK)
-                n = np.einsum("nor,nos,nir,nis->n", u, u, v, v, optimize=True)
+                n = (factor_grams(u) * factor_grams(v)).sum(axis=(1, 2))
             else:
                 x = store.sketches(li, start, start + CHUNK)
                 x = x.reshape(len(x), -1)

@@ -27,6 +27,7 @@ import scipy.sparse as sp
 from ... import constants as C
 from ...index_settings import RecordChoice
 from ..index.projection import transformed_factors
+from ..precondition.layer import factor_grams
 from ..precondition.preconditioner import Preconditioner
 from ..query_sketches import factors_of
 from .factor_scores import FLOAT32_RTOL, LOWRANK_RTOL, LowRankTest
@@ -282,10 +283,14 @@ class ExactScorer:
             )
             w = self.rec_weight[recs]
             ww = w[i] * w[j]
+            same = len(i) == len(recs)
             for li in range(len(self.store.layers)):
                 u, v = transformed_factors(self.pre.layers[li], *self.cache.factors_at(li, recs))
-                gu = np.einsum("pka,pkb->pab", u[i], u[j])
-                gv = np.einsum("pka,pkb->pab", v[i], v[j])
+                if same:  # one record a row: each pair is a record with itself
+                    gu, gv = factor_grams(u), factor_grams(v)
+                else:
+                    gu = np.matmul(u[i].transpose(0, 2, 1), u[j])
+                    gv = np.matmul(v[i].transpose(0, 2, 1), v[j])
                 val = ww * (gu * gv).sum(axis=(1, 2))
                 out[r0:r1, li] = np.bincount(self.rec_row[recs][i] - r0, val, minlength=r1 - r0)
             r0 = r1
