@@ -249,12 +249,27 @@ def test_stack_matmul_is_the_stacked_product():
     np.testing.assert_allclose(stack_matmul(None, x, right), x @ right, rtol=PRODUCT_RTOL)
 
 
+def test_on_parts_covers_every_record_once_in_order(monkeypatch):
+    """The build's stack products run on contiguous parts of the records (up to one a hand),
+    each record in exactly one part, the parts' results in order."""
+    monkeypatch.setattr(layer_module, "_PART_MIN", 4)
+    monkeypatch.setattr(layer_module, "hands", lambda: 3)
+    assert layer_module.on_parts(lambda a, b: (a, b), 13) == [(0, 4), (4, 8), (8, 13)]
+    assert layer_module.on_parts(lambda a, b: (a, b), 5) == [(0, 5)]  # below 2 parts: one
+    x = np.random.default_rng(3).standard_normal((13, 4, 2))
+    np.testing.assert_allclose(
+        layer_module.factor_grams(x), x.transpose(0, 2, 1) @ x, rtol=PRODUCT_RTOL
+    )
+
+
 @pytest.mark.parametrize("rank", [1, 2])
 def test_ekfac_moments_from_factors_equal_those_of_the_sketches(rank, monkeypatch):
     """Rank 1 takes the factored route ((Q_Sᵀu)² (Q_Aᵀv)²ᵀ), rank 2 rebuilds the sketch in the
     eigenbasis, ``(Q_Sᵀ U)(Q_Aᵀ V)ᵀ``, a block of records at a time (2 here, the last ragged);
     both must give the moments of the sketches ``U Vᵀ`` themselves."""
     monkeypatch.setattr(layer_module, "_SQ_BLOCK", 2)
+    monkeypatch.setattr(layer_module, "_PART_MIN", 3)  # 9 records: three parts on three hands
+    monkeypatch.setattr(layer_module, "hands", lambda: 3)
     rng = np.random.default_rng(1)
     a, s = rng.standard_normal((7, 7)), rng.standard_normal((5, 5))
     u, v = rng.standard_normal((9, 5, rank)), rng.standard_normal((9, 7, rank))

@@ -18,6 +18,7 @@ from traceprop_engine.attribution.index.projection import (
     split_sides,
 )
 from traceprop_engine.attribution.index.run_indexes import PRECOND_FILE, RunIndexes
+from traceprop_engine.attribution.precondition import layer as layer_module
 from traceprop_engine.attribution.precondition.preconditioner import Preconditioner
 from traceprop_engine.attribution.precondition.vectors import _vectors
 from traceprop_engine.attribution.score import record_cache
@@ -33,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _cache_small_stores(monkeypatch):
-    """These stores are small; the cache is written from record_cache.MIN_RECORDS on."""
+    """These stores are small; the cache is written from record_cache.MIN_RECORDS on, and the
+    build's stack products split into parts from precondition.layer._PART_MIN on."""
     monkeypatch.setattr(record_cache, "MIN_RECORDS", 0)
+    monkeypatch.setattr(layer_module, "_PART_MIN", 8)
 
 
 def _store(path: Path, dtype: str = "int8", rank: int = 1, epochs: int = EPOCHS) -> Store:

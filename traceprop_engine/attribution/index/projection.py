@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from ..precondition.layer import factor_grams
+from ..precondition.layer import factor_grams, on_parts
 from ..precondition.preconditioner import Preconditioner
 
 SAMPLE_RECORDS = 131_072  # records the moments are estimated from (evenly spaced chunks)
@@ -40,10 +40,18 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 def transformed_factors(lp, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Factors of ``L (U Vᵀ) R``: ``(L U, Rᵀ V)`` (float64); identity leaves them as they are."""
-    u, v = u.astype(np.float64), v.astype(np.float64)
-    if lp.left is not None:
-        u, v = np.matmul(lp.left, u), np.matmul(lp.right.T, v)
-    return u, v
+    if lp.left is None:
+        return u.astype(np.float64), v.astype(np.float64)
+    left, right_t = lp.left, lp.right.T
+    lu = np.empty((len(u), left.shape[0], u.shape[2]))
+    rv = np.empty((len(v), right_t.shape[0], v.shape[2]))
+
+    def part(a: int, b: int) -> None:
+        np.matmul(left, u[a:b].astype(np.float64), out=lu[a:b])
+        np.matmul(right_t, v[a:b].astype(np.float64), out=rv[a:b])
+
+    on_parts(part, len(u))
+    return lu, rv
 
 
 def side_moments(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,11 +64,18 @@ def side_moments(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _weighted_outer(x: np.ndarray, g: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``Σ_n w_n X_n G_n X_nᵀ`` of a stack (x (n, k, r), g (n, r, r)), as one (k, n·r) ·
-    (n·r, k) GEMM (``np.einsum`` with ``optimize`` took several times longer at r 16)."""
-    n, k, r = x.shape
-    y = np.matmul(x * w[:, None, None], g)  # (n, k, r)
-    return y.transpose(1, 0, 2).reshape(k, n * r) @ x.transpose(1, 0, 2).reshape(k, n * r).T
+    """``Σ_n w_n X_n G_n X_nᵀ`` of a stack (x (n, k, r), g (n, r, r)): per part of the records
+    one (k, n·r) · (n·r, k) GEMM, the parts summed (``np.einsum`` with ``optimize`` took
+    several times longer at r 16)."""
+    k, r = x.shape[1], x.shape[2]
+
+    def part(a: int, b: int) -> np.ndarray:
+        xs = x[a:b]
+        y = np.matmul(xs * w[a:b, None, None], g[a:b])  # (m, k, r)
+        flat = (b - a) * r
+        return y.transpose(1, 0, 2).reshape(k, flat) @ xs.transpose(1, 0, 2).reshape(k, flat).T
+
+    return sum(on_parts(part, len(x)))
 
 
 def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:

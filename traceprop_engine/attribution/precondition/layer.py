@@ -15,6 +15,8 @@ import numpy as np
 from traceprop_engine.errors import ConfigError, StoreError
 from traceprop_engine.settings import DEFAULT_DAMPING, PreconditionerKind, parse_choice
 
+from ..score.two_hands import both, hands
+
 __all__ = [
     "DEFAULT_DAMPING",
     "EkfacMoments",
@@ -96,12 +98,14 @@ class EkfacMoments:
             self.update(record_product(u, v))
             return
         if u.shape[2] != 1:  # rank r: rotate the factors, then (Q_Sᵀ U)(Q_Aᵀ V)ᵀ a block at a time
-            qu = stack_matmul(self.q_s.T, np.asarray(u, np.float64))
-            qv = stack_matmul(self.q_a.T, np.asarray(v, np.float64))
-            for a in range(0, len(qu), _SQ_BLOCK):
-                x = np.matmul(qu[a : a + _SQ_BLOCK], qv[a : a + _SQ_BLOCK].transpose(0, 2, 1))
-                self.sum_sq += np.einsum("nij,nij->ij", x, x)
-            self.count += qu.shape[0]
+            q_s_t, q_a_t = self.q_s.T, self.q_a.T
+
+            def part(a: int, b: int) -> np.ndarray:
+                qu = np.matmul(q_s_t, np.asarray(u[a:b], np.float64))
+                return _rebuilt_sq(qu, np.matmul(q_a_t, np.asarray(v[a:b], np.float64)))
+
+            self.sum_sq += sum(on_parts(part, len(u)))
+            self.count += u.shape[0]
             return
         qu = np.asarray(u[:, :, 0], np.float64) @ self.q_s  # rows: (Q_Sᵀ u)ᵀ
         qv = np.asarray(v[:, :, 0], np.float64) @ self.q_a
@@ -127,10 +131,39 @@ _SQ_BLOCK = 128
 float64 at k 126: the block stays in the cache while it is squared)."""
 
 
+_PART_MIN = 256
+"""Records below which :func:`on_parts` makes one call."""
+
+
+def on_parts(fn, n: int) -> list:
+    """``[fn(a, b), ...]`` over contiguous parts ``a:b`` of ``n`` records, side by side on the
+    query threads (``score/two_hands.both``; callers write into one output's slices or sum the
+    parts). numpy runs a stack's small products one after another on one BLAS thread: two
+    parts on two cores took 0.54× the time (benchmarks/README.md §2c). ``fn`` must treat the
+    records independently."""
+    parts = min(hands(), max(1, n // _PART_MIN))
+    cut = np.linspace(0, n, parts + 1).astype(np.int64)
+    return both(
+        *[lambda a=a, b=b: fn(int(a), int(b)) for a, b in zip(cut[:-1], cut[1:], strict=True)]
+    )
+
+
 def factor_grams(x: np.ndarray) -> np.ndarray:
     """``XᵀX`` of every factor of a stack (n, k, r) -> (n, r, r). ``np.matmul`` on the stack:
     ``np.einsum("nkr,nks->nrs")`` took 10× longer at r 16 (benchmarks/README.md §2c)."""
-    return np.matmul(x.transpose(0, 2, 1), x)
+    out = np.empty((len(x), x.shape[2], x.shape[2]), x.dtype)
+    on_parts(lambda a, b: np.matmul(x[a:b].transpose(0, 2, 1), x[a:b], out=out[a:b]), len(x))
+    return out
+
+
+def _rebuilt_sq(qu: np.ndarray, qv: np.ndarray) -> np.ndarray:
+    """``(k_out, k_in)``: ``Σ (qu qvᵀ)²`` over a stack of factors, :data:`_SQ_BLOCK` records
+    rebuilt at a time."""
+    out = np.zeros((qu.shape[1], qv.shape[1]))
+    for a in range(0, len(qu), _SQ_BLOCK):
+        x = np.matmul(qu[a : a + _SQ_BLOCK], qv[a : a + _SQ_BLOCK].transpose(0, 2, 1))
+        out += np.einsum("nij,nij->ij", x, x)
+    return out
 
 
 def stack_matmul(

@@ -23,7 +23,14 @@ from ...store.format import Covariance
 from ..index.projection import fit_index_projection, fit_reduction
 from ..overview import usable_preconditioners
 from ..score.record_weights import record_weights
-from .layer import EkfacMoments, LayerStats, factor_grams, record_product, stack_matmul
+from .layer import (
+    EkfacMoments,
+    LayerStats,
+    factor_grams,
+    on_parts,
+    record_product,
+    stack_matmul,
+)
 from .preconditioner import Preconditioner
 
 CHUNK = 4096
@@ -151,22 +158,32 @@ def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
             out[:, cols] = lp.apply(store.sketches(li, start, stop))
             continue
         u, v = store.factors(li, start, stop)  # (n, k_out, r), (n, k_in, r)
-        if lp.left is not None:
-            u = stack_matmul(lp.left.astype(np.float32), u)
-            v = stack_matmul(lp.right.T.astype(np.float32), v)
-        if lp.scale is not None:  # EK-FAC: the elementwise scale needs the (L X R) matrix
-            x = record_product(u, v) * lp.scale.astype(np.float32)
-            if lp.index_left is not None:
-                x = stack_matmul(
-                    lp.index_left.astype(np.float32), x, lp.index_right.T.astype(np.float32)
-                )
-            out[:, cols] = x.reshape(len(x), -1)
-            continue
-        if lp.index_left is not None:
-            u = stack_matmul(lp.index_left.astype(np.float32), u)
-            v = stack_matmul(lp.index_right.astype(np.float32), v)
-        out[:, cols] = record_product(u, v).reshape(len(u), -1)
+        # the records' parts side by side (on_parts), each through the whole layer
+        on_parts(partial(_layer_part, _f32(lp), u, v, out, cols), len(u))
     return pre.reduced(out)
+
+
+def _f32(lp) -> dict:
+    """A layer preconditioner's matrices in float32, as :func:`_layer_part` applies them."""
+    f = {k: getattr(lp, k) for k in ("left", "scale", "index_left", "index_right")}
+    f["right_t"] = None if lp.right is None else lp.right.T
+    return {k: None if m is None else np.asarray(m, np.float32) for k, m in f.items()}
+
+
+def _layer_part(m: dict, u, v, out: np.ndarray, cols, a: int, b: int) -> None:
+    """``out[a:b, cols]``: one layer's vectors of records ``a:b`` from their factors."""
+    u, v = u[a:b], v[a:b]
+    if m["left"] is not None:
+        u, v = np.matmul(m["left"], u), np.matmul(m["right_t"], v)
+    if m["scale"] is not None:  # EK-FAC: the elementwise scale needs the (L X R) matrix
+        x = record_product(u, v) * m["scale"]
+        if m["index_left"] is not None:
+            x = stack_matmul(m["index_left"], x, m["index_right"].T)
+        out[a:b, cols] = x.reshape(len(x), -1)
+        return
+    if m["index_left"] is not None:
+        u, v = np.matmul(m["index_left"], u), np.matmul(m["index_right"], v)
+    out[a:b, cols] = record_product(u, v).reshape(len(u), -1)
 
 
 def gradient_norms(store) -> pl.DataFrame:
