@@ -1,12 +1,13 @@
 """Recall@10 of the whole query against the number of FAISS candidates re-ranked exactly.
 
-    python benchmarks/candidates.py 100000 --candidates 200,1000,3000 [--queries 24]
+    python benchmarks/candidates.py 100000 --candidates 200,1000,3000 [--queries 24] [--base RUN]
     python benchmarks/candidates.py 1000000 --candidates 1000,500 --scan 0.01/0.04,0.005/0.02 \
         --list-candidates 300,150 --keep   # every combination; the store is kept for a rerun
 
 Writes `traceprop bench query --end-to-end`'s synthetic store of N examples (the bundled sample
 run's records resampled with noise, one record per example) under /tmp, builds the default
-index once, computes brute-force exact scores for the queries, then for each candidate count
+index once (`--base RUN`: another run's records and queries instead, e.g. a free-text run's
+rank-16 records), computes brute-force exact scores for the queries, then for each candidate count
 times `AttributionRun.rank` (candidate search + exact re-rank) and measures the recall@10 of
 the returned proponents and opponents. Prints one line per candidate count (and, at 10⁶ rows
 where the index has factor lists, per lists' scan share ``proponents/opponents`` and rows
@@ -34,17 +35,20 @@ BASE = str(Path(__file__).resolve().parents[1] / "sample_runs" / "facts")
 
 
 @contextlib.contextmanager
-def synthetic_run(n: int, work_dir: str, name: str, keep: bool):
-    """``--end-to-end``'s synthetic store of ``n`` examples in ``work_dir/traceprop-NAME-n``
-    with the default index built: ``(run, IndexSettings())``. ``keep``: reuse one written
-    before and leave it for the next call; otherwise written afresh and removed at the end."""
-    d = Path(work_dir) / f"traceprop-{name}-{n}"
+def synthetic_run(n: int, work_dir: str, name: str, keep: bool, base: str = BASE):
+    """``--end-to-end``'s synthetic store of ``n`` examples resampled from ``base``'s records
+    (default: the bundled sample run) in ``work_dir/traceprop-NAME-n`` (``-NAME-BASE-n`` for
+    another base run) with the default index built: ``(run, IndexSettings())``. ``keep``: reuse
+    one written before and leave it for the next call; otherwise written afresh and removed at
+    the end."""
+    tag = name if base == BASE else f"{name}-{Path(base).name}"
+    d = Path(work_dir) / f"traceprop-{tag}-{n}"
     ready = d / "ready"
     if not (keep and ready.exists()):
         shutil.rmtree(d, ignore_errors=True)
     try:
         if not ready.exists():
-            e2e.write_synthetic_run(BASE, d, n, 0, 0.5)
+            e2e.write_synthetic_run(base, d, n, 0, 0.5)
         run, s = AttributionRun(d), IndexSettings()
         run.build_index(s, None, reuse=keep)  # keep: an index built before is used as it is
         ready.write_text("store and index written\n")
@@ -70,9 +74,10 @@ def main() -> None:
     ap.add_argument("--list-candidates", default=None, help="rows the lists propose per side")
     ap.add_argument("--work-dir", default="/tmp")
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the store and index")
+    ap.add_argument("--base", default=BASE, help="the run resampled (default: the sample run)")
     a = ap.parse_args()
-    with synthetic_run(a.n, a.work_dir, "candidates", a.keep) as (run, s):
-        queries = e2e.real_queries(BASE, a.queries)
+    with synthetic_run(a.n, a.work_dir, "candidates", a.keep, a.base) as (run, s):
+        queries = e2e.real_queries(a.base, a.queries)
         exact = np.concatenate(
             [
                 run.exact_scores(

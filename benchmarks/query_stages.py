@@ -1,10 +1,11 @@
 """Where one end-to-end query's time goes: FAISS, the factor lists, the exact re-rank.
 
-    python benchmarks/query_stages.py 1000000 [--queries 40] [--keep] [--sq8]
+    python benchmarks/query_stages.py 1000000 [--queries 40] [--keep] [--sq8] [--base RUN]
 
-Writes (`candidates.synthetic_run`) `traceprop bench query --end-to-end`'s synthetic store of N examples (the bundled sample
-run's records resampled with noise) under --work-dir, builds the default index, and times
-`AttributionRun.rank` for the sample's real queries with timers wrapped around its stages:
+Writes (`candidates.synthetic_run`) `traceprop bench query --end-to-end`'s synthetic store of N
+examples (the bundled sample run's records resampled with noise; `--base RUN`: that run's records
+and queries) under --work-dir, builds the default index, and times `AttributionRun.rank` for the
+base run's real queries with timers wrapped around its stages:
 the candidate search (FAISS's search of both ends and the lists' scans, side by side on the
 query's threads, `score/two_hands.py`; each also timed on its own, the lists summed over their
 layers), the re-rank, and inside it the factoring of each layer's `T'`, the records' gather
@@ -103,9 +104,10 @@ def main() -> None:
     ap.add_argument("--work-dir", default="/tmp")
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the store and index")
     ap.add_argument("--sq8", action="store_true", help="also time an IVF-SQ8 index (see above)")
+    ap.add_argument("--base", default=BASE, help="the run resampled (default: the sample run)")
     a = ap.parse_args()
-    with synthetic_run(a.n, a.work_dir, "stages", a.keep) as (run, s):
-        queries = e2e.real_queries(BASE, a.queries)
+    with synthetic_run(a.n, a.work_dir, "stages", a.keep, a.base) as (run, s):
+        queries = e2e.real_queries(a.base, a.queries)
         times: dict[str, float] = {}
         vindex = run.index(s)[0]
         _timed(times, "faiss + lists", candidates_module, "both")  # side by side: wall time
