@@ -43,6 +43,9 @@ def transformed_factors(lp, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
     if lp.left is None:
         return u.astype(np.float64), v.astype(np.float64)
     left, right_t = lp.left, lp.right.T
+    if u.shape[2] == 1:  # rank 1: one 2-D GEMM a side (a stack of (k, 1) columns is n GEMVs)
+        lu = u[:, :, 0].astype(np.float64) @ left.T
+        return lu[:, :, None], (v[:, :, 0].astype(np.float64) @ right_t.T)[:, :, None]
     lu = np.empty((len(u), left.shape[0], u.shape[2]))
     rv = np.empty((len(v), right_t.shape[0], v.shape[2]))
 
@@ -68,6 +71,9 @@ def _weighted_outer(x: np.ndarray, g: np.ndarray, w: np.ndarray) -> np.ndarray:
     one (k, n·r) · (n·r, k) GEMM, the parts summed (``np.einsum`` with ``optimize`` took
     several times longer at r 16)."""
     k, r = x.shape[1], x.shape[2]
+    if r == 1:  # Σ_n (w_n g_n) x_n x_nᵀ: one 2-D GEMM
+        x1 = x[:, :, 0]
+        return (x1 * (w * g[:, 0, 0])[:, None]).T @ x1
 
     def part(a: int, b: int) -> np.ndarray:
         xs = x[a:b]

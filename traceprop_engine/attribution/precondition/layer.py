@@ -151,6 +151,8 @@ def on_parts(fn, n: int) -> list:
 def factor_grams(x: np.ndarray) -> np.ndarray:
     """``XᵀX`` of every factor of a stack (n, k, r) -> (n, r, r). ``np.matmul`` on the stack:
     ``np.einsum("nkr,nks->nrs")`` took 10× longer at r 16 (benchmarks/README.md §2c)."""
+    if x.shape[2] == 1:  # rank 1: the squared norms
+        return np.einsum("nk,nk->n", x[:, :, 0], x[:, :, 0])[:, None, None]
     out = np.empty((len(x), x.shape[2], x.shape[2]), x.dtype)
     on_parts(lambda a, b: np.matmul(x[a:b].transpose(0, 2, 1), x[a:b], out=out[a:b]), len(x))
     return out
