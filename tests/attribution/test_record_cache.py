@@ -89,11 +89,17 @@ def _brute(store, pre, ids, tests):
 
 @pytest.mark.parametrize(
     ("kind", "dtype", "rank", "epochs"),
-    [("identity", "int8", 1, EPOCHS), ("kfac", "float32", 2, EPOCHS), ("kfac", "int8", 5, 1)],
+    [
+        ("identity", "int8", 1, EPOCHS),
+        ("kfac", "int8", 1, EPOCHS),
+        ("kfac", "float32", 1, 1),
+        ("kfac", "float32", 2, EPOCHS),
+        ("kfac", "int8", 5, 1),
+    ],
 )
 def test_cached_rerank_and_gram_norms_equal_brute_force(tmp_path, kind, dtype, rank, epochs):
-    """Three records a row (pairs of records), and one a row at rank 5 (each record's Gram with
-    itself: the free-text runs' case)."""
+    """Three records a row (pairs of records), and one a row (each record's Gram with itself:
+    at rank 5 the free-text runs' case); K-FAC at rank 1 takes 2-D GEMMs, above it stacks."""
     store = _store(tmp_path / "store.h5", dtype, rank, epochs)
     ix = RunIndexes(tmp_path, store)
     s = IndexSettings(preconditioner=kind)
