@@ -256,6 +256,7 @@ def test_on_parts_covers_every_record_once_in_order(monkeypatch):
     monkeypatch.setattr(layer_module, "hands", lambda: 3)
     assert layer_module.on_parts(lambda a, b: (a, b), 13) == [(0, 4), (4, 8), (8, 13)]
     assert layer_module.on_parts(lambda a, b: (a, b), 5) == [(0, 5)]  # below 2 parts: one
+    assert layer_module.on_parts(lambda a, b: (a, b), 13, rank=1) == [(0, 13)]  # 2-D GEMMs
     x = np.random.default_rng(3).standard_normal((13, 4, 2))
     np.testing.assert_allclose(
         layer_module.factor_grams(x), x.transpose(0, 2, 1) @ x, rtol=PRODUCT_RTOL

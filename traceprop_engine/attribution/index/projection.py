@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from ..precondition.layer import factor_grams, on_parts
+from ..precondition.layer import factor_grams, left_multiply, on_parts
 from ..precondition.preconditioner import Preconditioner
 
 SAMPLE_RECORDS = 131_072  # records the moments are estimated from (evenly spaced chunks)
@@ -43,17 +43,14 @@ def transformed_factors(lp, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
     if lp.left is None:
         return u.astype(np.float64), v.astype(np.float64)
     left, right_t = lp.left, lp.right.T
-    if u.shape[2] == 1:  # rank 1: one 2-D GEMM a side (a stack of (k, 1) columns is n GEMVs)
-        lu = u[:, :, 0].astype(np.float64) @ left.T
-        return lu[:, :, None], (v[:, :, 0].astype(np.float64) @ right_t.T)[:, :, None]
     lu = np.empty((len(u), left.shape[0], u.shape[2]))
     rv = np.empty((len(v), right_t.shape[0], v.shape[2]))
 
     def part(a: int, b: int) -> None:
-        np.matmul(left, u[a:b].astype(np.float64), out=lu[a:b])
-        np.matmul(right_t, v[a:b].astype(np.float64), out=rv[a:b])
+        left_multiply(left, u[a:b].astype(np.float64), out=lu[a:b])
+        left_multiply(right_t, v[a:b].astype(np.float64), out=rv[a:b])
 
-    on_parts(part, len(u))
+    on_parts(part, len(u), u.shape[2])
     return lu, rv
 
 

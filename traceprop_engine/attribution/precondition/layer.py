@@ -135,17 +135,31 @@ _PART_MIN = 256
 """Records below which :func:`on_parts` makes one call."""
 
 
-def on_parts(fn, n: int) -> list:
+def on_parts(fn, n: int, rank: int = 0) -> list:
     """``[fn(a, b), ...]`` over contiguous parts ``a:b`` of ``n`` records, side by side on the
     query threads (``score/two_hands.both``; callers write into one output's slices or sum the
     parts). numpy runs a stack's small products one after another on one BLAS thread: two
     parts on two cores took 0.54× the time (benchmarks/README.md §2c). ``fn`` must treat the
-    records independently."""
-    parts = min(hands(), max(1, n // _PART_MIN))
+    records independently. Rank-1 records (``rank`` 1) stay one part: their products are 2-D
+    GEMMs (:func:`left_multiply`) on BLAS's own threads, which parts only oversubscribe."""
+    parts = 1 if rank == 1 else min(hands(), max(1, n // _PART_MIN))
     cut = np.linspace(0, n, parts + 1).astype(np.int64)
     return both(
         *[lambda a=a, b=b: fn(int(a), int(b)) for a, b in zip(cut[:-1], cut[1:], strict=True)]
     )
+
+
+def left_multiply(m: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``m @ x[i]`` for every factor of a stack (n, k, r), into ``out`` where given: at rank 1
+    one 2-D GEMM of the columns as rows (on the stack it would be n GEMVs), above it
+    ``np.matmul`` on the stack (one small GEMM a record, split by :func:`on_parts`)."""
+    if x.shape[2] != 1:
+        return np.matmul(m, x, out=out)
+    y = (x[:, :, 0] @ m.T)[:, :, None]
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def factor_grams(x: np.ndarray) -> np.ndarray:

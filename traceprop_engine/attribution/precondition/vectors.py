@@ -27,6 +27,7 @@ from .layer import (
     EkfacMoments,
     LayerStats,
     factor_grams,
+    left_multiply,
     on_parts,
     record_product,
     stack_matmul,
@@ -158,11 +159,8 @@ def _vectors(store, pre: Preconditioner, start: int, stop: int) -> np.ndarray:
             out[:, cols] = lp.apply(store.sketches(li, start, stop))
             continue
         u, v = store.factors(li, start, stop)  # (n, k_out, r), (n, k_in, r)
-        part = partial(_layer_part, _f32(lp), u, v, out, cols)
-        if info.rank == 1:  # 2-D GEMMs (stack_matmul), on BLAS's own threads
-            part(0, len(u))
-        else:  # the records' parts side by side (on_parts), each through the whole layer
-            on_parts(part, len(u))
+        # the records' parts side by side (on_parts), each through the whole layer
+        on_parts(partial(_layer_part, _f32(lp), u, v, out, cols), len(u), info.rank)
     return pre.reduced(out)
 
 
@@ -176,9 +174,8 @@ def _f32(lp) -> dict:
 def _layer_part(m: dict, u, v, out: np.ndarray, cols, a: int, b: int) -> None:
     """``out[a:b, cols]``: one layer's vectors of records ``a:b`` from their factors."""
     u, v = u[a:b], v[a:b]
-    mul = stack_matmul if u.shape[2] == 1 else np.matmul  # rank 1: one 2-D GEMM, not n GEMVs
     if m["left"] is not None:
-        u, v = mul(m["left"], u), mul(m["right_t"], v)
+        u, v = left_multiply(m["left"], u), left_multiply(m["right_t"], v)
     if m["scale"] is not None:  # EK-FAC: the elementwise scale needs the (L X R) matrix
         x = record_product(u, v) * m["scale"]
         if m["index_left"] is not None:
@@ -186,7 +183,7 @@ def _layer_part(m: dict, u, v, out: np.ndarray, cols, a: int, b: int) -> None:
         out[a:b, cols] = x.reshape(len(x), -1)
         return
     if m["index_left"] is not None:
-        u, v = mul(m["index_left"], u), mul(m["index_right"], v)
+        u, v = left_multiply(m["index_left"], u), left_multiply(m["index_right"], v)
     out[a:b, cols] = record_product(u, v).reshape(len(u), -1)
 
 
