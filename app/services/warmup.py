@@ -21,6 +21,12 @@ the server's lifespan calls it when the server stops, ``app/main.py``): it stops
 between steps, makes a request in flight to the worker give up without being redone here
 (``model_worker.AppExiting``), and joins the thread. A daemon thread still in torch, h5py or
 FAISS while the interpreter tore itself down crashed the process (rc 139, issue 27 item 3).
+
+Imports: the thread imports the engine while a page's script runs. ``streamlit run`` keeps the
+app folder on ``sys.path`` for the server's life; Streamlit's ``AppTest`` inserts it for each run
+and removes it after, which can make an import under way in this thread skip an entry of
+``sys.path`` (site-packages: "No module named 'numpy'"). Put the app folder on ``sys.path``
+before an ``AppTest`` with the warm-up on (``tests/app/test_app_exit.py``).
 """
 
 from __future__ import annotations

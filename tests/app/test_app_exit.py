@@ -24,13 +24,26 @@ REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "app"
 CLEAN_EXIT_S = 30  # the warm-up's current step and the worker's stop, on a loaded machine
 
-# AppTest from main.py (a session: the warm-up starts beside the first page), then exit at once
+# AppTest from main.py (a session: the warm-up starts beside the first page), then exit at once.
+# The app's folder goes on sys.path first, as `streamlit run` keeps it for the server's life (its
+# bootstrap, or main.py under st.App). AppTest otherwise inserts it for each script run and removes
+# it at the run's end: a removal at index 0 while the warm-up thread's import walks sys.path skips
+# the next entry, and 1 CI run in many failed "No module named 'numpy'" (site-packages skipped).
 EXIT_DURING_WARM_UP = textwrap.dedent(
     f"""
     import sys, threading
+    sys.path.insert(0, {str(APP)!r})
+    edits = []
+    class Watched(list):
+        def insert(self, i, x):
+            edits.append(("insert", x)); super().insert(i, x)
+        def remove(self, x):
+            edits.append(("remove", x)); super().remove(x)
+    sys.path = Watched(sys.path)
     from streamlit.testing.v1 import AppTest
     at = AppTest.from_file({str(APP / "main.py")!r}, default_timeout=120)
     at.run()
+    assert not edits, ("a script run edited sys.path under the warm-up", edits)
     assert not at.exception, at.exception
     alive = [t.name for t in threading.enumerate() if t.name == "traceprop-warmup"]
     print("warm-up running at exit:", bool(alive), flush=True)
