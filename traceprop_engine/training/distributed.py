@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -140,9 +141,7 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.enabled:
-            import torch.distributed as dist
-
-            dist.barrier()
+            barrier()
 
     def close(self) -> None:
         if self.owns_group:
@@ -159,6 +158,36 @@ class DistContext:
             if self.backend == "nccl"
             else torch.device("cpu")
         )
+
+
+_BARRIERS = itertools.count()  # every rank passes the same barriers in the same order
+
+
+def barrier() -> None:
+    """``dist.barrier()`` through the process group's key-value store on gloo (every barrier of
+    this package; :func:`~traceprop_engine.training.fsdp.finish_sharded`'s last one included).
+
+    A gloo barrier keeps the works queued or running when it was issued, and the works those
+    kept, until its own work is freed on one of gloo's threads; so does any gloo collective keep
+    its tensors. Freeing a tensor Python also sees needs the interpreter's lock: when that free
+    comes after the interpreter began to exit, the thread aborts the process ("terminate called
+    without an active exception", SIGABRT: rank 1 of ``tests/training/fsdp_user_loop.py`` in 2
+    runs of 60 on a loaded 2-core Intel Xeon; the core showed barrier → barrier → the state
+    dict's gathers, and with an all-reduce in place of the barrier, the all-reduce's tensor).
+    The store (TCP) holds no tensor and starts no gloo work, so a rank's last gloo collective is
+    its last real one (a gather), whose work gloo frees while the rank waits here for the others.
+    Other backends (nccl) have no such threads: a plain barrier. Waits as long as the store's
+    timeout (the process group's)."""
+    import torch.distributed as dist
+
+    if "gloo" not in str(dist.get_backend()):
+        dist.barrier()
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"traceprop/barrier/{next(_BARRIERS)}"
+    if store.add(key, 1) == dist.get_world_size():  # the last to arrive opens it for all
+        store.set(f"{key}/open", "1")
+    store.wait([f"{key}/open"])
 
 
 def setup(device: torch.device, parallel: str = "ddp") -> tuple[DistContext, torch.device]:

@@ -137,12 +137,14 @@ def finish_sharded(
     rank 0 save it and write ``run.json`` listing the shards, so ``open_run(RUN)`` reads them as
     one run. ``kwargs`` are :meth:`Tracker.finish`'s (task, labels, max_length, data, config).
 
+    Returns on every rank once rank 0 has written ``run.json`` (a failure there raises on rank 0).
+
     Returns:
         The run directory on rank 0, ``None`` on the other ranks.
     """
     import torch.distributed as dist
 
-    from ..run_record import make_run
+    from .distributed import barrier
 
     if not tracker._closed:
         tracker.close(C.STATUS_COMPLETED)
@@ -150,9 +152,21 @@ def finish_sharded(
     counts: list = [None] * world
     dist.all_gather_object(counts, (tracker.store_path.name, tracker.n_records, tracker.status))
     state = full_state_dict(model) if is_sharded(model) else None
-    dist.barrier()
     if dist.get_rank() != 0:
+        barrier()  # rank 0 has written run.json (and the gathers are freed while it writes)
         return None
+    try:
+        return _write_run(tracker, model, tokenizer, counts, state, world, kwargs)
+    finally:
+        barrier()
+
+
+def _write_run(tracker, model, tokenizer, counts, state, world, kwargs) -> Path:
+    """Rank 0's half of :func:`finish_sharded`: save the model, write ``run.json``."""
+    import torch.distributed as dist
+
+    from ..run_record import make_run
+
     names = [c[0] for c in counts]
     n = [int(c[1]) for c in counts]
     status = next((c[2] for c in counts if c[2] != C.STATUS_COMPLETED), C.STATUS_COMPLETED)
