@@ -180,10 +180,11 @@ def barrier() -> None:
     timeout (the process group's)."""
     import torch.distributed as dist
 
-    if "gloo" not in str(dist.get_backend()):
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)  # private API
+    if "gloo" not in str(dist.get_backend()) or default_store is None:
         dist.barrier()
         return
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     key = f"traceprop/barrier/{next(_BARRIERS)}"
     if store.add(key, 1) == dist.get_world_size():  # the last to arrive opens it for all
         store.set(f"{key}/open", "1")
