@@ -144,6 +144,7 @@ def finish_sharded(
     """
     import torch.distributed as dist
 
+    from ..run_record import make_run
     from .distributed import barrier
 
     if not tracker._closed:
@@ -156,36 +157,27 @@ def finish_sharded(
         barrier()  # rank 0 has written run.json (and the gathers are freed while it writes)
         return None
     try:
-        return _write_run(tracker, model, tokenizer, counts, state, world, kwargs)
+        names = [c[0] for c in counts]
+        n = [int(c[1]) for c in counts]
+        status = next((c[2] for c in counts if c[2] != C.STATUS_COMPLETED), C.STATUS_COMPLETED)
+        return make_run(
+            tracker.store_path.parent,
+            model,
+            tokenizer,
+            status=status,
+            state_dict=state,
+            shards=names,
+            **{
+                **kwargs,
+                "config": {"trainer": "traceprop_engine.Tracker", **(kwargs.get("config") or {})},
+            },
+            tracking=tracker.tracking_manifest(),
+            distributed={"world_size": world, "backend": dist.get_backend()},
+            timings={
+                "n_steps": len(tracker.step_ms),
+                "median_step_ms": float(np.median(tracker.step_ms)) if tracker.step_ms else None,
+            },
+            store={"file": None, "shards": names, "n_records": sum(n), "n_records_per_shard": n},
+        )
     finally:
         barrier()
-
-
-def _write_run(tracker, model, tokenizer, counts, state, world, kwargs) -> Path:
-    """Rank 0's half of :func:`finish_sharded`: save the model, write ``run.json``."""
-    import torch.distributed as dist
-
-    from ..run_record import make_run
-
-    names = [c[0] for c in counts]
-    n = [int(c[1]) for c in counts]
-    status = next((c[2] for c in counts if c[2] != C.STATUS_COMPLETED), C.STATUS_COMPLETED)
-    return make_run(
-        tracker.store_path.parent,
-        model,
-        tokenizer,
-        status=status,
-        state_dict=state,
-        shards=names,
-        **{
-            **kwargs,
-            "config": {"trainer": "traceprop_engine.Tracker", **(kwargs.get("config") or {})},
-        },
-        tracking=tracker.tracking_manifest(),
-        distributed={"world_size": world, "backend": dist.get_backend()},
-        timings={
-            "n_steps": len(tracker.step_ms),
-            "median_step_ms": float(np.median(tracker.step_ms)) if tracker.step_ms else None,
-        },
-        store={"file": None, "shards": names, "n_records": sum(n), "n_records_per_shard": n},
-    )
