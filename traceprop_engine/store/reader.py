@@ -21,19 +21,17 @@ from .. import constants as C
 from ..errors import ModelMismatchError, SchemaVersionError, StoreError
 from .format import (
     DIGEST_ATTR,
-    DIGEST_COVERAGE,
     FULL_DIGEST_ATTR,
     Covariance,
     LayerInfo,
-    content_digest,
     decode_factors,
-    full_content_digest,
     raw_strings,
-    records_full_digest,
     strings_digest,
 )
+from .live import LiveReads, live_read
 from .partial import PartialStatus
 from .torn_tail import flushed_records, recover_store
+from .verify import verify_content
 
 
 def _layer_what(info) -> str:  # what _checked says is damaged
@@ -57,7 +55,7 @@ def _first_columns(columns: int | None) -> tuple:
     return () if columns is None else (slice(None), slice(0, int(columns)))
 
 
-class Store(PartialStatus):
+class Store(LiveReads, PartialStatus):
     """Read-only view of a store, validated on open.
 
     Raises:
@@ -74,6 +72,10 @@ class Store(PartialStatus):
             raise StoreError(
                 f"no store at {self.path}: run 'traceprop train --out DIR' first, or check the path"
             )
+        self._open_live(self._open)
+
+    def _open(self) -> None:
+        """Open and validate the file (under the store's lock, :mod:`.live`)."""
         try:
             self._f = h5py.File(self.path, "r", locking=False)
         except OSError as e:
@@ -126,6 +128,14 @@ class Store(PartialStatus):
                 f"{self.path} is damaged or incomplete ({e}); re-run the training"
             ) from e
 
+    def _reopened(self) -> None:
+        """The file again, after its writer changed it (:meth:`.live.LiveReads._fresh`)."""
+        try:
+            self._f = h5py.File(self.path, "r", locking=False)
+        except OSError as e:
+            raise StoreError(f"{self.path} could not be opened again ({e})") from e
+        self._tails, self._probed = {}, False
+
     def _check_complete_layout(self) -> None:
         """Every dataset the readers use is there (raises KeyError naming the first missing one)."""
         f = self._f
@@ -150,72 +160,26 @@ class Store(PartialStatus):
                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             )
 
+    @live_read
     def verify_content(self) -> dict:
-        """Recompute the content digests and compare them with those written at completion.
-
-        Returns:
-            ``{"status": ok|changed|unreadable|absent|unchecked|unrecorded, "expected", "actual",
-            "detail", "digest_version", "covers"}``: ``absent`` when a store written with a
-            digest has lost it, ``unchecked`` for a store written before digests were recorded
-            (nothing to compare), ``unrecorded`` for one whose writer never closed it (killed:
-            it never had one). ``digest_version`` says what the compared digest covers (``covers``, in
-            words, from :data:`~.format.DIGEST_COVERAGE`): 2 for ``content_sha256_v2``, 1 for a
-            store written before it (its projections and example table are not covered, and
-            ``detail`` says so).
-        """
-        at = self._f.attrs
-        want1, want2 = (str(at[a]) if a in at else None for a in (DIGEST_ATTR, FULL_DIGEST_ATTR))
-        full = want2 is not None or records_full_digest(self._f)
-        version = 2 if full else 1
-        out = {"digest_version": version, "covers": DIGEST_COVERAGE[version]}
-        if self.status == C.STATUS_RUNNING and want1 is None and want2 is None:
-            return {**out, "status": "unrecorded", "expected": None, "actual": None,
-                    "detail": "its writer never closed it (a train still running, or killed "
-                    "outright); a store records its content digest when it closes"}  # fmt: skip
-        try:
-            got1 = content_digest(self._f)
-            got2 = full_content_digest(self._f, got1) if full else None
-        except (OSError, KeyError, ValueError) as e:
-            return {**out, "status": "unreadable", "expected": want2 or want1, "actual": None,
-                    "detail": str(e)}  # fmt: skip
-        want, got = (want2, got2) if full else (want1, got1)
-        lost = [a for a, w in ((DIGEST_ATTR, want1), (FULL_DIGEST_ATTR, want2)) if w is None]
-        if want is None or (full and lost):
-            first = (
-                self._f[f"{self.layers[0].group}/{C.L_U if self.layers[0].rank else C.L_SKETCH}"]
-                if self.layers
-                else None
-            )
-            legacy = not full and (first is None or not first.fletcher32)
-            return {
-                **out,
-                "status": "unchecked" if legacy else "absent",
-                "expected": None,
-                "actual": got,
-                "detail": "written before stores recorded a content digest"
-                if legacy
-                else f"the content digest attribute {' and '.join(lost)} was removed",
-            }
-        return {
-            **out,
-            "status": "ok" if got == want and got1 == want1 else "changed",
-            "expected": want,
-            "actual": got,
-            "detail": "" if full else f"its digest covers {DIGEST_COVERAGE[1]}",
-        }
+        """:func:`.verify.verify_content` of this store."""
+        return verify_content(self)
 
     # -- state ------------------------------------------------------------------------------
     @property
+    @live_read
     def n_examples(self) -> int:
         return int(self._f[C.G_EXAMPLES].attrs["n_examples"]) if C.G_EXAMPLES in self._f else 0
 
     @functools.cached_property
+    @live_read
     def has_covariance(self) -> bool:
         """Every layer has K-FAC statistics; read once (0.4 ms on 9 layers, and every query asks
         it to resolve the default preconditioner). A reader sees the file as it was opened."""
         return all(C.L_COV_A in self._f[layer.group] for layer in self.layers)
 
     @property
+    @live_read
     def fingerprint(self) -> str:
         """Identity of the store's content: changes when records or statistics change."""
         at = self._f.attrs
@@ -231,6 +195,7 @@ class Store(PartialStatus):
         return sum(layer.dim for layer in self.layers)
 
     # -- data -------------------------------------------------------------------------------
+    @live_read
     def sketches(self, layer: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Records ``start:stop`` of one layer, (n, *record_shape) float32.
 
@@ -247,6 +212,7 @@ class Store(PartialStatus):
             lambda: self._ds(f"{info.group}/{C.L_SKETCH}")[start:stop], _layer_what(info)
         )
 
+    @live_read
     def factors(
         self, layer: int, start: int = 0, stop: int | None = None, columns: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -273,6 +239,7 @@ class Store(PartialStatus):
         )
         return decode_factors(u, v, info.factor_dtype, sc)
 
+    @live_read
     def sketches_at(self, layer: int, records: np.ndarray) -> np.ndarray:
         """Like :meth:`sketches` for a sorted array of record numbers."""
         info = self.layers[layer]
@@ -283,6 +250,7 @@ class Store(PartialStatus):
             lambda: _rows_at(self._ds(f"{info.group}/{C.L_SKETCH}"), records), _layer_what(info)
         )
 
+    @live_read
     def factors_at(
         self, layer: int, records: np.ndarray, columns: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -302,6 +270,7 @@ class Store(PartialStatus):
         )
         return decode_factors(u, v, info.factor_dtype, sc)
 
+    @live_read
     def records(self) -> dict[str, np.ndarray]:
         return self._checked(
             lambda: {
@@ -311,6 +280,7 @@ class Store(PartialStatus):
             "the records table is",
         )
 
+    @live_read
     def stored_rows(self, layer: int, name: str, sel) -> np.ndarray:
         """``sel`` of one layer's dataset ``name`` (``U``, ``V``, ``scale``, ``sketch``) as stored."""
         info = self.layers[layer]
@@ -346,6 +316,7 @@ class Store(PartialStatus):
             f"{self.path}: {what} damaged ({err}); the store cannot be trusted: re-run the training"
         ) from err
 
+    @live_read
     def projection(self, layer: int, side: str) -> np.ndarray | None:
         name = C.L_P_IN if side == "in" else C.L_P_OUT
         info = self.layers[layer]
@@ -361,6 +332,7 @@ class Store(PartialStatus):
             )
         return None
 
+    @live_read
     def dense_projection(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         info = self.layers[layer]
         g = self._f[info.group]
@@ -380,13 +352,16 @@ class Store(PartialStatus):
                 "training"
             ) from e
 
+    @live_read
     def covariance(self, layer: int) -> Covariance | None:
         """The layer's K-FAC statistics; None for a dense layer or a run without covariance."""
         return Covariance.read(self._f[self.layers[layer].group])
 
+    @live_read
     def sq_norm_sum(self, layer: int) -> float:
         return float(self._f[self.layers[layer].group].attrs.get(C.L_SQNORM, 0.0))
 
+    @live_read
     def examples(self) -> dict[str, np.ndarray]:
         """The example table (index = example index) as numpy columns."""
         if C.G_EXAMPLES not in self._f:
@@ -405,6 +380,7 @@ class Store(PartialStatus):
         out[C.EX_ROW] = self._read(g[C.EX_ROW], "the example table's row column")
         return out
 
+    @live_read
     def tokens(self, example: int) -> tuple[np.ndarray, np.ndarray]:
         """The exact token ids and loss mask example ``example`` was trained on."""
         g = self._f[C.G_EXAMPLES]
@@ -414,12 +390,14 @@ class Store(PartialStatus):
             g[C.EX_LOSS_MASK], what, np.s_[lo:hi]
         )
 
+    @live_read
     def timings(self) -> dict:
         g = self._f[C.G_TIMINGS]
         out = {k: (v.item() if hasattr(v, "item") else v) for k, v in g.attrs.items()}
         out["step_ms"] = g[C.T_STEP_MS][()] if C.T_STEP_MS in g else np.zeros(0)
         return out
 
+    @live_read
     def attrs(self) -> dict:
         return dict(self._f.attrs)
 
@@ -442,6 +420,7 @@ class Store(PartialStatus):
     def close(self) -> None:
         if self._f.id.valid:
             self._f.close()
+        self._close_live()
 
     def __enter__(self) -> Store:
         return self

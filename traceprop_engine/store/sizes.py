@@ -48,13 +48,16 @@ def steady_state_bytes(path: str | os.PathLike) -> dict:
     """
     import h5py
 
+    from .live import read_locked
+
     def per_row(ds) -> float:
         rows = ds.chunks[0] if ds.chunks else max(ds.shape[0], 1)
         n_alloc = -(-ds.shape[0] // rows) * rows
         return ds.id.get_storage_size() / max(n_alloc, 1)
 
-    # read-only without HDF5 file locking, as the Store reader opens it: the app keeps runs open
-    with h5py.File(path, "r", locking=False) as f:
+    # read-only without HDF5 file locking, as the Store reader opens it (the app keeps runs
+    # open), under the store's own lock while a train writes it (.live)
+    with read_locked(path), h5py.File(path, "r", locking=False) as f:
         n_rec = int(f.attrs["n_records"])
         groups = [f[C.G_LAYERS][k] for k in sorted(f[C.G_LAYERS])]
         data = [  # a layer's record datasets: the full sketch, or its factors U and V

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from .format import (
     strings_digest,
 )
 from .layer_datasets import create_factors, create_layer
+from .live import WriteLock
 from .space import METADATA_BYTES, array_bytes, ensure_room, growth_bytes
 from .torn_tail import TailSums, flushed_records, repair
 
@@ -72,6 +72,18 @@ class StoreWriter:
         ]
         # every dataset's header and the manifest, beside the projections (see .space)
         need = array_bytes(*projections) + METADATA_BYTES * 4 * (len(layers) + 2)
+        self._lock = WriteLock(self.path)  # before the file: no reader opens it half made
+        try:
+            with self._lock:
+                f = self._create(tmp, need, layers, manifest, sketch, compression)
+        except BaseException:
+            self._lock.remove_now()
+            raise
+        self._tail_sums = TailSums(f)
+        self.n_records = 0
+
+    def _create(self, tmp: Path, need: int, layers, manifest, sketch, compression) -> h5py.File:
+        """The new file, its attributes and empty datasets, flushed (under the lock)."""
         ensure_room(tmp, need + len(json.dumps(manifest, default=str)), "creating the store")
         # v110 at most: "latest" (superblock v3) marks the file open-for-write in its header, and
         # after a SIGKILL (OOM killer, preempted node) no reader could open it again; with
@@ -99,9 +111,7 @@ class StoreWriter:
             )
         f.create_group(C.G_TIMINGS)
         f.flush()
-        self._lock = threading.Lock()
-        self._tail_sums = TailSums(f)
-        self.n_records = 0
+        return f
 
     @classmethod
     def reopen(
@@ -116,11 +126,24 @@ class StoreWriter:
         Raises:
             StoreError: the store holds fewer than ``n_records`` complete records.
         """
-        from ..errors import StoreError
-
         self = cls.__new__(cls)
         self.path = Path(path)
         self._compression = None
+        self._lock = WriteLock(self.path)
+        try:
+            with self._lock:
+                f = self._reopen(n_records, sq_norm)
+        except BaseException:
+            self._lock.remove_now()
+            raise
+        self._tail_sums = TailSums(f)
+        self.n_records = n_records
+        return self
+
+    def _reopen(self, n_records: int, sq_norm: Sequence[float]) -> h5py.File:
+        """:meth:`reopen`'s file, cut to ``n_records`` and marked running (under the lock)."""
+        from ..errors import StoreError
+
         try:
             self._f = h5py.File(self.path, "r+", libver=("earliest", "v110"))
         except OSError as e:
@@ -161,10 +184,7 @@ class StoreWriter:
         f.attrs["n_records"] = n_records
         f.attrs["status"] = C.STATUS_RUNNING
         f.flush()
-        self._lock = threading.Lock()
-        self._tail_sums = TailSums(f)
-        self.n_records = n_records
-        return self
+        return f
 
     @property
     def sq_norms(self) -> list[float]:
@@ -352,6 +372,7 @@ class StoreWriter:
             self._f.attrs["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             self._f.flush()
             self._f.close()
+            self._lock.remove()  # closed: readers need no lock from now on
 
 
 def check_example_table(
