@@ -129,3 +129,40 @@ def test_a_reader_of_a_replaced_store_says_so(tmp_path):
             reader.sketches(0, 0, 1)
     finally:
         reader.close()
+
+
+def test_a_filesystem_without_flock_writes_and_reads_as_before(tmp_path, monkeypatch, caplog):
+    """Some network filesystems refuse flock: the store is written and read without the lock,
+    and the writer says what that costs."""
+    import errno
+    from types import SimpleNamespace
+
+    from traceprop_engine.store.writer import StoreWriter
+
+    class NoLocks:
+        LOCK_SH, LOCK_EX, LOCK_UN, LOCK_NB = 1, 2, 8, 4
+
+        @staticmethod
+        def flock(fd, op):
+            raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(live, "fcntl", NoLocks)
+    layer = SimpleNamespace(
+        name="blk.0", kind="linear", d_in=8, d_out=8, k_in=4, k_out=3, P_in=None, P_out=None,
+        record_shape=(3, 4),
+    )  # fmt: skip
+    path = tmp_path / "store.h5"
+    with caplog.at_level("WARNING", logger=live.__name__):
+        w = StoreWriter(path, [layer], {"run_id": "nolock"}, "factored")
+    assert "no file lock" in caplog.text
+    ids = np.arange(4)
+    meta = {
+        C.REC_EXAMPLE: ids, C.REC_STEP: ids, C.REC_EPOCH: np.ones(4, int),
+        C.REC_LR: np.full(4, 1e-3, np.float32), C.REC_LOSS: np.ones(4, np.float32),
+    }  # fmt: skip
+    w.append([np.ones((4, 3, 4), np.float32)], meta)
+    assert live.ReadLock.open(path) is None  # a reader takes no lock either
+    w.close("completed")
+    assert not lock_path(path).exists()
+    with Store(path) as s:
+        assert s.n_records == 4 and s.sketches(0, 0, 4).sum() == 48

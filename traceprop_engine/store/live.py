@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import struct
 import threading
@@ -34,6 +35,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 _COUNT = struct.Struct("<Q")
+log = logging.getLogger(__name__)
 
 
 def lock_path(store: str | os.PathLike) -> Path:
@@ -47,6 +49,33 @@ def _count(fd: int) -> int:
     return _COUNT.unpack(raw)[0] if len(raw) == _COUNT.size else 0
 
 
+def _lockable(path: Path, flags: int) -> int | None:
+    """``path`` opened with ``flags``, or None where it cannot be opened or its filesystem takes
+    no ``flock`` (some network filesystems: the store is then read and written as before the
+    lock, with a warning from the writer)."""
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:  # a writer holds it now: it works
+        pass
+    except OSError as e:
+        os.close(fd)
+        if flags & os.O_CREAT:  # the writer's: no lock file is left behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            log.warning(
+                "no file lock on %s (%s): reading this store while its train writes it may fail",
+                path,
+                e,
+            )
+        return None
+    return fd
+
+
 class WriteLock:
     """The writer's lock: a thread lock (one background writer thread and the loop) and, across
     processes, the exclusive ``flock``; leaving it counts one change. Created before the store
@@ -56,7 +85,7 @@ class WriteLock:
         self.path = lock_path(store)
         self._thread = threading.Lock()
         self._removed = False
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644) if fcntl else None
+        self._fd = _lockable(self.path, os.O_RDWR | os.O_CREAT) if fcntl else None
 
     def __enter__(self) -> WriteLock:
         self._thread.acquire()
@@ -109,10 +138,8 @@ class ReadLock:
         """The lock of a store a writer has open (or had, when killed), or None."""
         if fcntl is None:
             return None
-        try:
-            return cls(os.open(lock_path(store), os.O_RDONLY))
-        except OSError:
-            return None
+        fd = _lockable(lock_path(store), os.O_RDONLY)
+        return None if fd is None else cls(fd)
 
     def __enter__(self) -> int:
         fcntl.flock(self._fd, fcntl.LOCK_SH)
