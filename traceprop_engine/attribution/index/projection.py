@@ -21,21 +21,14 @@ projection is saved with the preconditioner, so an index and its queries always 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 
-from ..precondition.layer import factor_grams, left_multiply, on_parts
+from ..precondition.layer import factor_grams, fit_reads, left_multiply, on_parts
 from ..precondition.preconditioner import Preconditioner
 
-SAMPLE_RECORDS = 131_072  # records the moments are estimated from (evenly spaced chunks)
-_CHUNK = 8192
-
-
-def _chunks(n: int) -> list[tuple[int, int]]:
-    if n <= SAMPLE_RECORDS:
-        return [(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
-    starts = np.linspace(0, n - _CHUNK, SAMPLE_RECORDS // _CHUNK).astype(np.int64)
-    return [(int(a), int(a) + _CHUNK) for a in starts]
+_CHUNK = 8192  # records computed on at a time (the moments: up to FIT_COLUMNS, fit_reads)
 
 
 def transformed_factors(lp, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -90,8 +83,8 @@ def fit_index_projection(store, pre: Preconditioner) -> Preconditioner:
         m = lp.index_left.shape[0]
         ml = np.zeros((info.k_out, info.k_out))
         mr = np.zeros((info.k_in, info.k_in))
-        for a, b in _chunks(store.n_records):
-            dl, dr = side_moments(*transformed_factors(lp, *store.factors(li, a, b)))
+        for u, v in fit_reads(partial(store.factors, li), store.n_records, info.rank, _CHUNK):
+            dl, dr = side_moments(*transformed_factors(lp, u, v))
             ml += dl
             mr += dr
         if not np.isfinite(ml).all() or not ml.any() or not np.isfinite(mr).all():

@@ -23,9 +23,56 @@ __all__ = [
     "LayerPreconditioner",
     "LayerStats",
     "check_damping",
+    "fit_reads",
+    "fit_sample",
     "parse_kind",
     "symmetrize",
 ]
+
+
+FIT_COLUMNS = 131_072
+"""Record columns (records × rank) the statistics fitted from a layer's records are estimated
+from, at most: the EK-FAC eigenvalues and K-FAC's trace calibration (``vectors.fit_preconditioner``)
+and the index projection's moments (``index/projection.py``). Above it, evenly spaced blocks:
+131 072 rank-1 records (a 10⁶ store's fit reads 13 % of them), 8192 rank-16 ones (a free-text
+run's), whose full pass took 72 % of a 10⁴ build and grew with the store (benchmarks/README.md
+§2c)."""
+FIT_BLOCKS = 64
+"""The fewest blocks a sample is spread over: records are in training order, and a store may
+repeat a pattern along it (few long blocks read 1–4 % off the full pass's calibration on a
+resampled 10⁴ store; 64 short ones keep to its noise)."""
+
+
+def fit_sample(n: int, rank: int, chunk: int) -> list[tuple[int, int]]:
+    """Contiguous ``(start, stop)`` blocks of at most ``chunk`` records: every one of ``n`` records
+    when their columns fit :data:`FIT_COLUMNS`, else evenly spaced blocks holding about that many
+    (at least :data:`FIT_BLOCKS` of them). Deterministic: a rebuild fits the same records."""
+    budget = max(FIT_COLUMNS // max(int(rank), 1), 1)
+    if n <= budget:
+        return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+    block = max(1, min(chunk, budget // FIT_BLOCKS))
+    starts = np.linspace(0, n - block, max(budget // block, 1)).astype(np.int64)
+    return [(int(a), int(a) + block) for a in starts]
+
+
+def fit_reads(read, n: int, rank: int, chunk: int):
+    """``read(a, b)``'s arrays over :func:`fit_sample`'s blocks, joined up to ``chunk`` records a
+    yield (short blocks are read alone and computed on together)."""
+    parts, size = [], 0
+    for a, b in fit_sample(n, rank, chunk):
+        parts.append(read(a, b))
+        size += b - a
+        if size >= chunk:
+            yield _joined(parts)
+            parts, size = [], 0
+    if parts:
+        yield _joined(parts)
+
+
+def _joined(parts: list[tuple]) -> tuple:
+    return (
+        parts[0] if len(parts) == 1 else tuple(np.concatenate(x) for x in zip(*parts, strict=True))
+    )
 
 
 def parse_kind(kind: PreconditionerKind | str) -> PreconditionerKind:

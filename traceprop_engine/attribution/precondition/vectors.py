@@ -27,6 +27,7 @@ from .layer import (
     EkfacMoments,
     LayerStats,
     factor_grams,
+    fit_reads,
     left_multiply,
     on_parts,
     record_product,
@@ -74,13 +75,17 @@ def fit_preconditioner(
                 if cov
                 else EkfacMoments.dense(layer.dim)
             )
-            for start in range(0, store.n_records, CHUNK):
-                if cov and layer.rank:
-                    moments.update_factors(*store.factors(li, start, start + CHUNK))
+            factored = bool(cov and layer.rank)
+            read = partial(store.factors, li) if factored else _one(store.sketches, li)
+            for done, x in enumerate(fit_reads(read, store.n_records, layer.rank, CHUNK)):
+                if factored:
+                    moments.update_factors(*x)
                 else:
-                    moments.update(store.sketches(li, start, start + CHUNK))
+                    moments.update(*x)
                 if progress:
-                    progress(li * store.n_records + start, len(store.layers) * store.n_records)
+                    progress(
+                        li * store.n_records + done * CHUNK, len(store.layers) * store.n_records
+                    )
         stats.append(
             LayerStats(
                 name=layer.name,
@@ -104,6 +109,11 @@ def fit_preconditioner(
     if s.index_dims and s.index_dims < pre.full_dim < n_rows:
         pre = fit_reduction(store, pre, s.index_dims, s.cosine, partial(_vectors, store, pre))
     return pre
+
+
+def _one(read, li: int):
+    """``read(li, a, b)`` as a one-array tuple (:func:`fit_reads` joins tuples)."""
+    return lambda a, b: (read(li, a, b),)
 
 
 def vector_ids(store, per_record: bool) -> np.ndarray:
