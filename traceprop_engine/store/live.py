@@ -86,6 +86,11 @@ class WriteLock:
         self._thread = threading.Lock()
         self._removed = False
         self._fd = _lockable(self.path, os.O_RDWR | os.O_CREAT) if fcntl else None
+        if self._fd is not None:
+            try:  # the count's 8 bytes now: a later flush's count never needs new disk space
+                os.pwrite(self._fd, _COUNT.pack(_count(self._fd)), 0)
+            except OSError:
+                self.remove_now()
 
     def __enter__(self) -> WriteLock:
         self._thread.acquire()
@@ -101,8 +106,10 @@ class WriteLock:
         fd = self._fd
         try:
             if fd is not None:
-                os.pwrite(fd, _COUNT.pack(_count(fd) + 1), 0)
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                try:
+                    os.pwrite(fd, _COUNT.pack(_count(fd) + 1), 0)
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             if fd is not None and self._removed:
                 os.close(fd)
