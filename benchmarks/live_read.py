@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import subprocess
 import sys
@@ -68,29 +69,12 @@ def poll(out: Path, data: Path, epochs: int) -> dict:
 
 def cost(repeats: int, flushes: int = 64, batch: int = 16) -> None:
     """Median time of ``append`` with the writer's lock and without, interleaved."""
-    from torn_tail import _batch, _layers  # benchmarks/torn_tail.py: the same store shape
+    from torn_tail import _patched, interleaved_appends  # the same store shape and loop
 
-    from traceprop_engine import constants as C
-    from traceprop_engine.store.writer import StoreWriter
-
-    real = live.fcntl
-    times, each = {"lock": [], "no lock": []}, {"lock": [], "no lock": []}
-    rng = np.random.default_rng(0)
-    batches = [_batch(rng, i * batch, batch, 1, 64) for i in range(flushes)]
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(repeats):
-            for arm in ("lock", "no lock") if r % 2 else ("no lock", "lock"):
-                live.fcntl = real if arm == "lock" else None
-                w = StoreWriter(Path(tmp) / "store.h5", _layers(1, 64), {}, "factored")
-                for arrays, meta in batches:
-                    t0 = time.perf_counter()
-                    w.append(arrays, meta)
-                    each[arm].append(time.perf_counter() - t0)
-                times[arm].append(sum(each[arm][-flushes:]))
-                w.close(C.STATUS_COMPLETED)
-    live.fcntl = real
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    one = {k: 1e3 * float(np.median(v)) for k, v in each.items()}
+    arms = {"lock": contextlib.nullcontext, "no lock": lambda: _patched(live, "fcntl", None)}
+    times = interleaved_appends(arms, repeats, flushes, batch, 1, 64)
+    med = {k: float(np.median(v.sum(1))) for k, v in times.items()}
+    one = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
     print(
         f"append of {batch} records x {flushes} flushes, medians of {repeats} interleaved "
         f"repeats: without the lock {1e3 * med['no lock'] / flushes:.3f} ms a flush, with it "

@@ -21,6 +21,7 @@ and prints the median ratio (the writer runs in the tracker's background thread)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -138,26 +139,49 @@ def kills(a) -> None:
     print(" ".join(f"{k} {v}" for k, v in counts.items()))
 
 
+def interleaved_appends(arms: dict, repeats: int, flushes: int, batch: int, rank: int, width: int):
+    """``{arm: (repeats, flushes) seconds}`` of each ``StoreWriter.append``: a fresh store per arm
+    and repeat, the arms in turn (their order reversed every other repeat), each under its
+    ``arms[name]()`` context (what the arm switches on or off). Also used by live_read.py."""
+    rng = np.random.default_rng(0)
+    batches = [_batch(rng, i * batch, batch, rank, width) for i in range(flushes)]
+    names = list(arms)
+    out = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for name in names if r % 2 else names[::-1]:
+                with arms[name]():
+                    w = StoreWriter(Path(tmp) / "store.h5", _layers(rank, width), {}, "factored")
+                    times = []
+                    for arrays, meta in batches:
+                        t0 = time.perf_counter()
+                        w.append(arrays, meta)
+                        times.append(time.perf_counter() - t0)
+                    w.close(C.STATUS_COMPLETED)
+                out[name].append(times)
+    return {name: np.asarray(v) for name, v in out.items()}
+
+
+@contextlib.contextmanager
+def _patched(obj, attr: str, value):
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)
+
+
 def cost(a) -> None:
     """Median time of ``append`` with the tail CRCs and without (``wrote`` a no-op), interleaved."""
     from traceprop_engine.store import torn_tail  # here: --kills also runs on engines before it
 
-    real = torn_tail.TailSums.wrote
-    times = {"with": [], "without": []}
-    rng = np.random.default_rng(0)
-    batches = [_batch(rng, i * a.batch, a.batch, a.rank, a.width) for i in range(a.flushes)]
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.repeats):
-            for arm in ("with", "without") if r % 2 else ("without", "with"):
-                torn_tail.TailSums.wrote = real if arm == "with" else (lambda *x: None)
-                w = StoreWriter(Path(tmp) / f"{arm}.h5", _layers(a.rank, a.width), {}, "factored")
-                t0 = time.perf_counter()
-                for arrays, meta in batches:
-                    w.append(arrays, meta)
-                times[arm].append(time.perf_counter() - t0)
-                w.close(C.STATUS_COMPLETED)
-    torn_tail.TailSums.wrote = real
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    arms = {
+        "with": contextlib.nullcontext,
+        "without": lambda: _patched(torn_tail.TailSums, "wrote", lambda *x: None),
+    }
+    times = interleaved_appends(arms, a.repeats, a.flushes, a.batch, a.rank, a.width)
+    med = {k: float(np.median(v.sum(1))) for k, v in times.items()}
     per = {k: 1e3 * v / a.flushes for k, v in med.items()}
     print(
         f"append of {a.batch} records x {a.flushes} flushes (rank {a.rank}, width {a.width}): "

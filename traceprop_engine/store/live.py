@@ -116,6 +116,12 @@ class WriteLock:
                 self._fd = None
             self._thread.release()
 
+    @property
+    def own(self) -> threading.Lock:
+        """The thread lock alone: the writer's own reads of its file, which change nothing and
+        so count nothing (readers do not reopen for them)."""
+        return self._thread
+
     def remove(self) -> None:
         """Remove the lock file (the store is closed; called while holding the lock). Readers that
         hold it still get the last count; later readers open the store without a lock."""
@@ -246,6 +252,8 @@ def live_read(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        if self._live is None:  # no writer had the store open: no lock (the query path)
+            return method(self, *args, **kwargs)
         with self._fresh():
             return method(self, *args, **kwargs)
 

@@ -189,7 +189,7 @@ class StoreWriter:
     @property
     def sq_norms(self) -> list[float]:
         """Per layer the running ``Σ ||record||²`` of the records written so far."""
-        with self._lock:
+        with self._lock.own:
             return [float(x) for x in self._sq_norm]
 
     def relayout(self, layers: Sequence) -> None:
@@ -269,19 +269,19 @@ class StoreWriter:
     @property
     def layer_kinds(self) -> list[str]:
         """Each stored layer's ``kind`` (``linear``, ``conv1d``, ``embedding``), in layer order."""
-        with self._lock:
+        with self._lock.own:
             return [str(g.attrs.get("kind", "")) for g in self._f[C.G_LAYERS].values()]
 
     @property
     def layer_ranks(self) -> list[int]:
         """Each stored layer's record rank (0: full sketches), in layer order."""
-        with self._lock:
+        with self._lock.own:
             return [int(g.attrs.get(C.L_RANK, 0)) for g in self._f[C.G_LAYERS].values()]
 
     @property
     def n_examples(self) -> int | None:
         """Rows of the example table written so far (None: none written)."""
-        with self._lock:
+        with self._lock.own:
             g = self._f.get(C.G_EXAMPLES)
             return None if g is None else int(g.attrs.get("n_examples", 0))
 
